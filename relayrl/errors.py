@@ -1,0 +1,48 @@
+"""Errors that carry a gRPC status: raised anywhere, mapped to a precise status at the RPC boundary."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RelayError(Exception):
+    """Base error; ``code`` is the gRPC status the RPC boundary answers with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(RelayError):
+    """A request field is wrong. The message always starts with the field's name."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class ResourceExhausted(RelayError):
+    """A configured limit (queue, batch size, message size) would be exceeded."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, field: str, limit: int | float, got: int | float) -> None:
+        self.field = field
+        super().__init__(f"{field}: {got} exceeds the limit {limit}")
+
+
+class Unavailable(RelayError):
+    """Retryable: the server is paused, draining or not ready yet."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(RelayError):
+    """The request does not fit the server's state (e.g. a policy-version mismatch)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(RelayError):
+    code = grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,236 @@
+from relayrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "engine", "policy_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    engine: str
+    policy_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("current_policy_version",)
+    CURRENT_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    current_policy_version: int
+    def __init__(self, current_policy_version: _Optional[int] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PullBatchRequest(_message.Message):
+    __slots__ = ("step", "timeout_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    timeout_s: float
+    def __init__(self, step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    group: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reward: float
+    score: float
+    finish_reason: _common_pb2.FinishReason
+    policy_version: int
+    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class BatchStats(_message.Message):
+    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds")
+    GROUPS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
+    GEN_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_VERSION_MIN_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_VERSION_MAX_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    groups_kept: int
+    groups_filtered: int
+    gen_batches: int
+    rollout_version_min: int
+    rollout_version_max: int
+    generation_seconds: float
+    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("batch_id", "step", "samples", "stats", "temperature")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    step: int
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    stats: BatchStats
+    temperature: float
+    def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ReportStepRequest(_message.Message):
+    __slots__ = ("step", "batch_id", "policy_version", "sync_seconds", "step_seconds", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    batch_id: str
+    policy_version: int
+    sync_seconds: float
+    step_seconds: float
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ReportStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetWeightSyncPlanRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class WorkerEndpoint(_message.Message):
+    __slots__ = ("worker_id", "address", "policy_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    policy_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class WeightSyncPlan(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerEndpoint]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ...) -> None: ...
+
+class SubmitPromptsRequest(_message.Message):
+    __slots__ = ("prompts", "params", "reward_fn", "raw")
+    class Prompt(_message.Message):
+        __slots__ = ("prompt_id", "text", "token_ids", "answer")
+        PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+        TEXT_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        ANSWER_FIELD_NUMBER: _ClassVar[int]
+        prompt_id: str
+        text: str
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        answer: str
+        def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ...) -> None: ...
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FN_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[SubmitPromptsRequest.Prompt]
+    params: _common_pb2.SamplingParams
+    reward_fn: str
+    raw: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[SubmitPromptsRequest.Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reward_fn: _Optional[str] = ..., raw: _Optional[bool] = ...) -> None: ...
+
+class SubmittedCompletion(_message.Message):
+    __slots__ = ("completion", "reward")
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    completion: _common_pb2.Completion
+    reward: float
+    def __init__(self, completion: _Optional[_Union[_common_pb2.Completion, _Mapping]] = ..., reward: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "address", "engine", "state", "policy_version", "in_flight", "tokens_per_second")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    engine: str
+    state: str
+    policy_version: int
+    in_flight: int
+    tokens_per_second: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class LedgerCounts(_message.Message):
+    __slots__ = ("dispatched", "trained", "filtered", "failed", "pending")
+    DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    dispatched: int
+    trained: int
+    filtered: int
+    failed: int
+    pending: int
+    def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor")
+    RUN_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DATASET_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    run_name: str
+    state: str
+    trainer_step: int
+    policy_version: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    ledger: LedgerCounts
+    last_sync_seconds: float
+    last_sync_unix: float
+    error: str
+    dataset_cursor: int
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ...) -> None: ...
