@@ -1,0 +1,59 @@
+"""RL algorithm pieces as pure tensor-in, tensor-out functions, in registries by name (as verl's core_algos).
+
+- advantages: ADVANTAGE_ESTIMATORS (grpo, rloo, reinforce_pp, reinforce_pp_baseline)
+- policy_loss: POLICY_LOSSES (ppo_clip, with clip-higher and dual-clip)
+- aggregation: LOSS_AGGREGATIONS / agg_loss (token-mean, seq-mean-token-sum, seq-mean-token-mean,
+  seq-mean-token-sum-norm)
+- kl: KL_ESTIMATORS / kl_penalty (k1, k2, k3)
+- overlong: overlong_penalty (DAPO soft overlong punishment)
+- dynamic_sampling: GroupFiller, group_is_informative, DynamicSamplingExhausted (DAPO dynamic sampling)
+- logprobs: logprobs_from_logits, entropy_from_logits
+"""
+
+from relayrl.trainer.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    grpo_advantage,
+    reinforce_pp_advantage,
+    reinforce_pp_baseline_advantage,
+    rloo_advantage,
+)
+from relayrl.trainer.algorithms.aggregation import LOSS_AGGREGATIONS, agg_loss, masked_mean, masked_sum
+from relayrl.trainer.algorithms.dynamic_sampling import (
+    DynamicSamplingExhausted,
+    GroupFiller,
+    group_is_informative,
+)
+from relayrl.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
+from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from relayrl.trainer.algorithms.overlong import overlong_penalty
+from relayrl.trainer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, ppo_clip_loss
+from relayrl.trainer.algorithms.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "DynamicSamplingExhausted",
+    "GroupFiller",
+    "Registry",
+    "agg_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "entropy_from_logits",
+    "group_is_informative",
+    "grpo_advantage",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "overlong_penalty",
+    "ppo_clip_loss",
+    "reinforce_pp_advantage",
+    "reinforce_pp_baseline_advantage",
+    "rloo_advantage",
+]
