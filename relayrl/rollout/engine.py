@@ -1,0 +1,109 @@
+"""The inference-engine interface and the registry of backends (``hf``; ``vllm`` and ``sglang`` plug in here).
+
+A rollout worker talks to one ``InferenceEngine``: it generates completions with per-token logprobs and
+exposes its live weights so a weight update can be loaded in place. Requests reach ``generate`` already
+validated (``relayrl.rollout.sampling.validate_request``); the worker serialises ``generate`` and
+``load_weights`` (pause, load, resume), engines need not be thread-safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from relayrl.rollout.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class EngineCompletion:
+    """One sampled response: ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the sampling distribution.
+
+    finish_reason: "stop" (EOS or a stop token, included in ``token_ids``), "length" (``max_tokens`` reached)
+    or "abort" (``should_abort`` turned true; ``token_ids`` holds what was generated so far).
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class InferenceEngine(ABC):
+    """A backend that samples completions and owns the policy weights.
+
+    Attributes set by every backend: ``name`` (the registry name), ``vocab_size`` (size of the logits),
+    ``max_model_len`` (context length: prompt + response), ``eos_token_ids`` and ``tokenizer`` (a Hugging Face
+    tokenizer, used to decode text for information only).
+    """
+
+    name: ClassVar[str]
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    tokenizer: Any
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[EngineCompletion]:
+        """Sample ``params.n`` completions per prompt and yield each as soon as it is finished.
+
+        Every (prompt_index, sample_index) is yielded exactly once. Once ``should_abort()`` returns true the
+        unfinished ones are yielded with finish_reason "abort" and generation stops.
+        """
+
+    @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The live parameter tensors under their Hugging Face state-dict names; tied weights appear once.
+
+        Live: in-place writes and ``.data`` swaps on them change what the engine generates with.
+        """
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into the live parameter of that name, in place and without autograd.
+
+        May be called several times with disjoint subsets (one per bucket). An unknown name or a shape
+        mismatch raises ValueError naming the parameter, before anything of this call is copied.
+        """
+
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of every tensor of ``named_weights``, in that order."""
+        return [(name, tuple(t.shape), t.dtype) for name, t in self.named_weights()]
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing to release
+        """Release the engine's resources (processes, device memory); the default does nothing."""
+
+
+# name -> engine class, or "module:Class" imported on first use so heavy backends load only when chosen.
+ENGINES: dict[str, type[InferenceEngine] | str] = {
+    "hf": "relayrl.rollout.hf:HFEngine",
+}
+
+
+def engine_class(name: str) -> type[InferenceEngine]:
+    """The class registered as ``name`` (importing it if registered lazily); ValueError listing known names."""
+    try:
+        target = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known engines: {', '.join(sorted(ENGINES))}") from None
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target
+
+
+def create_engine(name: str, **options: Any) -> InferenceEngine:
+    """Instantiate the engine registered as ``name`` with ``options`` as keyword arguments."""
+    return engine_class(name)(**options)

@@ -1,0 +1,127 @@
+"""Sampling parameters, server-side limits, and request validation for Generate.
+
+The server validates every request before it reaches an engine, so engines can trust their input.
+Proto3 has no "unset" for scalars: a client that leaves ``n``, ``top_p`` or ``max_tokens`` at 0 is refused
+with INVALID_ARGUMENT naming the field; clients must set them (``top_p=1`` disables nucleus sampling).
+``temperature=0`` is meaningful: greedy decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from relayrl.errors import InvalidArgument, ResourceExhausted
+from relayrl.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``n`` responses per prompt, each at most ``max_tokens`` long.
+
+    ``temperature`` 0 means greedy; logprobs are those of softmax(logits / temperature) before top-p
+    (at temperature 1 when greedy). ``stop_token_ids`` end a response in addition to the EOS tokens and are
+    included in it. ``seed`` makes a request reproducible; None draws from the engine's own generator.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
+        """Read the wire message as is (no defaults for zero values: validation reports them)."""
+        return cls(
+            n=msg.n,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            max_tokens=msg.max_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The wire message; ``seed`` is left unset when None."""
+        return common_pb2.SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """Per-request limits a server enforces with RESOURCE_EXHAUSTED."""
+
+    max_prompts: int = 1024
+    max_n: int = 64
+    max_tokens: int = 4096
+
+
+def validate_request(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    limits: GenerationLimits,
+) -> None:
+    """Raise ``InvalidArgument`` (field path + reason) or ``ResourceExhausted`` for the first problem found.
+
+    Fields: ``prompts``, ``prompts[i].token_ids``, ``params.n``, ``params.temperature``, ``params.top_p``,
+    ``params.max_tokens``, ``params.stop_token_ids``. Returns None when the request is valid.
+    """
+    _validate_params(params, vocab_size=vocab_size, limits=limits)
+    if not prompts:
+        raise InvalidArgument("prompts", "at least one prompt is required")
+    if len(prompts) > limits.max_prompts:
+        raise ResourceExhausted("prompts", limits.max_prompts, len(prompts))
+    for i, token_ids in enumerate(prompts):
+        _validate_prompt(i, token_ids, params.max_tokens, vocab_size=vocab_size, max_model_len=max_model_len)
+
+
+def _validate_params(params: SamplingParams, *, vocab_size: int, limits: GenerationLimits) -> None:
+    if params.n <= 0:
+        raise InvalidArgument("params.n", f"must be >= 1, got {params.n}")
+    if params.n > limits.max_n:
+        raise ResourceExhausted("params.n", limits.max_n, params.n)
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidArgument("params.temperature", f"must be finite and >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:  # also refuses NaN
+        raise InvalidArgument("params.top_p", f"must be in (0, 1] (1 disables top-p), got {params.top_p}")
+    if params.max_tokens <= 0:
+        raise InvalidArgument("params.max_tokens", f"must be >= 1, got {params.max_tokens}")
+    if params.max_tokens > limits.max_tokens:
+        raise ResourceExhausted("params.max_tokens", limits.max_tokens, params.max_tokens)
+    bad = _first_outside_vocab(params.stop_token_ids, vocab_size)
+    if bad is not None:
+        raise InvalidArgument("params.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _validate_prompt(
+    index: int, token_ids: Sequence[int], max_tokens: int, *, vocab_size: int, max_model_len: int
+) -> None:
+    field = f"prompts[{index}].token_ids"
+    if len(token_ids) == 0:
+        raise InvalidArgument(field, "a prompt needs at least one token")
+    bad = _first_outside_vocab(token_ids, vocab_size)
+    if bad is not None:
+        raise InvalidArgument(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) + max_tokens > max_model_len:
+        raise InvalidArgument(
+            "params.max_tokens",
+            f"prompts[{index}] has {len(token_ids)} tokens; {len(token_ids)} + max_tokens {max_tokens} "
+            f"= {len(token_ids) + max_tokens} exceeds the model's context max_model_len {max_model_len}",
+        )
+
+
+def _first_outside_vocab(token_ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first id not in [0, vocab_size), or None."""
+    return next((t for t in token_ids if not 0 <= t < vocab_size), None)
