@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from relayrl.v1 import common_pb2 as relayrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brelayrl/v1/controller.proto\x12\nrelayrl.v1\x1a\x17relayrl/v1/common.proto\"c\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"8\n\x16RegisterWorkerResponse\x12\x1e\n\x16\x63urrent_policy_version\x18\x01 \x01(\x03\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"3\n\x10PullBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\xe2\x01\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x05 \x03(\x02\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\r\n\x05score\x18\x07 \x01(\x02\x12/\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x18.relayrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\"\xa5\x01\n\nBatchStats\x12\x13\n\x0bgroups_kept\x18\x01 \x01(\x05\x12\x17\n\x0fgroups_filtered\x18\x02 \x01(\x05\x12\x13\n\x0bgen_batches\x18\x03 \x01(\x05\x12\x1b\n\x13rollout_version_min\x18\x04 \x01(\x03\x12\x1b\n\x13rollout_version_max\x18\x05 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x06 \x01(\x01\"\x88\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07samples\x18\x03 \x03(\x0b\x32\x12.relayrl.v1.Sample\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.relayrl.v1.BatchStats\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\"\xe4\x01\n\x11ReportStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x14\n\x0csync_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x01\x12;\n\x07metrics\x18\x06 \x03(\x0b\x32*.relayrl.v1.ReportStepRequest.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ReportStepResponse\"+\n\x18GetWeightSyncPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"L\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"=\n\x0eWeightSyncPlan\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.relayrl.v1.WorkerEndpoint\"\xea\x01\n\x14SubmitPromptsRequest\x12\x38\n\x07prompts\x18\x01 \x03(\x0b\x32\'.relayrl.v1.SubmitPromptsRequest.Prompt\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.relayrl.v1.SamplingParams\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x1aL\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\"a\n\x13SubmittedCompletion\x12*\n\ncompletion\x18\x01 \x01(\x0b\x32\x16.relayrl.v1.Completion\x12\x13\n\x06reward\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\t\n\x07_reward\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\"f\n\x0cLedgerCounts\x12\x12\n\ndispatched\x18\x01 \x01(\x03\x12\x0f\n\x07trained\x18\x02 \x01(\x03\x12\x10\n\x08\x66iltered\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x03\x12\x0f\n\x07pending\x18\x05 \x01(\x03\"\x8e\x02\n\x0eStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12)\n\x07workers\x18\x05 \x03(\x0b\x32\x18.relayrl.v1.WorkerStatus\x12(\n\x06ledger\x18\x06 \x01(\x0b\x32\x18.relayrl.v1.LedgerCounts\x12\x19\n\x11last_sync_seconds\x18\x07 \x01(\x01\x12\x16\n\x0elast_sync_unix\x18\x08 \x01(\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x16\n\x0e\x64\x61taset_cursor\x18\n \x01(\x03\x32\xc4\x04\n\x11\x43ontrollerService\x12W\n\x0eRegisterWorker\x12!.relayrl.v1.RegisterWorkerRequest\x1a\".relayrl.v1.RegisterWorkerResponse\x12]\n\x10\x44\x65registerWorker\x12#.relayrl.v1.DeregisterWorkerRequest\x1a$.relayrl.v1.DeregisterWorkerResponse\x12<\n\tPullBatch\x12\x1c.relayrl.v1.PullBatchRequest\x1a\x11.relayrl.v1.Batch\x12K\n\nReportStep\x12\x1d.relayrl.v1.ReportStepRequest\x1a\x1e.relayrl.v1.ReportStepResponse\x12U\n\x11GetWeightSyncPlan\x12$.relayrl.v1.GetWeightSyncPlanRequest\x1a\x1a.relayrl.v1.WeightSyncPlan\x12T\n\rSubmitPrompts\x12 .relayrl.v1.SubmitPromptsRequest\x1a\x1f.relayrl.v1.SubmittedCompletion0\x01\x12?\n\x06Status\x12\x19.relayrl.v1.StatusRequest\x1a\x1a.relayrl.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brelayrl/v1/controller.proto\x12\nrelayrl.v1\x1a\x17relayrl/v1/common.proto\"c\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"8\n\x16RegisterWorkerResponse\x12\x1e\n\x16\x63urrent_policy_version\x18\x01 \x01(\x03\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"3\n\x10PullBatchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\xe2\x01\n\x06Sample\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x05 \x03(\x02\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\r\n\x05score\x18\x07 \x01(\x02\x12/\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x18.relayrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\"\xb1\x02\n\nBatchStats\x12\x13\n\x0bgroups_kept\x18\x01 \x01(\x05\x12\x17\n\x0fgroups_filtered\x18\x02 \x01(\x05\x12\x13\n\x0bgen_batches\x18\x03 \x01(\x05\x12\x1b\n\x13rollout_version_min\x18\x04 \x01(\x03\x12\x1b\n\x13rollout_version_max\x18\x05 \x01(\x03\x12\x1a\n\x12generation_seconds\x18\x06 \x01(\x01\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x12\n\nscore_mean\x18\x08 \x01(\x01\x12\x19\n\x11samples_generated\x18\t \x01(\x05\x12\x19\n\x11response_len_mean\x18\n \x01(\x01\x12\x14\n\x0cgroups_stale\x18\x0b \x01(\x05\x12\x15\n\rgroups_failed\x18\x0c \x01(\x05\"\x88\x01\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07samples\x18\x03 \x03(\x0b\x32\x12.relayrl.v1.Sample\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.relayrl.v1.BatchStats\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\"\xff\x01\n\x11ReportStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x14\n\x0csync_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x01\x12;\n\x07metrics\x18\x06 \x03(\x0b\x32*.relayrl.v1.ReportStepRequest.MetricsEntry\x12\x19\n\x11synced_worker_ids\x18\x07 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ReportStepResponse\"+\n\x18GetWeightSyncPlanRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"L\n\x0eWorkerEndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"=\n\x0eWeightSyncPlan\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.relayrl.v1.WorkerEndpoint\"\xea\x01\n\x14SubmitPromptsRequest\x12\x38\n\x07prompts\x18\x01 \x03(\x0b\x32\'.relayrl.v1.SubmitPromptsRequest.Prompt\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.relayrl.v1.SamplingParams\x12\x11\n\treward_fn\x18\x03 \x01(\t\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x1aL\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\"a\n\x13SubmittedCompletion\x12*\n\ncompletion\x18\x01 \x01(\x0b\x32\x16.relayrl.v1.Completion\x12\x13\n\x06reward\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\t\n\x07_reward\"\x0f\n\rStatusRequest\"\x97\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\"f\n\x0cLedgerCounts\x12\x12\n\ndispatched\x18\x01 \x01(\x03\x12\x0f\n\x07trained\x18\x02 \x01(\x03\x12\x10\n\x08\x66iltered\x18\x03 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x03\x12\x0f\n\x07pending\x18\x05 \x01(\x03\"\x8e\x02\n\x0eStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12)\n\x07workers\x18\x05 \x03(\x0b\x32\x18.relayrl.v1.WorkerStatus\x12(\n\x06ledger\x18\x06 \x01(\x0b\x32\x18.relayrl.v1.LedgerCounts\x12\x19\n\x11last_sync_seconds\x18\x07 \x01(\x01\x12\x16\n\x0elast_sync_unix\x18\x08 \x01(\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x16\n\x0e\x64\x61taset_cursor\x18\n \x01(\x03\x32\xc4\x04\n\x11\x43ontrollerService\x12W\n\x0eRegisterWorker\x12!.relayrl.v1.RegisterWorkerRequest\x1a\".relayrl.v1.RegisterWorkerResponse\x12]\n\x10\x44\x65registerWorker\x12#.relayrl.v1.DeregisterWorkerRequest\x1a$.relayrl.v1.DeregisterWorkerResponse\x12<\n\tPullBatch\x12\x1c.relayrl.v1.PullBatchRequest\x1a\x11.relayrl.v1.Batch\x12K\n\nReportStep\x12\x1d.relayrl.v1.ReportStepRequest\x1a\x1e.relayrl.v1.ReportStepResponse\x12U\n\x11GetWeightSyncPlan\x12$.relayrl.v1.GetWeightSyncPlanRequest\x1a\x1a.relayrl.v1.WeightSyncPlan\x12T\n\rSubmitPrompts\x12 .relayrl.v1.SubmitPromptsRequest\x1a\x1f.relayrl.v1.SubmittedCompletion0\x01\x12?\n\x06Status\x12\x19.relayrl.v1.StatusRequest\x1a\x1a.relayrl.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE']._serialized_start=355
   _globals['_SAMPLE']._serialized_end=581
   _globals['_BATCHSTATS']._serialized_start=584
-  _globals['_BATCHSTATS']._serialized_end=749
-  _globals['_BATCH']._serialized_start=752
-  _globals['_BATCH']._serialized_end=888
-  _globals['_REPORTSTEPREQUEST']._serialized_start=891
-  _globals['_REPORTSTEPREQUEST']._serialized_end=1119
-  _globals['_REPORTSTEPREQUEST_METRICSENTRY']._serialized_start=1073
-  _globals['_REPORTSTEPREQUEST_METRICSENTRY']._serialized_end=1119
-  _globals['_REPORTSTEPRESPONSE']._serialized_start=1121
-  _globals['_REPORTSTEPRESPONSE']._serialized_end=1141
-  _globals['_GETWEIGHTSYNCPLANREQUEST']._serialized_start=1143
-  _globals['_GETWEIGHTSYNCPLANREQUEST']._serialized_end=1186
-  _globals['_WORKERENDPOINT']._serialized_start=1188
-  _globals['_WORKERENDPOINT']._serialized_end=1264
-  _globals['_WEIGHTSYNCPLAN']._serialized_start=1266
-  _globals['_WEIGHTSYNCPLAN']._serialized_end=1327
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=1330
-  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=1564
-  _globals['_SUBMITPROMPTSREQUEST_PROMPT']._serialized_start=1488
-  _globals['_SUBMITPROMPTSREQUEST_PROMPT']._serialized_end=1564
-  _globals['_SUBMITTEDCOMPLETION']._serialized_start=1566
-  _globals['_SUBMITTEDCOMPLETION']._serialized_end=1663
-  _globals['_STATUSREQUEST']._serialized_start=1665
-  _globals['_STATUSREQUEST']._serialized_end=1680
-  _globals['_WORKERSTATUS']._serialized_start=1683
-  _globals['_WORKERSTATUS']._serialized_end=1834
-  _globals['_LEDGERCOUNTS']._serialized_start=1836
-  _globals['_LEDGERCOUNTS']._serialized_end=1938
-  _globals['_STATUSRESPONSE']._serialized_start=1941
-  _globals['_STATUSRESPONSE']._serialized_end=2211
-  _globals['_CONTROLLERSERVICE']._serialized_start=2214
-  _globals['_CONTROLLERSERVICE']._serialized_end=2794
+  _globals['_BATCHSTATS']._serialized_end=889
+  _globals['_BATCH']._serialized_start=892
+  _globals['_BATCH']._serialized_end=1028
+  _globals['_REPORTSTEPREQUEST']._serialized_start=1031
+  _globals['_REPORTSTEPREQUEST']._serialized_end=1286
+  _globals['_REPORTSTEPREQUEST_METRICSENTRY']._serialized_start=1240
+  _globals['_REPORTSTEPREQUEST_METRICSENTRY']._serialized_end=1286
+  _globals['_REPORTSTEPRESPONSE']._serialized_start=1288
+  _globals['_REPORTSTEPRESPONSE']._serialized_end=1308
+  _globals['_GETWEIGHTSYNCPLANREQUEST']._serialized_start=1310
+  _globals['_GETWEIGHTSYNCPLANREQUEST']._serialized_end=1353
+  _globals['_WORKERENDPOINT']._serialized_start=1355
+  _globals['_WORKERENDPOINT']._serialized_end=1431
+  _globals['_WEIGHTSYNCPLAN']._serialized_start=1433
+  _globals['_WEIGHTSYNCPLAN']._serialized_end=1494
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_start=1497
+  _globals['_SUBMITPROMPTSREQUEST']._serialized_end=1731
+  _globals['_SUBMITPROMPTSREQUEST_PROMPT']._serialized_start=1655
+  _globals['_SUBMITPROMPTSREQUEST_PROMPT']._serialized_end=1731
+  _globals['_SUBMITTEDCOMPLETION']._serialized_start=1733
+  _globals['_SUBMITTEDCOMPLETION']._serialized_end=1830
+  _globals['_STATUSREQUEST']._serialized_start=1832
+  _globals['_STATUSREQUEST']._serialized_end=1847
+  _globals['_WORKERSTATUS']._serialized_start=1850
+  _globals['_WORKERSTATUS']._serialized_end=2001
+  _globals['_LEDGERCOUNTS']._serialized_start=2003
+  _globals['_LEDGERCOUNTS']._serialized_end=2105
+  _globals['_STATUSRESPONSE']._serialized_start=2108
+  _globals['_STATUSRESPONSE']._serialized_end=2378
+  _globals['_CONTROLLERSERVICE']._serialized_start=2381
+  _globals['_CONTROLLERSERVICE']._serialized_end=2961
 # @@protoc_insertion_point(module_scope)

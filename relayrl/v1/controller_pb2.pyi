@@ -66,20 +66,32 @@ class Sample(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class BatchStats(_message.Message):
-    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds")
+    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed")
     GROUPS_KEPT_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
     GEN_BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_VERSION_MIN_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_VERSION_MAX_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_LEN_MEAN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_STALE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FAILED_FIELD_NUMBER: _ClassVar[int]
     groups_kept: int
     groups_filtered: int
     gen_batches: int
     rollout_version_min: int
     rollout_version_max: int
     generation_seconds: float
-    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ...) -> None: ...
+    reward_mean: float
+    score_mean: float
+    samples_generated: int
+    response_len_mean: float
+    groups_stale: int
+    groups_failed: int
+    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "step", "samples", "stats", "temperature")
@@ -96,7 +108,7 @@ class Batch(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("step", "batch_id", "policy_version", "sync_seconds", "step_seconds", "metrics")
+    __slots__ = ("step", "batch_id", "policy_version", "sync_seconds", "step_seconds", "metrics", "synced_worker_ids")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,13 +122,15 @@ class ReportStepRequest(_message.Message):
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     batch_id: str
     policy_version: int
     sync_seconds: float
     step_seconds: float
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    synced_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., synced_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,222 @@
+"""Typed configuration: one pydantic model per role, loaded from one YAML file.
+
+Unknown keys are errors that name the key's full path; ``--set a.b=c`` overrides any key
+(values parsed as YAML). Cross-field checks catch impossible combinations at start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem; the message starts with the key's dotted path."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    dir: str = "runs"
+    seed: int = 0
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) / self.name
+
+
+class ModelConfig(Section):
+    path: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Build the tiny Qwen2 demo model into `path` when the directory does not exist yet.
+    build_tiny_if_missing: bool = False
+    tiny_hidden_size: int = Field(32, ge=8)
+    tiny_layers: int = Field(2, ge=1)
+
+
+class DataConfig(Section):
+    path: str  # local JSONL/parquet file, a directory, or a hub dataset id
+    split: str = "train"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    chat_template: Literal["auto", "never", "always"] = "auto"
+    shuffle: bool = True
+    # Write the synthetic `digits` task to `path` when the file is missing (the CPU demo).
+    generate_digits_if_missing: bool = False
+
+
+class GenerationLimitsConfig(Section):
+    max_prompts: int = Field(1024, ge=1)
+    max_n: int = Field(64, ge=1)
+    max_tokens: int = Field(4096, ge=1)
+    max_message_mib: int = Field(64, ge=1)
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    workers: int = Field(2, ge=1)  # how many `relayrl up` starts
+    n: int = Field(8, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    max_batch_size: int = Field(256, ge=1)
+    threads: int = Field(1, ge=1)  # torch intra-op threads per worker process
+    limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
+    engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
+
+
+class RewardConfig(Section):
+    fn: str = "exact_match"  # registry name or "module:function"
+    overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong punishment; 0 disables it
+    overlong_penalty: float = Field(1.0, ge=0.0)
+
+
+class ControllerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)
+    state_dir: str | None = None  # default: <run dir>/controller
+    prompts_per_gen_batch: int = Field(16, ge=1)  # prompts generated per dynamic-sampling round
+    train_batch_groups: int = Field(16, ge=1)  # groups (prompts x n samples) per trainer step
+    dynamic_sampling: bool = True
+    max_gen_batches: int = Field(8, ge=1)
+    max_staleness: int = Field(0, ge=0)  # trajectories older than current - K are not trained
+    worker_timeout_s: float = Field(30.0, gt=0)  # no heartbeat for this long: the worker is dropped
+    generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call
+    dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+
+class TrainerConfig(Section):
+    steps: int = Field(100, ge=1)
+    nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch
+    epochs: int = Field(1, ge=1)  # passes over the rollout batch
+    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    export_hf: bool = True
+    threads: int = Field(1, ge=1)
+    pull_timeout_s: float = Field(600.0, gt=0)
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    norm_by_std: bool = True  # False: Dr.GRPO
+    policy_loss: str = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)  # DAPO clip-higher
+    clip_c: float | None = Field(3.0, gt=1.0)  # dual-clip; null disables
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    kl_coef: float = Field(0.0, ge=0)  # > 0 loads a frozen reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    overlong_filter: bool = False  # mask truncated samples out of the loss
+    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling against rollout logprobs
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["broadcast", "filesystem"] = "broadcast"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    bucket_mib: int = Field(512, ge=1)
+    timeout_s: float = Field(60.0, gt=0)
+    mode: Literal["pause", "shadow"] = "pause"
+    master_address: str = "127.0.0.1"  # address rollout workers reach trainer rank 0 at
+    path: str | None = None  # filesystem transport directory (default <run dir>/weights)
+
+
+class RelayConfig(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RelayConfig:
+        samples = self.controller.train_batch_groups * self.rollout.n
+        if self.trainer.mini_batches > self.controller.train_batch_groups:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds controller.train_batch_groups "
+                f"({self.controller.train_batch_groups}): a mini-batch holds whole groups"
+            )
+        if samples % self.trainer.nproc:
+            raise ValueError(
+                f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by "
+                f"trainer.nproc = {self.trainer.nproc}"
+            )
+        if self.rollout.n < 2 and self.algorithm.advantage in {"grpo", "rloo", "reinforce_pp_baseline"}:
+            raise ValueError(f"rollout.n must be >= 2 for the group-relative advantage {self.algorithm.advantage!r}")
+        if self.controller.reward.overlong_buffer >= self.rollout.max_tokens:
+            raise ValueError(
+                f"controller.reward.overlong_buffer ({self.controller.reward.overlong_buffer}) must be smaller "
+                f"than rollout.max_tokens ({self.rollout.max_tokens})"
+            )
+        if self.rollout.n > self.rollout.limits.max_n:
+            raise ValueError(f"rollout.n ({self.rollout.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.path
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        path = ".".join(str(p) for p in e["loc"])
+        lines.append(f"{path}: {msg}" if path else msg)
+    return "; ".join(lines)
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``dotted.key=value`` override in place; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"{assignment}: overrides look like key.path=value")
+    key, value = assignment.split("=", 1)
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def parse_config(raw: dict[str, Any]) -> RelayConfig:
+    try:
+        return RelayConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayConfig:
+    """Read YAML, apply ``key=value`` overrides, validate. Raises ConfigError naming the key."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    return parse_config(raw)
+
+
+def dump_config(config: RelayConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Controller logic: ledger, worker registry, dispatch, rewards, batch production (no gRPC here)."""

@@ -1,0 +1,76 @@
+"""The prompt ledger: every drawn prompt id ends as trained, filtered (and why) or failed (and why).
+
+State lives in an append-only JSONL event log, replayed on start, so a restarted controller knows
+every prompt's fate. Terminal states never change; a second terminal event for an id is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+
+PENDING, QUEUED, TRAINED, FILTERED, FAILED = "pending", "queued", "trained", "filtered", "failed"
+TERMINAL = frozenset({TRAINED, FILTERED, FAILED})
+
+
+class LedgerError(RuntimeError):
+    pass
+
+
+class Ledger:
+    """prompt id -> (state, reason, step). Thread-safe; persisted when ``path`` is given."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[str, str, int]] = {}
+        self._path = Path(path) if path else None
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            if self._path.exists():
+                self._replay()
+            self._file = self._path.open("a", buffering=1)
+
+    def _replay(self) -> None:
+        assert self._path is not None
+        for line in self._path.read_text().splitlines():
+            if line.strip():
+                event = json.loads(line)
+                self._entries[event["id"]] = (event["state"], event.get("reason", ""), event.get("step", -1))
+
+    def mark(self, prompt_ids: list[str] | tuple[str, ...], state: str, reason: str = "", step: int = -1) -> None:
+        """Move prompts to ``state``. Moving a prompt out of a terminal state raises LedgerError."""
+        with self._lock:
+            for pid in prompt_ids:
+                current = self._entries.get(pid)
+                if current is not None and current[0] in TERMINAL:
+                    raise LedgerError(f"prompt {pid} is already {current[0]}; refusing {state}")
+                self._entries[pid] = (state, reason, step)
+                if self._path is not None:
+                    record = {"id": pid, "state": state, "reason": reason, "step": step}
+                    self._file.write(json.dumps(record) + "\n")
+
+    def state(self, prompt_id: str) -> tuple[str, str, int] | None:
+        with self._lock:
+            return self._entries.get(prompt_id)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(Counter(state for state, _, _ in self._entries.values()))
+
+    def reasons(self, state: str) -> dict[str, int]:
+        with self._lock:
+            return dict(Counter(reason for s, reason, _ in self._entries.values() if s == state))
+
+    def ids_in(self, state: str) -> list[str]:
+        with self._lock:
+            return [pid for pid, (s, _, _) in self._entries.items() if s == state]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def close(self) -> None:
+        if self._path is not None:
+            self._file.close()

@@ -1,0 +1,59 @@
+"""Rewards for completed groups: task score from the reward function, plus DAPO overlong shaping."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from relayrl.config import RewardConfig
+from relayrl.data.dataset import PromptRecord
+from relayrl.rewards import resolve_reward
+from relayrl.trainer.algorithms.overlong import overlong_penalty
+from relayrl.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoredGroup:
+    record: PromptRecord
+    completions: list[common_pb2.Completion]
+    scores: list[float]  # task reward
+    rewards: list[float]  # score + overlong penalty: what advantages are computed from
+
+    @property
+    def min_version(self) -> int:
+        return min(c.policy_version for c in self.completions)
+
+
+class Scorer:
+    def __init__(self, cfg: RewardConfig, tokenizer, max_tokens: int) -> None:
+        self.cfg = cfg
+        self.fn = resolve_reward(cfg.fn)
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    def decode(self, completion: common_pb2.Completion) -> str:
+        return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+
+    def score(self, text: str, answer: str) -> float:
+        """The reward function's value; a reward function that raises scores 0 and is logged."""
+        try:
+            return float(self.fn(text, answer))
+        except Exception:  # a user's reward function must not take the controller down
+            log.exception("reward function %s failed on %r", self.cfg.fn, text[:200])
+            return 0.0
+
+    def shaped(self, score: float, response_len: int) -> float:
+        """score + DAPO soft overlong penalty over the last ``overlong_buffer`` tokens."""
+        if self.cfg.overlong_buffer <= 0:
+            return score
+        return score + overlong_penalty(
+            response_len, self.max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
+        )
+
+    def group(self, record: PromptRecord, completions: list[common_pb2.Completion]) -> ScoredGroup:
+        completions = sorted(completions, key=lambda c: c.sample_index)
+        scores = [self.score(self.decode(c), record.answer) for c in completions]
+        rewards = [self.shaped(s, len(c.token_ids)) for s, c in zip(scores, completions)]
+        return ScoredGroup(record, completions, scores, rewards)

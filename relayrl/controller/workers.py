@@ -1,0 +1,123 @@
+"""Registry of rollout workers: liveness by heartbeat, versions, load, and the gRPC stubs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from relayrl.services.channels import open_channel
+from relayrl.v1 import rollout_pb2_grpc
+
+READY, DRAINING, DEAD = "ready", "draining", "dead"
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    address: str
+    engine: str
+    channel: grpc.Channel
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    policy_version: int = 0
+    state: str = READY
+    last_seen: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+    calls: set = field(default_factory=set)  # live Generate calls, cancelled when the worker dies
+    tokens_per_second: float = 0.0
+
+
+class WorkerRegistry:
+    """Workers register and heartbeat with RegisterWorker; silence beyond ``timeout_s`` means dead."""
+
+    def __init__(self, timeout_s: float, max_in_flight: int = 2, channel_options: list | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self._channel_options = channel_options or []
+        self._workers: dict[str, WorkerHandle] = {}
+        self.lock = threading.Condition()
+
+    def register(self, worker_id: str, address: str, engine: str, policy_version: int, state: str = READY) -> None:
+        """Add or refresh a worker. A worker that comes back after being declared dead re-joins here."""
+        with self.lock:
+            handle = self._workers.get(worker_id)
+            if handle is None or handle.address != address:
+                if handle is not None:
+                    handle.channel.close()
+                channel = open_channel(address, self._channel_options)
+                handle = WorkerHandle(worker_id, address, engine, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+                self._workers[worker_id] = handle
+            handle.last_seen = time.monotonic()
+            handle.policy_version = policy_version
+            if handle.state != DRAINING or state == DRAINING:
+                handle.state = state
+            self.lock.notify_all()
+
+    def remove(self, worker_id: str) -> WorkerHandle | None:
+        with self.lock:
+            handle = self._workers.pop(worker_id, None)
+            if handle is not None:
+                handle.state = DEAD
+                for call in list(handle.calls):
+                    call.cancel()
+                handle.channel.close()
+            self.lock.notify_all()
+            return handle
+
+    def reap(self) -> list[str]:
+        """Remove workers silent for longer than the timeout; returns their ids."""
+        now = time.monotonic()
+        with self.lock:
+            dead = [w.worker_id for w in self._workers.values() if now - w.last_seen > self.timeout_s]
+        for worker_id in dead:
+            self.remove(worker_id)
+        return dead
+
+    def set_versions(self, worker_ids: list[str], version: int) -> None:
+        with self.lock:
+            for worker_id in worker_ids:
+                if worker_id in self._workers:
+                    self._workers[worker_id].policy_version = max(self._workers[worker_id].policy_version, version)
+            self.lock.notify_all()
+
+    def set_state(self, worker_id: str, state: str) -> bool:
+        with self.lock:
+            if worker_id not in self._workers:
+                return False
+            self._workers[worker_id].state = state
+            self.lock.notify_all()
+            return True
+
+    def acquire(self, min_version: int) -> WorkerHandle | None:
+        """The least-loaded ready worker at ``min_version`` or newer with a free slot; its load is taken."""
+        with self.lock:
+            candidates = [
+                w
+                for w in self._workers.values()
+                if w.state == READY and w.policy_version >= min_version and w.in_flight < self.max_in_flight
+            ]
+            if not candidates:
+                return None
+            worker = min(candidates, key=lambda w: (w.in_flight, w.worker_id))
+            worker.in_flight += 1
+            return worker
+
+    def release(self, worker: WorkerHandle) -> None:
+        with self.lock:
+            worker.in_flight -= 1
+            self.lock.notify_all()
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self.lock:
+            self.lock.wait(timeout)
+
+    def snapshot(self) -> list[WorkerHandle]:
+        with self.lock:
+            return list(self._workers.values())
+
+    def active(self) -> list[WorkerHandle]:
+        """Workers that should receive weights: every live worker, draining ones included."""
+        with self.lock:
+            return [w for w in self._workers.values() if w.state != DEAD]

@@ -1,0 +1,1 @@
+"""Prompt datasets: loading through Hugging Face ``datasets``, templating, a resumable cursor."""

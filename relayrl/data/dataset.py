@@ -1,0 +1,88 @@
+"""Prompt source for the controller: a Hugging Face dataset, templated and tokenized, read through a
+resumable epoch-shuffled cursor."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from relayrl.config import DataConfig
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt_id: str  # "<epoch>:<row>": unique per draw, stable across restarts
+    text: str
+    token_ids: list[int]
+    answer: str
+
+
+def load_rows(cfg: DataConfig) -> datasets.Dataset:
+    """Local JSONL/JSON/parquet/CSV file, a `save_to_disk` directory, or a hub dataset id."""
+    path = Path(cfg.path)
+    suffix_builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    if path.is_file():
+        builder = suffix_builders.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"data.path: unsupported file type {path.suffix!r} (use {sorted(suffix_builders)})")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(path))
+    return datasets.load_dataset(cfg.path, split=cfg.split)
+
+
+def render_prompt(tokenizer: Any, text: str, mode: str) -> list[int]:
+    """Token ids of the prompt: the chat template (as a user turn + generation prompt) when
+    ``mode`` is "always", or "auto" and the tokenizer has one; else the raw text."""
+    use_template = mode == "always" or (mode == "auto" and getattr(tokenizer, "chat_template", None))
+    if use_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+class PromptDataset:
+    """Rows of (prompt, answer) drawn in a per-epoch shuffled order; ``cursor`` counts draws."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, *, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.rows = load_rows(cfg)
+        for key in (cfg.prompt_key, cfg.answer_key):
+            if key not in self.rows.column_names:
+                field = "data.prompt_key" if key == cfg.prompt_key else "data.answer_key"
+                raise ValueError(f"{field}: column {key!r} not in the dataset (columns: {self.rows.column_names})")
+        if len(self.rows) == 0:
+            raise ValueError(f"data.path: {cfg.path} has no rows")
+        self._order_cache: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = list(range(len(self.rows)))
+            if self.cfg.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def record(self, draw: int) -> PromptRecord:
+        """The prompt of the ``draw``-th draw (0-based, across epochs)."""
+        epoch, position = divmod(draw, len(self.rows))
+        row_index = self._order(epoch)[position]
+        row = self.rows[row_index]
+        text = str(row[self.cfg.prompt_key])
+        return PromptRecord(
+            prompt_id=f"{epoch}:{row_index}",
+            text=text,
+            token_ids=render_prompt(self.tokenizer, text, self.cfg.chat_template),
+            answer=str(row[self.cfg.answer_key]),
+        )

@@ -1,0 +1,351 @@
+"""gRPC face of a rollout worker (``relayrl rollout serve``): one engine, versioned weights.
+
+Atomic versions. ``pause`` mode: stop admitting Generate calls, abort the in-flight ones (their
+prompts come back as "abort" and the controller re-dispatches them), load, resume. ``shadow`` mode
+(hf engine): receive into a second copy while generation goes on, then swap the two copies
+between batches. Either way a batch is generated entirely by one version, and the version stamped
+on a completion is the version of the weights that produced it. A failed load leaves the worker
+"torn": it refuses Generate and reports version -1 until a later update succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+
+import grpc
+import torch
+
+from relayrl.config import RelayConfig
+from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
+from relayrl.rollout.engine import InferenceEngine
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
+from relayrl.services.channels import open_channel
+from relayrl.services.server import GrpcServer, guarded
+from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync.checksum import weights_checksum
+from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.filesystem import read_weights
+from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.packing import BufferPair
+from relayrl.weightsync.receiver import receive_weights
+
+log = logging.getLogger(__name__)
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+TORN_VERSION = -1
+
+
+class TokenRate:
+    """Generated tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, tokens: int) -> None:
+        now = time.monotonic()
+        self._events.append((now, tokens))
+        self.total += tokens
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
+
+    def rate(self) -> float:
+        if not self._events:
+            return 0.0
+        span = max(time.monotonic() - self._events[0][0], 1e-3)
+        return sum(n for _, n in self._events) / span
+
+
+class RolloutWorker:
+    """Engine + version + admission control. Thread-safe; the servicer is a thin layer over it."""
+
+    def __init__(self, engine: InferenceEngine, worker_id: str, *, mode: str, limits: GenerationLimits) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.mode = mode
+        self.limits = limits
+        self.version = 0
+        self.state = "serving"
+        self.group: WeightBroadcastGroup | None = None
+        self.last_update_seconds = 0.0
+        self.rate = TokenRate()
+        self._cond = threading.Condition()
+        self._engine_lock = threading.Lock()  # one batch at a time through the engine
+        self._active = 0
+        self._updating = False
+        self._paused = False
+        self._abort = threading.Event()
+        self._buffers = BufferPair("cpu")
+
+    @property
+    def reported_version(self) -> int:
+        return TORN_VERSION if self.state == "torn" else self.version
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, request: rollout_pb2.GenerateRequest, is_active) -> iter:
+        prompts = [list(p.token_ids) for p in request.prompts]
+        params = SamplingParams.from_proto(request.params)
+        validate_request(
+            prompts,
+            params,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            limits=self.limits,
+        )
+        with self._cond:
+            if self._paused or self.state in ("draining", "torn"):
+                raise Unavailable(f"worker {self.worker_id} is {self.state if not self._paused else 'paused'}")
+            while self._updating and self.mode == "pause":
+                self._cond.wait()
+            if request.min_policy_version > self.version:
+                raise FailedPrecondition(
+                    f"min_policy_version: worker has version {self.version} < {request.min_policy_version}"
+                )
+            self._active += 1
+        try:
+            with self._engine_lock:
+                version = self.reported_version  # fixed for the batch: updates swap only between batches
+                if version < request.min_policy_version:
+                    raise FailedPrecondition(f"min_policy_version: worker has version {version}")
+                should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
+                for c in self.engine.generate(prompts, params, should_abort=should_abort):
+                    self.rate.add(len(c.token_ids))
+                    yield common_pb2.Completion(
+                        prompt_id=request.prompts[c.prompt_index].prompt_id,
+                        sample_index=c.sample_index,
+                        token_ids=c.token_ids,
+                        logprobs=c.logprobs,
+                        finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
+                        policy_version=version,
+                        worker_id=self.worker_id,
+                    )
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    # -- weights -----------------------------------------------------------------------------------
+    def init_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> None:
+        if not 1 <= request.rank < request.world_size:
+            raise InvalidArgument("rank", f"{request.rank} is not in [1, {request.world_size})")
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        device = "cuda" if request.backend == "nccl" else "cpu"
+        self.group = WeightBroadcastGroup(
+            request.master_address,
+            request.master_port,
+            request.rank,
+            request.world_size,
+            group_name=request.group_name,
+            backend=request.backend or "gloo",
+            timeout_s=request.timeout_s or 60.0,
+            device=device,
+        )
+
+    def update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        manifest = WeightManifest.from_proto(request.manifest)
+        if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
+            raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
+        start = time.perf_counter()
+        stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
+        checksum = weights_checksum(self.engine.named_weights())
+        if manifest.checksum and checksum != manifest.checksum:
+            self.state = "torn"
+            raise FailedPrecondition(f"checksum: loaded weights {checksum[:12]} != manifest {manifest.checksum[:12]}")
+        self.last_update_seconds = time.perf_counter() - start
+        return rollout_pb2.UpdateWeightsResponse(
+            policy_version=self.version,
+            checksum=checksum,
+            load_seconds=self.last_update_seconds,
+            peak_extra_bytes=stats.peak_extra_bytes,
+        )
+
+    def _receive(self, manifest: WeightManifest, load_fn):
+        try:
+            if manifest.transport == "filesystem":
+                return read_weights(manifest.path, manifest, load_fn)
+            return receive_weights(self.group, manifest, load_fn, buffers=self._buffers)
+        except WeightSyncError:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            raise
+
+    def _update_paused(self, manifest: WeightManifest):
+        with self._cond:
+            self._updating = True
+            self._abort.set()
+            while self._active:
+                self._cond.wait()
+        try:
+            self.state = "loading"
+            stats = self._receive(manifest, self.engine.load_weights)
+            self.version, self.state = manifest.version, "serving"
+            return stats
+        except Exception:
+            self.state = "torn"
+            raise
+        finally:
+            with self._cond:
+                self._updating = False
+                self._abort.clear()
+                self._cond.notify_all()
+
+    def _update_shadow(self, manifest: WeightManifest):
+        live = dict(self.engine.named_weights())
+        shadow = {name: torch.empty_like(t) for name, t in live.items()}
+
+        def load_into_shadow(views: list[tuple[str, torch.Tensor]]) -> None:
+            for name, view in views:
+                if name not in shadow or shadow[name].shape != view.shape:
+                    raise ValueError(f"{name}: not a weight of this engine or wrong shape")
+                shadow[name].copy_(view)
+
+        stats = self._receive(manifest, load_into_shadow)
+        with self._engine_lock:  # between batches: swap storages, O(1) per tensor
+            for name, tensor in live.items():
+                tensor.data, shadow[name] = shadow[name], tensor.data
+            self.version = manifest.version
+            if self.state == "torn":
+                self.state = "serving"
+        return stats
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def stats(self, with_checksum: bool) -> rollout_pb2.StatsResponse:
+        return rollout_pb2.StatsResponse(
+            worker_id=self.worker_id,
+            engine=self.engine.name,
+            state="paused" if self._paused else self.state,
+            policy_version=self.reported_version,
+            active_requests=self._active,
+            generated_tokens=self.rate.total,
+            tokens_per_second=self.rate.rate(),
+            weights_checksum=weights_checksum(self.engine.named_weights()) if with_checksum else "",
+            weight_sync_group=self.group.group_name if self.group else "",
+            last_update_seconds=self.last_update_seconds,
+        )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    @guarded
+    def Generate(self, request, context):
+        yield from self.worker.generate(request, context.is_active)
+
+    @guarded
+    def InitWeightSync(self, request, context):
+        self.worker.init_weight_sync(request)
+        return rollout_pb2.InitWeightSyncResponse(group_name=request.group_name)
+
+    @guarded
+    def UpdateWeights(self, request, context):
+        return self.worker.update_weights(request)
+
+    @guarded
+    def Pause(self, request, context):
+        self.worker.pause()
+        return rollout_pb2.PauseResponse()
+
+    @guarded
+    def Resume(self, request, context):
+        self.worker.resume()
+        return rollout_pb2.ResumeResponse()
+
+    @guarded
+    def Stats(self, request, context):
+        return self.worker.stats(request.with_checksum)
+
+
+class Heartbeat:
+    """Registers the worker with the controller every ``interval_s`` (also after a controller restart)."""
+
+    def __init__(self, worker: RolloutWorker, controller: str, address: str, interval_s: float = 1.0) -> None:
+        self.worker, self.address, self.interval_s = worker, address, interval_s
+        self._stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._warned = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def beat(self) -> None:
+        request = controller_pb2.RegisterWorkerRequest(
+            worker_id=self.worker.worker_id,
+            address=self.address,
+            engine=self.worker.engine.name,
+            policy_version=self.worker.reported_version,
+        )
+        self._stub.RegisterWorker(request, timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+                self._warned = False
+            except grpc.RpcError as err:
+                if not self._warned:
+                    log.warning("controller unreachable (%s); retrying", err.code().name)
+                    self._warned = True
+            self._stop.wait(self.interval_s)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if deregister:
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.DeregisterWorker(
+                    controller_pb2.DeregisterWorkerRequest(worker_id=self.worker.worker_id), timeout=5
+                )
+
+
+def serve_rollout(
+    cfg: RelayConfig, *, controller: str | None, host: str, port: int, advertise: str | None, worker_id: str | None
+) -> tuple[GrpcServer, RolloutWorker, Heartbeat | None]:
+    """Load the engine, start the gRPC server and (when a controller is given) the heartbeat."""
+    from relayrl.rollout.engine import create_engine
+
+    torch.set_num_threads(cfg.rollout.threads)
+    engine = create_engine(
+        cfg.rollout.engine,
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.run.seed,
+        **cfg.rollout.engine_options,
+    )
+    limits = GenerationLimits(
+        max_prompts=cfg.rollout.limits.max_prompts,
+        max_n=cfg.rollout.limits.max_n,
+        max_tokens=cfg.rollout.limits.max_tokens,
+    )
+    server = GrpcServer(f"{host}:{port}", max_message_mib=cfg.rollout.limits.max_message_mib)
+    address = advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{server.port}"
+    worker = RolloutWorker(engine, worker_id or address, mode=cfg.weight_sync.mode, limits=limits)
+    server.add(
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+        RolloutServicer(worker),
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+    )
+    server.start()
+    heartbeat = None
+    if controller:
+        heartbeat = Heartbeat(worker, controller, address)
+        heartbeat.start()
+    log.info("rollout worker %s (%s) serving on %s", worker.worker_id, engine.name, address)
+    return server, worker, heartbeat

@@ -1,0 +1,103 @@
+"""Building blocks of every relayrl gRPC server: error mapping, health, reflection, lifecycle.
+
+Every RPC handler is wrapped so that a ``RelayError`` becomes its precise status, a bad request can
+never escape as an unhandled exception, and anything unexpected is logged and answered INTERNAL —
+the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from relayrl.errors import RelayError
+from relayrl.services.channels import message_options
+
+log = logging.getLogger(__name__)
+
+
+def _abort(context: grpc.ServicerContext, err: Exception, name: str):
+    if isinstance(err, RelayError):
+        context.abort(err.code, str(err))
+    log.exception("unhandled error in %s", name)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+
+def guarded(method: Callable) -> Callable:
+    """Map RelayError to its status and any other exception to INTERNAL, for unary and streaming RPCs."""
+    name = method.__qualname__
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as err:  # the boundary that keeps the server alive
+                _abort(context, err, name)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as err:
+            _abort(context, err, name)
+
+    return unary
+
+
+class GrpcServer:
+    """A grpc.Server with Health (SERVING per service) and reflection, bound to ``address``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_workers: int = 32,
+        max_message_mib: int = 64,
+        interceptors: Iterable[grpc.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            options=message_options(max_message_mib),
+            interceptors=list(interceptors),
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        if credentials is not None:
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {address}")
+
+    def add(self, register: Callable, servicer, descriptor) -> None:
+        """Add a servicer (``register`` is the generated ``add_XServicer_to_server``)."""
+        register(servicer, self.server)
+        full_name = descriptor.full_name
+        self._service_names.append(full_name)
+        self.health.set(full_name, health_pb2.HealthCheckResponse.SERVING)
+
+    def start(self) -> None:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names[1:]]:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
