@@ -62,11 +62,11 @@ def exact_match(response: str, answer: str) -> float:
     return float(normalize(response) == normalize(answer))
 
 
-@REWARDS.register("first_word_match")
-def first_word_match(response: str, answer: str) -> float:
-    """1.0 when the response's first whitespace-separated word equals the answer."""
-    words = response.split()
-    return float(bool(words) and normalize(words[0]) == normalize(answer))
+@REWARDS.register("prefix_match")
+def prefix_match(response: str, answer: str) -> float:
+    """1.0 when the normalized response starts with the normalized (non-empty) answer."""
+    expected = normalize(answer)
+    return float(bool(expected) and normalize(response).startswith(expected))
 
 
 @REWARDS.register("math")

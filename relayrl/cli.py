@@ -1,0 +1,157 @@
+"""``relayrl`` command line: one entry point for every role, the launcher and the operator tools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from relayrl.config import ConfigError, RelayConfig, load_config
+
+
+def _config(args: argparse.Namespace) -> RelayConfig:
+    return load_config(args.config, args.set)
+
+
+def _add_config(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        parser.add_argument("config", help="run config (YAML)")
+    else:
+        parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+
+
+def wait_for_shutdown() -> str:
+    """Block until SIGTERM or SIGINT; returns the signal's name."""
+    received: list[str] = []
+    done = threading.Event()
+
+    def handler(signum, _frame):
+        received.append(signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    done.wait()
+    return received[0]
+
+
+def cmd_controller_serve(args: argparse.Namespace) -> int:
+    from relayrl.services.controller_server import serve_controller
+
+    cfg = _config(args)
+    server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir)
+    print(f"controller listening on port {server.port}", flush=True)
+    sig = wait_for_shutdown()
+    logging.info("%s: shutting down the controller", sig)
+    server.stop(grace_s=cfg.controller.shutdown_grace_s)
+    controller.stop()
+    return 0
+
+
+def cmd_rollout_serve(args: argparse.Namespace) -> int:
+    from relayrl.services.rollout_server import serve_rollout
+
+    cfg = _config(args)
+    controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
+    server, worker, heartbeat = serve_rollout(
+        cfg, controller=controller, host=args.host, port=args.port, advertise=args.advertise, worker_id=args.worker_id
+    )
+    print(f"rollout worker {worker.worker_id} listening on port {server.port}", flush=True)
+    sig = wait_for_shutdown()
+    logging.info("%s: draining rollout worker %s", sig, worker.worker_id)
+    worker.state = "draining"
+    if heartbeat is not None:
+        heartbeat.stop(deregister=True)
+    server.stop(grace_s=cfg.controller.shutdown_grace_s)
+    return 0
+
+
+def cmd_trainer_run(args: argparse.Namespace) -> int:
+    from relayrl.trainer.loop import run_trainer
+
+    controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
+    if not controller:
+        raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
+    return run_trainer(_config(args), controller, resume=args.resume)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from relayrl.launcher import run_local
+
+    return run_local(_config(args), resume=args.resume)
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.which == "weightsync":
+        from relayrl.bench.weightsync import main
+
+        return main(rest)
+    raise SystemExit(f"unknown benchmark {args.which!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("RELAYRL_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    controller = sub.add_parser("controller", help="the control plane").add_subparsers(dest="action", required=True)
+    p = controller.add_parser("serve", help="serve ControllerService")
+    _add_config(p)
+    p.add_argument("--port", type=int, default=None, help="overrides controller.port (0 = any free port)")
+    p.add_argument("--state-dir", default=None, help="ledger, cursor and versions (default <run dir>/controller)")
+    p.set_defaults(func=cmd_controller_serve)
+
+    rollout = sub.add_parser("rollout", help="rollout workers").add_subparsers(dest="action", required=True)
+    p = rollout.add_parser("serve", help="serve RolloutService with one engine")
+    _add_config(p)
+    p.add_argument("--controller", default=None, help="controller address (or RELAYRL_CONTROLLER)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
+    p.add_argument("--worker-id", default=None)
+    p.set_defaults(func=cmd_rollout_serve)
+
+    trainer = sub.add_parser("trainer", help="training ranks (under torchrun)").add_subparsers(
+        dest="action", required=True
+    )
+    p = trainer.add_parser("run", help="train: pull batches, step, broadcast weights")
+    _add_config(p)
+    p.add_argument("--controller", default=None, help="controller address (or RELAYRL_CONTROLLER)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    p.set_defaults(func=cmd_trainer_run)
+
+    p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
+    _add_config(p, positional=True)
+    p.add_argument("--resume", action="store_true", help="continue the run in its run directory")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("bench", help="benchmarks that print JSON", add_help=False)
+    p.add_argument("which", choices=["weightsync"])
+    p.set_defaults(func=cmd_bench, passthrough=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s",
+    )
+    try:
+        if getattr(args, "passthrough", False):
+            return args.func(args, rest)
+        return args.func(args)
+    except ConfigError as err:
+        print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``relayrl up``: the controller, the rollout workers and the trainer as separate local processes.
+
+Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
+stops every child in order (trainer, workers, controller) with SIGTERM, and SIGKILL after a grace
+period. Each child logs to ``<run dir>/logs/<role>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from relayrl.assets import prepare_assets
+from relayrl.config import RelayConfig, dump_config
+from relayrl.services.channels import open_channel
+from relayrl.trainer.metrics import read_metrics
+from relayrl.v1 import controller_pb2, controller_pb2_grpc
+from relayrl.weightsync.group import free_port
+
+console = Console(stderr=True)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalJob:
+    cfg: RelayConfig
+    config_path: Path
+    logs: Path
+    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+    controller_address: str = ""
+
+    def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log_file = (self.logs / f"{role}.log").open("ab")
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
+        self.children[role] = proc
+        return proc
+
+    def relay(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "relayrl.cli", *args]
+
+    def check_alive(self, roles: list[str]) -> None:
+        for role in roles:
+            proc = self.children[role]
+            if proc.poll() is not None:
+                raise LaunchError(f"{role} exited with code {proc.returncode}; see {self.logs / (role + '.log')}")
+
+    def stop(self, roles: list[str] | None = None, grace_s: float = 20.0) -> None:
+        """SIGTERM each role's process group, wait, then SIGKILL what is left."""
+        roles = [r for r in (roles or list(self.children)) if r in self.children]
+        for role in roles:
+            proc = self.children[role]
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for role in roles:
+            proc = self.children[role]
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def controller_status(address: str) -> controller_pb2.StatusResponse:
+    stub = controller_pb2_grpc.ControllerServiceStub(open_channel(address))
+    return stub.Status(controller_pb2.StatusRequest(), timeout=5)
+
+
+def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: list[str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job.check_alive(roles)
+        try:
+            if predicate():
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def prepare_run_dir(cfg: RelayConfig, resume: bool) -> Path:
+    """A fresh run directory; an existing one is moved aside (never deleted) unless resuming."""
+    run_dir = cfg.run_dir
+    if run_dir.exists() and not resume:
+        archived = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(run_dir), archived)
+        console.print(f"[dim]previous run moved to {archived}[/dim]")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    return config_path
+
+
+def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
+    job = LocalJob(cfg, config_path, config_path.parent / "logs")
+    port = free_port()
+    job.controller_address = f"127.0.0.1:{port}"
+    common = ["--config", str(config_path)]
+    job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
+    wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, ["controller"])
+    for i in range(cfg.rollout.workers):
+        job.spawn(
+            f"rollout-{i}",
+            job.relay(
+                "rollout", "serve", *common, "--controller", job.controller_address, "--worker-id", f"rollout-{i}"
+            ),
+        )
+    workers = [f"rollout-{i}" for i in range(cfg.rollout.workers)]
+    wait_until(
+        lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
+        180,
+        f"{cfg.rollout.workers} rollout workers to register",
+        job,
+        ["controller", *workers],
+    )
+    trainer_argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
+        "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
+    ] + (["--resume"] if resume else [])  # fmt: skip
+    job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})
+    return job
+
+
+def watch(job: LocalJob, metrics_path: Path) -> None:
+    """Live progress from metrics.jsonl until the trainer exits."""
+    steps = job.cfg.trainer.steps
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}  version {task.fields[version]}  {task.fields[sps]} samples/s"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
+        while job.children["trainer"].poll() is None:
+            job.check_alive([r for r in job.children if r != "trainer"])
+            records = read_metrics(metrics_path)
+            if records:
+                last = records[-1]
+                progress.update(
+                    task,
+                    completed=last["step"],
+                    reward=f"{last['reward_mean']:.3f}",
+                    version=last["policy_version"],
+                    sps=f"{last['samples_per_second']:.0f}",
+                )
+            time.sleep(0.5)
+        records = read_metrics(metrics_path)
+        if records:
+            progress.update(task, completed=records[-1]["step"])
+    code = job.children["trainer"].returncode
+    if code != 0:
+        raise LaunchError(f"trainer exited with code {code}; see {job.logs / 'trainer.log'}")
+
+
+def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
+    records = read_metrics(metrics_path)
+    first, last = records[:10], records[-10:]
+    result = {
+        "run_dir": str(cfg.run_dir),
+        "steps": len(records),
+        "reward_first10": sum(r["reward_mean"] for r in first) / max(1, len(first)),
+        "reward_last10": sum(r["reward_mean"] for r in last) / max(1, len(last)),
+        "wall_seconds": wall_s,
+        "weight_syncs": sum(1 for r in records if r.get("workers_synced", 0) > 0),
+        "sync_seconds_total": sum(r["sync_seconds"] for r in records),
+    }
+    table = Table(title=f"relayrl run '{cfg.run.name}'")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("steps", str(result["steps"]))
+    table.add_row("reward, first 10 steps", f"{result['reward_first10']:.3f}")
+    table.add_row("reward, last 10 steps", f"{result['reward_last10']:.3f}")
+    table.add_row("wall time", f"{wall_s:.1f} s")
+    table.add_row("weight syncs", f"{result['weight_syncs']} ({result['sync_seconds_total']:.1f} s total)")
+    table.add_row("run directory", str(cfg.run_dir))
+    console.print(table)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
+    started = time.monotonic()
+    for path in prepare_assets(cfg):
+        console.print(f"[dim]built {path}[/dim]")
+    config_path = prepare_run_dir(cfg, resume)
+    stop_signal: list[str] = []
+
+    def on_signal(signum, _frame):
+        stop_signal.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    job = None
+    try:
+        job = start_job(cfg, config_path, resume)
+        console.print(
+            f"controller {job.controller_address} · {cfg.rollout.workers} rollout workers · "
+            f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"
+        )
+        watch(job, cfg.run_dir / "metrics.jsonl")
+    except KeyboardInterrupt:
+        console.print(f"[yellow]{stop_signal[0] if stop_signal else 'SIGINT'}: stopping every process[/yellow]")
+        if job is not None:
+            job.stop(["trainer", *[r for r in job.children if r.startswith("rollout")], "controller"])
+        return 0 if stop_signal else 130
+    except LaunchError as err:
+        console.print(f"[red]relayrl up failed: {err}[/red]")
+        if job is not None:
+            job.stop()
+        return 1
+    job.stop([r for r in job.children if r != "trainer"])
+    summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started)
+    return 0

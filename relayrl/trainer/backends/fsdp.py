@@ -1,0 +1,105 @@
+"""FSDP2 backend: ``fully_shard`` per decoder layer and at the root, gloo on CPU / NCCL on CUDA.
+
+Contract: every method is called by every rank (they hold collectives), except where noted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+
+from relayrl.config import ModelConfig, TrainerConfig
+from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_sharded_model(path: str, dtype: torch.dtype, device: torch.device, *, trainable: bool) -> torch.nn.Module:
+    """from_pretrained, then fully_shard every decoder layer and the root module."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class FSDPBackend:
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool) -> None:
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        dtype = DTYPES[model_cfg.dtype]
+        self.model = load_sharded_model(model_cfg.path, dtype, self.device, trainable=True)
+        self.reference = (
+            load_sharded_model(model_cfg.path, dtype, self.device, trainable=False) if with_reference else None
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        # Names the rollout engines know: parameters once each (tied embeddings appear once).
+        self.weight_names = [name for name, _ in self.model.named_parameters()]
+
+    def logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``."""
+        model = self.reference if reference else self.model
+        logits = model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
+        logits = logits[:, :-1]
+        labels = input_ids[:, 1:].to(self.device)
+        return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
+
+    def step(self, max_norm: float) -> float:
+        """Clip the gradient norm, step, zero the gradients; returns the pre-clip norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on CPU, on rank 0 only (other ranks get {}); collective."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: state[name] for name in self.weight_names if name in state}
+
+    def save_checkpoint(self, directory: Path, trainer_state: dict) -> None:
+        """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            tmp = directory / "trainer_state.json.tmp"
+            tmp.write_text(json.dumps(trainer_state))
+            tmp.replace(directory / "trainer_state.json")
+        dist.barrier()
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return json.loads((directory / "trainer_state.json").read_text())
+
+    def export_hf(self, directory: Path, tokenizer) -> None:
+        """A Hugging Face model directory loadable with from_pretrained (rank 0 writes; collective)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            model = AutoModelForCausalLM.from_config(self.model.config, dtype=next(iter(state.values())).dtype)
+            model.load_state_dict(state)
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+        dist.barrier()

@@ -1,0 +1,165 @@
+"""The trainer process (``torchrun ... relayrl trainer run``): pull, train, publish, report, repeat.
+
+Step s trains on the controller's batch s (trajectories of policy version >= s - 1 - K), then the
+new weights become policy version s: rank 0 gathers them and broadcasts them to every rollout
+worker, and reports the step. Only rank 0 talks to the controller and the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import grpc
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from relayrl.config import RelayConfig, dump_config
+from relayrl.services.channels import open_channel
+from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.trainer.batch import to_train_batch
+from relayrl.trainer.metrics import MetricsWriter, plot_rewards
+from relayrl.trainer.step import train_on_batch
+from relayrl.trainer.sync import WeightPublisher
+from relayrl.v1 import controller_pb2, controller_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (its trainer_state.json is written last)."""
+    candidates = sorted(
+        (p for p in (run_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").exists()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
+    return candidates[-1] if candidates else None
+
+
+def pull_batch(stub, step: int, deadline_s: float) -> controller_pb2.Batch:
+    """PullBatch, retrying UNAVAILABLE (no batch yet, controller restarting) until the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return stub.PullBatch(controller_pb2.PullBatchRequest(step=step, timeout_s=30), timeout=60)
+        except grpc.RpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise RuntimeError(f"PullBatch(step={step}) failed: {err.code().name}: {err.details()}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch for step {step} within {deadline_s:.0f}s") from None
+            time.sleep(1.0)
+
+
+def broadcast_bytes(payload: bytes | None) -> bytes:
+    """Rank 0's bytes on every rank (the trainer's own world group)."""
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_seconds: float) -> dict:
+    stats = batch.stats
+    return {
+        "step": step,
+        "policy_version": step,
+        "reward_mean": stats.reward_mean,
+        "score_mean": stats.score_mean,
+        "rollout_version_min": stats.rollout_version_min,
+        "rollout_version_max": stats.rollout_version_max,
+        "groups_kept": stats.groups_kept,
+        "groups_filtered": stats.groups_filtered,
+        "groups_stale": stats.groups_stale,
+        "groups_failed": stats.groups_failed,
+        "gen_batches": stats.gen_batches,
+        "response_len_mean": stats.response_len_mean,
+        "samples_trained": len(batch.samples),
+        "samples_generated": stats.samples_generated,
+        "generation_seconds": stats.generation_seconds,
+        **train,
+        "sync_seconds": sync.seconds,
+        "sync_bytes": sync.nbytes,
+        "workers_synced": len(sync.synced),
+        "step_seconds": step_seconds,
+        "samples_per_second": stats.samples_generated / step_seconds if step_seconds > 0 else 0.0,
+        "time": time.time(),
+    }
+
+
+def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = False) -> int:
+    backend_name = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend_name)
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.run.seed)
+    run_dir = cfg.run_dir
+    backend = FSDPBackend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+
+    start_step = 0
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        start_step = backend.load_checkpoint(checkpoint)["step"]
+        log.info("resumed from %s at step %d", checkpoint, start_step)
+
+    stub = publisher = writer = None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller_address))
+        publisher = WeightPublisher(cfg.weight_sync, stub, str(Path(cfg.weight_sync.path or run_dir / "weights")))
+        writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step)
+
+    if start_step > 0:  # workers start from the base model: bring them to the resumed version first
+        weights = backend.full_weights()
+        if rank == 0:
+            publisher.publish(start_step, weights)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for step in range(start_step + 1, cfg.trainer.steps + 1):
+        began = time.perf_counter()
+        payload = pull_batch(stub, step, cfg.trainer.pull_timeout_s).SerializeToString() if rank == 0 else None
+        batch_msg = controller_pb2.Batch.FromString(broadcast_bytes(payload))
+        batch = to_train_batch(batch_msg, pad_id)
+        train = train_on_batch(
+            backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
+            norm_len=cfg.rollout.max_tokens,
+        )  # fmt: skip
+        weights = backend.full_weights()
+        if rank == 0:
+            sync = publisher.publish(step, weights)
+            step_seconds = time.perf_counter() - began
+            stub.ReportStep(
+                controller_pb2.ReportStepRequest(
+                    step=step,
+                    batch_id=batch_msg.batch_id,
+                    policy_version=step,
+                    sync_seconds=sync.seconds,
+                    step_seconds=step_seconds,
+                    synced_worker_ids=sync.synced,
+                ),
+                timeout=60,
+            )
+            record = step_record(step, batch_msg, train, sync, step_seconds)
+            writer.write(record)
+            log.info(
+                "step %d reward %.3f clip %.3f kl %.4f sync %.2fs step %.2fs",
+                step, record["reward_mean"], record["clip_frac"], record["kl"], sync.seconds, step_seconds,
+            )  # fmt: skip
+        every = cfg.trainer.checkpoint_every
+        if (every and step % every == 0) or step == cfg.trainer.steps:
+            directory = run_dir / "checkpoints" / f"step_{step}"
+            backend.save_checkpoint(directory, {"step": step, "policy_version": step})
+
+    if cfg.trainer.export_hf:
+        backend.export_hf(run_dir / "final", tokenizer)
+    if rank == 0:
+        writer.close()
+        plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{cfg.run.name}: reward per step")
+        publisher.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,190 @@
+"""Trainer rank 0's side of weight sync: group membership, one manifest per update, packed buckets.
+
+Per update: ask the controller for the live workers; (re-)form the broadcast group when membership
+changed; send one UpdateWeights(manifest) per worker and broadcast the packed buckets while those
+calls are in flight. A worker that fails (dead, frozen, torn) is left out and the group is re-formed
+without it: the trainer carries on with the rest. Filesystem transport: write shards, then the RPCs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+
+import grpc
+import torch
+
+from relayrl.config import WeightSyncConfig
+from relayrl.services.channels import open_channel
+from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync.checksum import weights_checksum
+from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.group import WeightBroadcastGroup, free_port
+from relayrl.weightsync.manifest import build_manifest
+from relayrl.weightsync.sender import WeightSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SyncResult:
+    version: int
+    seconds: float
+    synced: list[str]  # worker ids now at `version`
+    failed: dict[str, str]  # worker id -> reason
+    checksum: str
+    nbytes: int
+
+
+class WeightPublisher:
+    def __init__(self, cfg: WeightSyncConfig, controller: controller_pb2_grpc.ControllerServiceStub, weights_dir: str):
+        self.cfg = cfg
+        self.controller = controller
+        self.weights_dir = weights_dir
+        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if cfg.backend == "auto" else cfg.backend
+        self.device = "cuda" if self.backend == "nccl" else "cpu"
+        self.sender = WeightSender(self.device)
+        self.group: WeightBroadcastGroup | None = None
+        self.members: list[tuple[str, str]] = []  # (worker id, address) in group-rank order
+        self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
+
+    def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
+        if address not in self._stubs:
+            self._stubs[address] = rollout_pb2_grpc.RolloutServiceStub(open_channel(address))
+        return self._stubs[address]
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.members = None, []
+
+    def _form_group(self, members: list[tuple[str, str]]) -> dict[str, str]:
+        """Build the group rank 0 + members; returns the members that failed to join (id -> reason)."""
+        self.close()
+        port = free_port()
+        name = f"relayrl-{uuid.uuid4().hex[:10]}"
+        futures = {
+            wid: self._stub(addr).InitWeightSync.future(
+                rollout_pb2.InitWeightSyncRequest(
+                    master_address=self.cfg.master_address,
+                    master_port=port,
+                    rank=rank,
+                    world_size=len(members) + 1,
+                    group_name=name,
+                    backend=self.backend,
+                    timeout_s=self.cfg.timeout_s,
+                ),
+                timeout=self.cfg.timeout_s,
+            )
+            for rank, (wid, addr) in enumerate(members, start=1)
+        }
+        try:
+            group = WeightBroadcastGroup(
+                self.cfg.master_address,
+                port,
+                0,
+                len(members) + 1,
+                group_name=name,
+                backend=self.backend,
+                timeout_s=self.cfg.timeout_s,
+                device=self.device,
+            )  # returns once every member has connected (gloo/NCCL rendezvous through the store)
+        except (WeightSyncError, RuntimeError) as err:
+            failed = _failures(futures) or {wid: f"group formation failed: {err}" for wid, _ in members}
+            return failed
+        failed = _failures(futures)
+        if failed:
+            group.close()
+            return failed
+        self.group, self.members = group, members
+        return {}
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> SyncResult:
+        """Bring every live worker to ``version``. Never raises for a worker's failure; reports it."""
+        start = time.perf_counter()
+        checksum = weights_checksum(weights.items())
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
+        manifest = dataclasses.replace(
+            build_manifest(
+                specs, version=version, bucket_bytes=self.cfg.bucket_mib << 20, transport=self.cfg.transport
+            ),
+            checksum=checksum,
+            path=self.weights_dir if self.cfg.transport == "filesystem" else "",
+        )
+        failed: dict[str, str] = {}
+        synced: list[str] = []
+        for _attempt in range(3):
+            plan = self.controller.GetWeightSyncPlan(
+                controller_pb2.GetWeightSyncPlanRequest(version=version), timeout=30
+            )
+            members = [(w.worker_id, w.address) for w in plan.workers if w.worker_id not in failed]
+            if not members:
+                break
+            if self.cfg.transport == "filesystem":
+                write_weights(self.weights_dir, manifest, weights)
+                outcome = self._update(members, manifest, None, weights)
+            else:
+                if members != self.members or self.group is None:
+                    failed.update(self._form_group(members))
+                    if self.group is None:
+                        continue
+                outcome = self._update(self.members, manifest, self.group, weights)
+            synced = [wid for wid, reason in outcome.items() if reason is None]
+            broken = {wid: reason for wid, reason in outcome.items() if reason is not None}
+            if not broken:
+                break
+            failed.update(self._probe(broken, dict(members)))
+            self.close()
+        for wid, reason in failed.items():
+            log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
+        return SyncResult(version, time.perf_counter() - start, synced, failed, checksum, manifest.total_bytes)
+
+    def _update(self, members, manifest, group, weights) -> dict[str, str | None]:
+        """UpdateWeights on every member while (broadcast transport) the buckets go out."""
+        request = rollout_pb2.UpdateWeightsRequest(
+            manifest=manifest.to_proto(), group_name=group.group_name if group else ""
+        )
+        futures = {
+            wid: self._stub(addr).UpdateWeights.future(request, timeout=self.cfg.timeout_s * 2) for wid, addr in members
+        }
+        send_error = None
+        if group is not None:
+            try:
+                self.sender.send(group, manifest, weights)
+            except WeightSyncError as err:
+                send_error = str(err)
+        outcome: dict[str, str | None] = {}
+        for wid, future in futures.items():
+            try:
+                response = future.result()
+                ok = response.policy_version == manifest.version and response.checksum == manifest.checksum
+                outcome[wid] = None if ok else f"loaded version {response.policy_version} checksum mismatch"
+            except grpc.RpcError as err:
+                outcome[wid] = f"{err.code().name}: {err.details()}"
+        if send_error and all(reason is None for reason in outcome.values()):
+            outcome = {wid: f"broadcast failed: {send_error}" for wid in outcome}
+        return outcome
+
+    def _probe(self, broken: dict[str, str], addresses: dict[str, str]) -> dict[str, str]:
+        """Of the workers whose update failed, those that do not answer Stats are dead: leave them out."""
+        dead = {}
+        for wid, reason in broken.items():
+            try:
+                self._stub(addresses[wid]).Stats(rollout_pb2.StatsRequest(), timeout=min(5.0, self.cfg.timeout_s))
+            except grpc.RpcError:
+                dead[wid] = reason
+        return dead
+
+
+def _failures(futures: dict[str, Future]) -> dict[str, str]:
+    failed = {}
+    for wid, future in futures.items():
+        try:
+            future.result()
+        except grpc.RpcError as err:
+            failed[wid] = f"InitWeightSync {err.code().name}: {err.details()}"
+    return failed
