@@ -1,0 +1,176 @@
+"""A stand-in for `relayrl.cli` that speaks the CLI contract of deploy/slurm/relayrl.sbatch.
+
+The Slurm test copies this file to ``<tmp>/relayrl/cli.py`` and submits the job from ``<tmp>``, so
+``python -m relayrl.cli`` resolves to it. It checks the arguments the sbatch passes (argparse with the
+exact flags of the contract; unknown flags are errors) and imitates the flows the job depends on:
+
+- ``controller serve`` listens on ``--port`` and appends every line a client sends to
+  ``<state-dir>/registrations.txt``; on SIGTERM it writes ``<state-dir>/stopped`` and exits 0.
+- ``rollout serve`` listens on ``--port``, registers ``--advertise`` with the controller, and on
+  SIGTERM writes ``<run dir>/stub/rollout-<port>.stopped`` and exits 0.
+- ``trainer run`` (under torchrun) waits for a registration, then rank 0 writes ten lines of
+  ``<run dir>/metrics.jsonl`` with a rising ``reward_mean`` and exits 0.
+
+Every role must be given ``--set run.dir=.. --set run.name=..`` naming ``$RELAYRL_RUN_DIR`` (the run
+directory of relayrl's config), as relayrl.sbatch does.
+
+Each process records its arguments in ``<run dir>/stub/<role>-<pid>.argv.json``.
+
+Failure knobs: ``RELAYRL_STUB_TRAINER_EXIT=N`` makes the trainer exit N after its metrics;
+``RELAYRL_STUB_ROLLOUT_CRASH=1`` makes rollout workers exit 7 right after registering (and the
+trainer then waits, as a real one would, until it is stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _override(assignment: str) -> tuple[str, str]:
+    key, sep, value = assignment.partition("=")
+    if not sep:
+        raise SystemExit(f"stub: --set {assignment!r}: overrides look like key.path=value")
+    return key, value
+
+
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))
+    sock.listen(16)
+    return sock
+
+
+def _wait_for_sigterm(on_stop) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        pass
+    on_stop()
+
+
+def controller_serve(args: argparse.Namespace) -> int:
+    if args.overrides.get("controller.host") != "0.0.0.0":
+        print("stub controller: not told to listen on all interfaces", file=sys.stderr)
+        return 5
+    state = Path(args.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    Path(args.config).read_text()
+    sock = _listen(args.port)
+    lock = threading.Lock()
+
+    def accept_loop() -> None:
+        while True:
+            conn, _ = sock.accept()
+            with conn:
+                data = conn.makefile().readline().strip()
+            if data:
+                with lock, open(state / "registrations.txt", "a") as f:
+                    f.write(data + "\n")
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+    _wait_for_sigterm(lambda: (state / "stopped").write_text("SIGTERM\n"))
+    return 0
+
+
+def rollout_serve(args: argparse.Namespace) -> int:
+    Path(args.config).read_text()
+    sock = _listen(args.port)
+    del sock  # kept open until exit: the port is the worker's
+    with socket.create_connection(args.controller, timeout=30) as conn:
+        conn.sendall(f"register {args.advertise[0]}:{args.advertise[1]}\n".encode())
+    if os.environ.get("RELAYRL_STUB_ROLLOUT_CRASH") == "1":
+        return 7
+    marker = args.run_dir / "stub" / f"rollout-{args.port}.stopped"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    _wait_for_sigterm(lambda: marker.write_text("SIGTERM\n"))
+    return 0
+
+
+def trainer_run(args: argparse.Namespace) -> int:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            print(f"stub trainer: {var} not set (not started by torchrun?)", file=sys.stderr)
+            return 2
+    run_dir = args.run_dir
+    if args.overrides.get("weight_sync.master_address") != os.environ["MASTER_ADDR"]:
+        print("stub trainer: weight_sync.master_address is not torchrun's master address", file=sys.stderr)
+        return 5
+    registrations = run_dir / "controller" / "registrations.txt"
+    deadline = time.monotonic() + 120
+    while not (registrations.exists() and registrations.read_text().strip()):
+        if time.monotonic() > deadline:
+            print("stub trainer: no rollout worker registered", file=sys.stderr)
+            return 3
+        time.sleep(0.2)
+    with socket.create_connection(args.controller, timeout=30):
+        pass
+    if os.environ["RANK"] == "0":
+        with open(run_dir / "metrics.jsonl", "w") as f:
+            for step in range(10):
+                rec = {"step": step, "reward_mean": 0.1 + 0.05 * step, "world_size": os.environ["WORLD_SIZE"]}
+                f.write(json.dumps(rec) + "\n")
+    if os.environ.get("RELAYRL_STUB_ROLLOUT_CRASH") == "1":
+        time.sleep(600)  # a trainer waiting for batches that never come
+    return int(os.environ.get("RELAYRL_STUB_TRAINER_EXIT", "0"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="relayrl")
+    roles = p.add_subparsers(dest="role", required=True)
+
+    ctl = roles.add_parser("controller").add_subparsers(dest="cmd", required=True).add_parser("serve")
+    ctl.add_argument("--config", required=True)
+    ctl.add_argument("--port", type=int, required=True)
+    ctl.add_argument("--state-dir", required=True)
+    ctl.add_argument("--metrics-port", type=int)
+    ctl.set_defaults(fn=controller_serve)
+
+    ro = roles.add_parser("rollout").add_subparsers(dest="cmd", required=True).add_parser("serve")
+    ro.add_argument("--config", required=True)
+    ro.add_argument("--controller", type=_host_port, required=True)
+    ro.add_argument("--host", required=True, choices=["0.0.0.0"])
+    ro.add_argument("--port", type=int, required=True)
+    ro.add_argument("--advertise", type=_host_port, required=True)
+    ro.add_argument("--metrics-port", type=int)
+    ro.set_defaults(fn=rollout_serve)
+
+    tr = roles.add_parser("trainer").add_subparsers(dest="cmd", required=True).add_parser("run")
+    tr.add_argument("--config", required=True)
+    tr.add_argument("--controller", type=_host_port, required=True)
+    tr.set_defaults(fn=trainer_run)
+
+    for sub in (ctl, ro, tr):
+        sub.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+
+    args = p.parse_args(argv)
+    args.overrides = dict(_override(o) for o in args.overrides)
+    run_dir = Path(args.overrides["run.dir"]) / args.overrides["run.name"]
+    if run_dir != Path(os.environ["RELAYRL_RUN_DIR"]):
+        print(f"stub: run.dir/run.name = {run_dir}, expected $RELAYRL_RUN_DIR", file=sys.stderr)
+        return 4
+    args.run_dir = run_dir
+    argv_dir = run_dir / "stub"
+    argv_dir.mkdir(parents=True, exist_ok=True)
+    record = {"argv": sys.argv[1:] if argv is None else argv, "rank": os.environ.get("RANK")}
+    (argv_dir / f"{args.role}-{os.getpid()}.argv.json").write_text(json.dumps(record))
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

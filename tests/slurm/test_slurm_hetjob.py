@@ -1,0 +1,409 @@
+"""Slurm deployment: a real two-node Slurm cluster on this host, heterogeneous jobs on it.
+
+The cluster comes from ``deploy/slurm/local-cluster.sh`` (Debian's slurm-wlm + munge, no systemd:
+munged as user munge, slurmctld, and ``slurmd -N n1`` / ``slurmd -N n2`` with NodeAddr=127.0.0.1 and
+distinct ports), everything under a fresh directory in /tmp, torn down after the module.
+
+There is no slurmdbd, so final job states come from ``JobCompType=jobcomp/filetxt`` (one line per het
+component), with ``scontrol show job`` used while the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CLUSTER = REPO / "deploy" / "slurm" / "local-cluster.sh"
+SBATCH = REPO / "deploy" / "slurm" / "relayrl.sbatch"
+STUB_CLI = Path(__file__).with_name("stub_cli.py")
+DIGITS_SLURM = REPO / "examples" / "digits-slurm.yaml"
+
+SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+
+pytestmark = pytest.mark.slow
+
+
+def _install_skip_reason() -> str | None:
+    if all(shutil.which(b) for b in SLURM_BINARIES):
+        return None
+    if sys.platform != "linux":
+        return "Slurm test cluster needs Linux"
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it (apt-get install slurm-wlm munge) needs root"
+    if shutil.which("apt-get") is None:
+        return "Slurm is not installed and there is no apt-get to install it with"
+    return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free (slurmctld, then one port per slurmd)."""
+    for _ in range(200):
+        p = _free_port()
+        if p + n < 65536 and all(_port_free(p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no run of free ports found")
+
+
+@dataclass
+class Cluster:
+    base: Path
+    env: dict[str, str]
+    timings: dict[str, float]
+
+    def run(self, *cmd: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, env=kw.pop("env", self.env), capture_output=True, text=True, **kw)
+
+    def submit(self, script: Path, *, cwd: Path, env: dict[str, str] | None = None, args=()) -> str:
+        res = self.run("sbatch", "--parsable", *args, str(script), cwd=cwd, env={**self.env, **(env or {})})
+        assert res.returncode == 0, f"sbatch failed: {res.stderr}"
+        return res.stdout.strip().split(";")[0]
+
+    def components(self, job_id: str) -> list[dict[str, str]]:
+        """Final records of a (het) job's components from the jobcomp text file."""
+        path = self.base / "log" / "jobcomp.txt"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            rec = dict(re.findall(r"(\w+)=(\S*)", line))
+            plain_job = rec.get("JobId") == job_id and rec.get("HetJobId", "0") == "0"
+            if rec.get("HetJobId") == job_id or plain_job:
+                out.append(rec)
+        return sorted(out, key=lambda r: int(r.get("HetJobOffset", "0")))
+
+    def live_states(self, job_id: str) -> list[str]:
+        res = self.run("scontrol", "show", "job", "-o", job_id)
+        return re.findall(r"JobState=(\S+)", res.stdout) if res.returncode == 0 else []
+
+    def wait(self, job_id: str, timeout: float) -> list[dict[str, str]]:
+        """Wait until every component has a final record; returns the records (sorted by offset)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.live_states(job_id)
+            comps = self.components(job_id)
+            if states and all(s in TERMINAL for s in states) and len(comps) >= len(states):
+                return comps
+            if not states and comps:
+                return comps
+            time.sleep(0.5)
+        self.run("scancel", job_id)
+        pytest.fail(f"job {job_id} did not finish in {timeout:.0f}s; states {self.live_states(job_id)}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _install_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", LOCAL_CLUSTER, "install"], capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, f"installing slurm-wlm/munge failed:\n{res.stderr[-3000:]}"
+    timings["install_s"] = time.monotonic() - t0
+
+    # Not pytest's tmp_path: it is mode 0700 under /tmp/pytest-of-root, which user munge cannot traverse.
+    base = Path(tempfile.mkdtemp(prefix="relayrl-slurm-", dir="/tmp"))
+    base.chmod(0o755)
+    env = {
+        **os.environ,
+        "RELAYRL_SLURM_DIR": str(base),
+        "RELAYRL_SLURM_PORT_BASE": str(_free_port_run(3)),
+        "RELAYRL_SLURM_CPUS": str(max(4, os.cpu_count() or 1)),
+        "SLURM_CONF": str(base / "etc" / "slurm.conf"),
+    }
+    for var in [v for v in env if v.startswith("SLURM_") and v != "SLURM_CONF"]:
+        env.pop(var)  # never inherit an outer job's context
+    t0 = time.monotonic()
+    start = ["bash", LOCAL_CLUSTER, "start"]
+    res = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+    timings["start_s"] = time.monotonic() - t0
+    try:
+        assert res.returncode == 0, f"local cluster did not start:\n{res.stderr[-3000:]}"
+        print(f"\nlocal slurm cluster under {base}: {timings}", file=sys.stderr)
+        yield Cluster(base=base, env=env, timings=timings)
+    finally:
+        subprocess.run(["bash", LOCAL_CLUSTER, "stop", "--purge"], env=env, capture_output=True, timeout=120)
+
+
+def test_cluster_has_two_idle_nodes(cluster: Cluster):
+    res = cluster.run("sinfo", "-h", "-N", "-o", "%N %t")
+    assert res.returncode == 0, res.stderr
+    nodes = dict(line.split() for line in res.stdout.splitlines())
+    assert nodes == {"n1": "idle", "n2": "idle"}
+
+
+TRIVIAL_HETJOB = """#!/bin/bash
+#SBATCH --job-name=het-trivial
+#SBATCH --output={out}/slurm-%j.out
+#SBATCH --nodes=1 --ntasks=1
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks=1
+set -euo pipefail
+for g in 0 1; do
+  srun --het-group=$g bash -c 'echo "group=$1 node=$SLURMD_NODENAME nodelist=$SLURM_JOB_NODELIST \\
+het_size=$SLURM_HET_SIZE job=$SLURM_JOB_ID" > "$2/group$1.txt"' _ $g {out}
+done
+"""
+
+
+def test_trivial_hetjob(cluster: Cluster, tmp_path: Path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "het.sbatch"
+    script.write_text(TRIVIAL_HETJOB.format(out=out))
+    t0 = time.monotonic()
+    job = cluster.submit(script, cwd=tmp_path)
+    comps = cluster.wait(job, timeout=120)
+    elapsed = time.monotonic() - t0
+    print(f"\ntrivial het job {job}: {elapsed:.1f}s submit-to-done", file=sys.stderr)
+
+    assert [c["HetJobOffset"] for c in comps] == ["0", "1"], comps
+    assert all(c["JobState"] == "COMPLETED" and c["ExitCode"] == "0:0" for c in comps), comps
+    assert comps[0]["NodeList"] != comps[1]["NodeList"]
+    seen = {}
+    for g in (0, 1):
+        fields = dict(kv.split("=", 1) for kv in (out / f"group{g}.txt").read_text().split())
+        assert fields["het_size"] == "2"
+        assert fields["node"] == comps[g]["NodeList"]  # the step ran inside its own het component
+        seen[g] = fields["node"]
+    assert seen[0] != seen[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# deploy/slurm/relayrl.sbatch
+# ------------------------------------------------------------------------------------------------
+
+
+def _relayrl_env(run_dir: Path, config: str) -> dict[str, str]:
+    return {
+        "RELAYRL_CONFIG": config,
+        "RELAYRL_RUN_DIR": str(run_dir),
+        "RELAYRL_PYTHON": sys.executable,
+        "RELAYRL_CONTROLLER_PORT": str(_free_port()),
+        "RELAYRL_CONTROLLER_METRICS_PORT": str(_free_port()),
+        "RELAYRL_ROLLOUT_PORT": str(_free_port_run(2)),
+        "RELAYRL_ROLLOUT_METRICS_PORT": str(_free_port_run(2)),
+        "RELAYRL_MASTER_PORT": str(_free_port()),
+        "RELAYRL_STOP_GRACE": "30",
+    }
+
+
+def _diagnostics(run_dir: Path, out_dir: Path) -> str:
+    parts = []
+    for f in sorted([*out_dir.glob("*.out"), *(run_dir / "logs").glob("*.log")]):
+        parts.append(f"--- {f.name}\n{f.read_text(errors='replace')[-4000:]}")
+    return "\n".join(parts)
+
+
+def _roles(run_dir: Path) -> dict[str, list[dict]]:
+    roles: dict[str, list[dict]] = {}
+    for f in sorted((run_dir / "roles").glob("*.json")):
+        rec = json.loads(f.read_text())
+        roles.setdefault(rec["role"], []).append(rec)
+    return roles
+
+
+@dataclass
+class RelayrlJob:
+    job_id: str
+    components: list[dict[str, str]]
+    run_dir: Path
+    diag: str
+
+
+def _submit_relayrl(
+    cluster: Cluster, tmp_path: Path, *, cwd: Path, config: str, timeout: float, env=None, args=()
+) -> RelayrlJob:
+    run_dir = tmp_path / "run"
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    full_env = {**_relayrl_env(run_dir, config), **(env or {})}
+    t0 = time.monotonic()
+    job = cluster.submit(SBATCH, cwd=cwd, env=full_env, args=(f"--output={out_dir}/slurm-%j.out", *args))
+    comps = cluster.wait(job, timeout=timeout)
+    print(f"\nrelayrl het job {job}: {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return RelayrlJob(job, comps, run_dir, _diagnostics(run_dir, out_dir))
+
+
+def _assert_placement(job: RelayrlJob) -> dict[str, list[dict]]:
+    """Rollout ran in het group 0, controller and trainer in het group 1, on disjoint nodes."""
+    roles = _roles(job.run_dir)
+    assert set(roles) == {"controller", "rollout", "trainer"}, f"{roles}\n{job.diag}"
+    groups = {role: {r["het_group"] for r in recs} for role, recs in roles.items()}
+    assert groups == {"controller": {1}, "rollout": {0}, "trainer": {1}}, groups
+    for recs in roles.values():  # the group the script asked for is the one Slurm placed the task in
+        for r in recs:
+            assert r["het_group_from_nodelist"] == r["het_group"], r
+            assert r["het_size"] == 2, r
+    rollout_nodes = {r["slurmd_nodename"] for r in roles["rollout"]}
+    trainer_nodes = {r["slurmd_nodename"] for r in roles["trainer"]}
+    assert rollout_nodes.isdisjoint(trainer_nodes)
+    assert roles["controller"][0]["slurmd_nodename"] == sorted(trainer_nodes)[0]
+    return roles
+
+
+def _assert_completed(job: RelayrlJob) -> None:
+    comps = job.components
+    assert len(comps) == 2, f"{comps}\n{job.diag}"
+    assert all(c["JobState"] == "COMPLETED" and c["ExitCode"] == "0:0" for c in comps), f"{comps}\n{job.diag}"
+    assert json.loads((job.run_dir / "job.json").read_text())["trainer_exit_code"] == 0
+
+
+def _assert_reward_improves(job: RelayrlJob) -> None:
+    path = job.run_dir / "metrics.jsonl"
+    assert path.exists(), f"no {path}\n{job.diag}"
+    rewards = [json.loads(line)["reward_mean"] for line in path.read_text().splitlines() if line.strip()]
+    assert len(rewards) >= 10, rewards
+    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    assert last > first, f"reward_mean did not improve: first 5 {first:.4f}, last 5 {last:.4f}"
+
+
+@pytest.fixture
+def stub_workdir(tmp_path: Path) -> Path:
+    """A submit directory where `python -m relayrl.cli` is tests/slurm/stub_cli.py."""
+    pytest.importorskip("torch")  # the sbatch runs the trainer under torch.distributed.run
+    work = tmp_path / "work"
+    (work / "relayrl").mkdir(parents=True)
+    (work / "relayrl" / "__init__.py").write_text("")
+    shutil.copy(STUB_CLI, work / "relayrl" / "cli.py")
+    (work / "config.yaml").write_text("run: {name: stub}\n")
+    return work
+
+
+def test_relayrl_sbatch_with_stub_cli(cluster: Cluster, tmp_path: Path, stub_workdir: Path):
+    """The orchestration of relayrl.sbatch (placement, addresses, flags, clean stop) on a stand-in CLI.
+
+    Two rollout tasks on the rollout node (het sizes given on the sbatch command line, `:` between
+    groups) check the per-task ports.
+    """
+    job = _submit_relayrl(
+        cluster,
+        tmp_path,
+        cwd=stub_workdir,
+        config="config.yaml",
+        timeout=300,
+        args=("--ntasks-per-node=2", ":", "--nodes=1"),
+    )
+    _assert_completed(job)
+    roles = _assert_placement(job)
+    assert len(roles["rollout"]) == 2 and len({r["address"] for r in roles["rollout"]}) == 2
+    ctl = roles["controller"][0]
+    registered = (job.run_dir / "controller" / "registrations.txt").read_text().split()
+    assert sorted(r["address"] for r in roles["rollout"]) == sorted(a for a in registered if a != "register")
+    assert all(r["address"].rsplit(":", 1)[0] == ctl["address"].rsplit(":", 1)[0] for r in roles["rollout"])
+    # the exact command lines of the contract
+    argv = {}
+    for f in (job.run_dir / "stub").glob("*.argv.json"):
+        argv.setdefault(f.name.split("-")[0], []).append(json.loads(f.read_text())["argv"])
+    assert len(argv["controller"]) == 1 and len(argv["rollout"]) == 2 and len(argv["trainer"]) == 1
+    ctl_argv, trainer_argv = argv["controller"][0], argv["trainer"][0]
+    assert ctl_argv[:2] == ["controller", "serve"] and "--metrics-port" in ctl_argv
+    assert "controller.host=0.0.0.0" in ctl_argv
+    assert all(a[:2] == ["rollout", "serve"] and "--metrics-port" in a for a in argv["rollout"])
+    assert trainer_argv[:2] == ["trainer", "run"]
+    for a in [ctl_argv, trainer_argv, *argv["rollout"]]:
+        assert a[a.index("--config") + 1] == str(stub_workdir / "config.yaml")
+        assert f"run.name={job.run_dir.name}" in a
+    # the services were stopped with SIGTERM after the trainer finished, and exited cleanly
+    assert (job.run_dir / "controller" / "stopped").read_text() == "SIGTERM\n", job.diag
+    assert len(list((job.run_dir / "stub").glob("rollout-*.stopped"))) == 2, job.diag
+    _assert_reward_improves(job)
+
+
+def test_relayrl_sbatch_trainer_failure_fails_job(cluster: Cluster, tmp_path: Path, stub_workdir: Path):
+    job = _submit_relayrl(
+        cluster,
+        tmp_path,
+        cwd=stub_workdir,
+        config="config.yaml",
+        timeout=300,
+        # also: empty metrics ports drop the --metrics-port flags
+        env={
+            "RELAYRL_STUB_TRAINER_EXIT": "5",
+            "RELAYRL_CONTROLLER_METRICS_PORT": "",
+            "RELAYRL_ROLLOUT_METRICS_PORT": "",
+        },
+    )
+    for f in (job.run_dir / "stub").glob("*.argv.json"):
+        assert "--metrics-port" not in json.loads(f.read_text())["argv"], f.name
+    assert [c["JobState"] for c in job.components] == ["FAILED", "FAILED"], f"{job.components}\n{job.diag}"
+    assert json.loads((job.run_dir / "job.json").read_text())["trainer_exit_code"] != 0
+    assert (job.run_dir / "controller" / "stopped").exists(), job.diag  # services still stopped cleanly
+
+
+def test_relayrl_sbatch_rollout_crash_stops_trainer(cluster: Cluster, tmp_path: Path, stub_workdir: Path):
+    t0 = time.monotonic()
+    job = _submit_relayrl(
+        cluster,
+        tmp_path,
+        cwd=stub_workdir,
+        config="config.yaml",
+        timeout=300,
+        env={"RELAYRL_STUB_ROLLOUT_CRASH": "1"},
+    )
+    assert time.monotonic() - t0 < 120, "the waiting trainer was not stopped"
+    assert [c["JobState"] for c in job.components] == ["FAILED", "FAILED"], f"{job.components}\n{job.diag}"
+    assert "rollout step ended" in job.diag
+
+
+def _cli_help(role: str) -> str:
+    cmd = [sys.executable, "-m", "relayrl.cli", role, "serve", "--help"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not DIGITS_SLURM.exists(), reason="examples/digits-slurm.yaml is not written yet")
+def test_relayrl_hetjob(cluster: Cluster, tmp_path: Path):
+    """The real thing: relayrl's controller, rollout worker and torchrun trainer as one het job."""
+    config = str(DIGITS_SLURM.relative_to(REPO))
+    # as many rollout workers as `relayrl up` would start, all on the rollout node
+    workers = (yaml.safe_load(DIGITS_SLURM.read_text()).get("rollout") or {}).get("workers", 1)
+    sizes = (f"--ntasks-per-node={workers}", ":", "--nodes=1")
+    env = {}
+    for role in ("controller", "rollout"):  # the sbatch drops --metrics-port when its port is ""
+        if "--metrics-port" not in _cli_help(role):
+            env[f"RELAYRL_{role.upper()}_METRICS_PORT"] = ""
+    job = _submit_relayrl(cluster, tmp_path, cwd=REPO, config=config, timeout=900, env=env, args=sizes)
+    _assert_completed(job)
+    _assert_placement(job)
+    _assert_reward_improves(job)
