@@ -89,6 +89,7 @@ class ControllerConfig(Section):
     max_staleness: int = Field(0, ge=0)  # trajectories older than current - K are not trained
     worker_timeout_s: float = Field(30.0, gt=0)  # no heartbeat for this long: the worker is dropped
     generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call
+    shutdown_grace_s: float = Field(10.0, ge=0)  # SIGTERM: finish in-flight RPCs for this long
     dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call
     reward: RewardConfig = Field(default_factory=RewardConfig)
 

@@ -83,7 +83,15 @@ def train_on_batch(
             tokens = float(m.sum())
             mismatch = ((old[k] - batch.rollout_logprobs[shard].to(backend.device)).abs() * m).sum() / max(tokens, 1)
             entropy_mean = (entropy.detach() * m).sum() / max(tokens, 1)
-            values = [pg["clip_frac"], pg["dual_clip_frac"], pg["approx_kl"], ref_kl, entropy_mean, mismatch, loss.detach()]
+            values = [
+                pg["clip_frac"],
+                pg["dual_clip_frac"],
+                pg["approx_kl"],
+                ref_kl,
+                entropy_mean,
+                mismatch,
+                loss.detach(),
+            ]
             sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
             sums[-1] += tokens
     dist.all_reduce(sums)
