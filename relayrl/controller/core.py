@@ -279,14 +279,12 @@ class Controller:
             self.progress.policy_version = request.policy_version
             self.progress.last_sync_seconds = request.sync_seconds
             self.progress.last_sync_unix = time.time()
+            if request.step >= self.cfg.trainer.steps:
+                self.state = "finished"
             self._save_progress()
             self._cond.notify_all()
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
         self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), TRAINED, step=request.step)
-        if request.step >= self.cfg.trainer.steps:
-            with self._cond:
-                self.state = "finished"
-                self._cond.notify_all()
 
     def sync_plan(self) -> controller_pb2.WeightSyncPlan:
         return controller_pb2.WeightSyncPlan(

@@ -81,6 +81,7 @@ class RolloutWorker:
         self._paused = False
         self._abort = threading.Event()
         self._buffers = BufferPair("cpu")
+        self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
 
     @property
     def reported_version(self) -> int:
@@ -159,6 +160,11 @@ class RolloutWorker:
             self.state = "torn"
             raise FailedPrecondition(f"checksum: loaded weights {checksum[:12]} != manifest {manifest.checksum[:12]}")
         self.last_update_seconds = time.perf_counter() - start
+        self.loaded.append(
+            rollout_pb2.LoadedVersion(
+                policy_version=self.version, checksum=checksum, load_seconds=self.last_update_seconds
+            )
+        )
         return rollout_pb2.UpdateWeightsResponse(
             policy_version=self.version,
             checksum=checksum,
@@ -237,6 +243,7 @@ class RolloutWorker:
             weights_checksum=weights_checksum(self.engine.named_weights()) if with_checksum else "",
             weight_sync_group=self.group.group_name if self.group else "",
             last_update_seconds=self.last_update_seconds,
+            loaded=list(self.loaded),
         )
 
 

@@ -80,6 +80,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         **train,
         "sync_seconds": sync.seconds,
         "sync_bytes": sync.nbytes,
+        "weights_checksum": sync.checksum,
         "workers_synced": len(sync.synced),
         "step_seconds": step_seconds,
         "samples_per_second": stats.samples_generated / step_seconds if step_seconds > 0 else 0.0,

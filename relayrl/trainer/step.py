@@ -51,6 +51,7 @@ def train_on_batch(
         )
 
     sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
+    mismatch_max = torch.zeros(1, dtype=torch.float64)
     grad_norms = []
     for _epoch in range(tcfg.epochs):
         for k, (rows, shard) in enumerate(zip(minibatches, shards)):
@@ -81,7 +82,9 @@ def train_on_batch(
             (loss * world).backward()
             grad_norms.append(backend.step(tcfg.grad_clip))
             tokens = float(m.sum())
-            mismatch = ((old[k] - batch.rollout_logprobs[shard].to(backend.device)).abs() * m).sum() / max(tokens, 1)
+            gap = (old[k] - batch.rollout_logprobs[shard].to(backend.device)).abs() * m
+            mismatch = gap.sum() / max(tokens, 1)
+            mismatch_max = torch.maximum(mismatch_max, gap.max().double().cpu().reshape(1))
             entropy_mean = (entropy.detach() * m).sum() / max(tokens, 1)
             values = [
                 pg["clip_frac"],
@@ -95,8 +98,10 @@ def train_on_batch(
             sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
             sums[-1] += tokens
     dist.all_reduce(sums)
+    dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     tokens = max(float(sums[-1]), 1.0)
     metrics = {name: float(sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["logprob_mismatch_max"] = float(mismatch_max)  # max |trainer - engine| logprob, behaviour policy
     metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
     return metrics

@@ -94,7 +94,7 @@ class StatsRequest(_message.Message):
     def __init__(self, with_checksum: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "engine", "state", "policy_version", "active_requests", "generated_tokens", "tokens_per_second", "weights_checksum", "weight_sync_group", "last_update_seconds")
+    __slots__ = ("worker_id", "engine", "state", "policy_version", "active_requests", "generated_tokens", "tokens_per_second", "weights_checksum", "weight_sync_group", "last_update_seconds", "loaded")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class StatsResponse(_message.Message):
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_GROUP_FIELD_NUMBER: _ClassVar[int]
     LAST_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine: str
     state: str
@@ -115,4 +116,15 @@ class StatsResponse(_message.Message):
     weights_checksum: str
     weight_sync_group: str
     last_update_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., active_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., weights_checksum: _Optional[str] = ..., weight_sync_group: _Optional[str] = ..., last_update_seconds: _Optional[float] = ...) -> None: ...
+    loaded: _containers.RepeatedCompositeFieldContainer[LoadedVersion]
+    def __init__(self, worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., active_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., weights_checksum: _Optional[str] = ..., weight_sync_group: _Optional[str] = ..., last_update_seconds: _Optional[float] = ..., loaded: _Optional[_Iterable[_Union[LoadedVersion, _Mapping]]] = ...) -> None: ...
+
+class LoadedVersion(_message.Message):
+    __slots__ = ("policy_version", "checksum", "load_seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    checksum: str
+    load_seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., checksum: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint proto bench-weightsync clean
+
+# torch first and pinned: an open range would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/relayrl up examples/digits.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check relayrl tests bench
+	$(VENV)/bin/ruff format --check relayrl tests bench
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/relayrl/v1/*.proto
+
+bench-weightsync: $(STAMP)
+	$(VENV)/bin/relayrl bench weightsync --json > bench/results/weightsync.json
+
+clean:
+	rm -rf $(VENV) runs examples/assets

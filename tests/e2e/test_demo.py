@@ -1,0 +1,45 @@
+"""`relayrl up examples/digits.yaml` as a user runs it (in a temp run dir): the reward rises as promised."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relayrl.trainer.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def test_demo_reward_rises(tmp_path):
+    overrides = [
+        f"run.dir={tmp_path / 'runs'}",
+        f"model.path={tmp_path / 'assets/tiny-qwen2'}",
+        f"data.path={tmp_path / 'assets/digits/train.jsonl'}",
+    ]
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
+    for o in overrides:
+        argv += ["--set", o]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run_dir = tmp_path / "runs" / "digits"
+    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
+    assert done.returncode == 0, done.stderr[-3000:] + logs
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert len(records) == config["trainer"]["steps"]
+    first = sum(r["reward_mean"] for r in records[:10]) / 10
+    last = sum(r["reward_mean"] for r in records[-10:]) / 10
+    assert first <= 0.3, first
+    assert last >= 0.6, last
+    assert (run_dir / "reward.png").stat().st_size > 10_000
+    assert "reward, last 10 steps" in done.stderr  # the summary table
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    assert model.config.vocab_size == len(tokenizer)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_40", "step_80"]
