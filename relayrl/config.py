@@ -97,7 +97,7 @@ class ControllerConfig(Section):
 class TrainerConfig(Section):
     steps: int = Field(100, ge=1)
     nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
-    backend: Literal["fsdp", "megatron"] = "fsdp"
+    backend: Literal["fsdp"] = "fsdp"  # Megatron-core is planned, not implemented
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
