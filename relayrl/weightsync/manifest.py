@@ -1,0 +1,218 @@
+"""The weight manifest: every tensor's place in a packed per-dtype bucket, plus the version it brings.
+
+Layout rule (``build_manifest``): tensors are grouped by dtype (dtypes in order of first appearance,
+tensors in the given order within a dtype) and packed into flat byte buckets of at most
+``bucket_bytes``; every offset is a multiple of ``ALIGN`` bytes so each tensor's view is aligned.
+A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+from google.protobuf import json_format
+
+from relayrl.v1 import common_pb2 as pb
+
+ALIGN = 256
+DEFAULT_BUCKET_BYTES = 512 << 20
+TRANSPORTS = ("broadcast", "filesystem")
+
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the wire spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """ "bfloat16" -> torch.bfloat16; ValueError for anything that is not a torch dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: unknown torch dtype {name!r}")
+    return dtype
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """numel(shape) * itemsize(dtype)."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel * dtype.itemsize
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Smallest multiple of ``align`` that is >= n."""
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor: ``nbytes`` bytes at byte ``offset`` of bucket ``bucket``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One flat byte buffer holding tensors of a single dtype."""
+
+    index: int
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """One weight update. Construction checks the layout is self-consistent (ValueError otherwise)."""
+
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[BucketSpec, ...]
+    transport: str = "broadcast"
+    path: str = ""
+    checksum: str = ""
+    _by_bucket: dict[int, list[TensorSpec]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "buckets", tuple(self.buckets))
+        object.__setattr__(self, "_by_bucket", _check_layout(self))
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes: the sum of every tensor's nbytes (bucket padding excluded)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def bucket_tensors(self, index: int) -> list[TensorSpec]:
+        """The tensors of bucket ``index`` in offset order."""
+        return self._by_bucket[index]
+
+    def validate_against(self, specs: Sequence[Spec]) -> None:
+        """ValueError naming the first tensor whose name, shape or dtype differs from ``specs``."""
+        mine = {t.name: t for t in self.tensors}
+        for name, shape, dtype in specs:
+            spec = mine.pop(name, None)
+            if spec is None:
+                raise ValueError(f"{name}: missing from the manifest (version {self.version})")
+            if spec.shape != tuple(shape):
+                raise ValueError(f"{name}: shape {list(spec.shape)} in the manifest, {list(shape)} expected")
+            if spec.dtype != dtype:
+                raise ValueError(
+                    f"{name}: dtype {dtype_name(spec.dtype)} in the manifest, {dtype_name(dtype)} expected"
+                )
+        if mine:
+            raise ValueError(f"{next(iter(mine))}: in the manifest but not expected")
+
+    def to_proto(self) -> pb.WeightManifest:
+        return pb.WeightManifest(
+            version=self.version,
+            tensors=[
+                pb.TensorSpec(
+                    name=t.name,
+                    shape=t.shape,
+                    dtype=dtype_name(t.dtype),
+                    bucket=t.bucket,
+                    offset=t.offset,
+                    nbytes=t.nbytes,
+                )
+                for t in self.tensors
+            ],
+            buckets=[pb.BucketSpec(index=b.index, dtype=dtype_name(b.dtype), nbytes=b.nbytes) for b in self.buckets],
+            transport=self.transport,
+            path=self.path,
+            checksum=self.checksum,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.WeightManifest) -> WeightManifest:
+        """Inverse of ``to_proto``; ValueError (naming the tensor) for an inconsistent layout."""
+        return cls(
+            version=msg.version,
+            tensors=tuple(
+                TensorSpec(t.name, tuple(t.shape), dtype_from_name(t.dtype), t.bucket, t.offset, t.nbytes)
+                for t in msg.tensors
+            ),
+            buckets=tuple(BucketSpec(b.index, dtype_from_name(b.dtype), b.nbytes) for b in msg.buckets),
+            transport=msg.transport or "broadcast",  # proto3 default "" = unset
+            path=msg.path,
+            checksum=msg.checksum,
+        )
+
+    def to_json(self) -> str:
+        """The proto's canonical JSON (what the filesystem transport stores next to the shards)."""
+        return json_format.MessageToJson(self.to_proto(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightManifest:
+        return cls.from_proto(json_format.Parse(text, pb.WeightManifest()))
+
+
+def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
+    """Check every invariant a receiver relies on; return the tensors of each bucket by offset."""
+    if m.transport not in TRANSPORTS:
+        raise ValueError(f"transport: {m.transport!r} is not one of {TRANSPORTS}")
+    by_bucket: dict[int, list[TensorSpec]] = {}
+    for i, b in enumerate(m.buckets):
+        if b.index != i or b.nbytes < 0:
+            raise ValueError(f"buckets[{i}]: index {b.index}, nbytes {b.nbytes}")
+        by_bucket[i] = []
+    names: set[str] = set()
+    for t in m.tensors:
+        if t.name in names:
+            raise ValueError(f"{t.name}: appears twice in the manifest")
+        names.add(t.name)
+        if not 0 <= t.bucket < len(m.buckets):
+            raise ValueError(f"{t.name}: bucket {t.bucket} does not exist")
+        bucket = m.buckets[t.bucket]
+        if t.dtype != bucket.dtype:
+            raise ValueError(f"{t.name}: dtype {dtype_name(t.dtype)} in a {dtype_name(bucket.dtype)} bucket")
+        if any(d < 0 for d in t.shape) or t.nbytes != nbytes_of(t.shape, t.dtype):
+            raise ValueError(f"{t.name}: nbytes {t.nbytes} does not match shape {list(t.shape)}")
+        if t.offset < 0 or t.offset % t.dtype.itemsize or t.offset + t.nbytes > bucket.nbytes:
+            raise ValueError(f"{t.name}: offset {t.offset} is misaligned or outside bucket {t.bucket}")
+        by_bucket[t.bucket].append(t)
+    for index, specs in by_bucket.items():
+        specs.sort(key=lambda t: t.offset)
+        for prev, cur in pairwise(specs):
+            if prev.offset + prev.nbytes > cur.offset:
+                raise ValueError(f"{cur.name}: overlaps {prev.name} in bucket {index}")
+    return by_bucket
+
+
+def build_manifest(
+    specs: Sequence[Spec],
+    *,
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transport: str = "broadcast",
+) -> WeightManifest:
+    """Pack ``specs`` per dtype into buckets of at most ``bucket_bytes`` with ALIGN-aligned offsets."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape, dtype in specs:
+        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
+    tensors: list[TensorSpec] = []
+    buckets: list[BucketSpec] = []
+    for dtype, entries in by_dtype.items():
+        open_bucket, used = -1, 0
+        for name, shape in entries:
+            nbytes = nbytes_of(shape, dtype)
+            offset = align_up(used)
+            if open_bucket < 0 or offset + nbytes > bucket_bytes:
+                open_bucket, offset = len(buckets), 0
+                buckets.append(BucketSpec(open_bucket, dtype, 0))
+            used = offset + nbytes
+            buckets[open_bucket] = BucketSpec(open_bucket, dtype, used)
+            tensors.append(TensorSpec(name, shape, dtype, open_bucket, offset, nbytes))
+    return WeightManifest(version=version, tensors=tuple(tensors), buckets=tuple(buckets), transport=transport)

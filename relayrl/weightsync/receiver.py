@@ -1,0 +1,73 @@
+"""Rollout-worker side of a weight update: receive the buckets in order into two reusable buffers.
+
+While bucket k is received and loaded from slot k % 2, every chunk of bucket k+1 is already posted
+into the other slot (whose bucket, k-1, is fully loaded), so the extra memory is at most two buckets
+(``peak_extra_bytes``). ``load_fn`` is called with views of the tensors a chunk completes, as soon as
+it arrives; it must copy them into the engine's parameters before returning (the buffer is
+overwritten two buckets later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.packing import BufferPair, Chunk, check_device, transfer_chunks, views
+from relayrl.weightsync.stats import ReceiveStats
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+def receive_weights(
+    group: WeightBroadcastGroup,
+    manifest: WeightManifest,
+    load_fn: LoadFn,
+    *,
+    device: torch.device | str | None = None,
+    src: int = 0,
+    buffers: BufferPair | None = None,
+) -> ReceiveStats:
+    """Receive every bucket of ``manifest`` from rank ``src``; ``load_fn(views)`` sees every tensor once.
+
+    The staging buffers live on ``device`` (default: the group's device), or are ``buffers`` (kept
+    between updates by the caller; on the group's device). If ``load_fn`` raises, the
+    remaining buckets are still received (the group stays in step), the failure is voted to the
+    sender, and the exception is re-raised here.
+    """
+    buffers = buffers if buffers is not None else BufferPair(device if device is not None else group.device)
+    check_device(buffers, group)
+    start = time.perf_counter()
+    buckets = manifest.buckets
+    buffers.prepare(buckets)
+
+    def post(k: int) -> list[tuple[Chunk, torch.Tensor, dist.Work]]:
+        """Start receiving every chunk of bucket k into slot k % 2."""
+        flat = buffers.slot(k, buckets[k].nbytes)
+        chunks = transfer_chunks(manifest, buckets[k], group.chunk_bytes)
+        return [(c, flat, group.broadcast_async(flat[c.start : c.end], src=src)) for c in chunks]
+
+    failure: Exception | None = None
+    pending = post(0) if buckets else []
+    for k in range(len(buckets)):
+        current, pending = pending, post(k + 1) if k + 1 < len(buckets) else []
+        for chunk, flat, work in current:
+            group.wait(work)
+            if failure is None and chunk.complete:
+                try:
+                    load_fn(views(flat, chunk.complete))
+                except Exception as exc:
+                    failure = exc
+    group.all_ok(failure is None)
+    if failure is not None:
+        raise failure
+    return ReceiveStats(
+        seconds=time.perf_counter() - start,
+        nbytes=manifest.total_bytes,
+        buckets=len(buckets),
+        peak_extra_bytes=buffers.nbytes,
+    )

@@ -1,0 +1,198 @@
+"""Weight sync across real processes: a sender (this process) and receivers spawned as OS processes,
+talking over a WeightBroadcastGroup (gloo on loopback)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.v1 import common_pb2 as pb
+from relayrl.weightsync import (
+    BufferPair,
+    WeightBroadcastGroup,
+    WeightManifest,
+    WeightSender,
+    WeightSyncError,
+    WeightSyncTimeout,
+    build_manifest,
+    receive_weights,
+    weights_checksum,
+)
+
+pytestmark = pytest.mark.slow
+
+BUCKET_BYTES = 1 << 20
+CHUNK_BYTES = 256 << 10  # several chunks per bucket: packing, transfer and loading pipeline
+SPECS = [
+    ("embed", (512, 256), torch.bfloat16),  # 256 KiB
+    *((f"layers.{i}.w", (256, 512), torch.float32) for i in range(6)),  # 512 KiB each
+    *((f"layers.{i}.norm", (256,), torch.float32) for i in range(6)),
+    ("big", (700, 1024), torch.bfloat16),  # 1.37 MiB: a bucket of its own
+    ("position_ids", (1000,), torch.int64),
+]
+
+
+def make_tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape, dtype in SPECS:
+        if dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=gen).to(dtype)
+        else:
+            out[name] = torch.randint(0, 2**40, shape, generator=gen, dtype=dtype)
+    return out
+
+
+def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) -> None:
+    """A rollout worker stand-in: joins groups and receives updates as the inbox says, reports back.
+
+    With ``die_signal`` it sends itself that signal inside load_fn (SIGKILL: dies, SIGSTOP: hangs)."""
+    torch.set_num_threads(1)
+    params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=d) for n, s, d in SPECS}
+    buffers = BufferPair("cpu")
+    group: WeightBroadcastGroup | None = None
+
+    def load(views: list[tuple[str, torch.Tensor]]) -> None:
+        if die_signal is not None:
+            os.kill(os.getpid(), die_signal)
+        for name, view in views:
+            params[name].copy_(view)
+
+    while True:
+        kind, *args = inbox.get(timeout=60)
+        if kind == "join":
+            port, group_rank, world_size, name = args
+            group = WeightBroadcastGroup(
+                "127.0.0.1", port, group_rank, world_size, name, timeout_s=5.0, chunk_bytes=CHUNK_BYTES
+            )
+            outbox.put(("ready", rank))
+        elif kind == "weights":
+            manifest = WeightManifest.from_proto(pb.WeightManifest.FromString(args[0]))
+            manifest.validate_against(SPECS)
+            try:
+                stats = receive_weights(group, manifest, load, device="cpu", buffers=buffers)
+            except WeightSyncError as exc:
+                group.close()
+                outbox.put(("error", rank, type(exc).__name__))
+                continue
+            outbox.put(("ok", rank, weights_checksum(params.items()), stats.peak_extra_bytes, stats.buckets))
+        else:
+            return
+
+
+class Receivers:
+    """Spawned receiver processes with one inbox each and a shared outbox."""
+
+    def __init__(self, ranks_dying: dict[int, int | None]) -> None:
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = {rank: ctx.Queue() for rank in ranks_dying}
+        self.procs = {
+            rank: ctx.Process(target=receiver_main, args=(rank, self.inboxes[rank], self.outbox, dies), daemon=True)
+            for rank, dies in ranks_dying.items()
+        }
+        for proc in self.procs.values():
+            proc.start()
+
+    def tell(self, ranks: list[int], *message: object) -> None:
+        for rank in ranks:
+            self.inboxes[rank].put(message)
+
+    def replies(self, n: int) -> list[tuple]:
+        return sorted((self.outbox.get(timeout=60) for _ in range(n)), key=lambda r: r[1])
+
+    def join(self, ranks: list[int], group: WeightBroadcastGroup) -> None:
+        """Tell ``ranks`` to join ``group`` as group ranks 1, 2, ...; wait until each has built it."""
+        for group_rank, rank in enumerate(ranks, start=1):
+            self.inboxes[rank].put(("join", group.port, group_rank, group.world_size, group.group_name))
+        assert [r[0] for r in self.replies(len(ranks))] == ["ready"] * len(ranks)
+
+    def close(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.is_alive():
+                self.inboxes[rank].put(("stop",))
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+@pytest.fixture
+def receivers_factory() -> Iterator[Any]:
+    made: list[Receivers] = []
+
+    def make(ranks_dying: dict[int, int | None]) -> Receivers:
+        made.append(Receivers(ranks_dying))
+        return made[-1]
+
+    yield make
+    for receivers in made:
+        receivers.close()
+
+
+def test_two_receivers_get_bit_identical_weights_across_buckets(receivers_factory: Any) -> None:
+    receivers = receivers_factory({1: None, 2: None})
+    sender = WeightSender("cpu")
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-1", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
+        receivers.join([1, 2], group)
+        for version in (1, 2):  # the second update reuses every buffer
+            tensors = make_tensors(seed=version)
+            manifest = build_manifest(SPECS, version=version, bucket_bytes=BUCKET_BYTES)
+            assert len(manifest.buckets) >= 4
+            receivers.tell([1, 2], "weights", manifest.to_proto().SerializeToString())
+            stats = sender.send(group, manifest, tensors)
+            assert stats.nbytes == manifest.total_bytes and stats.gbps > 0
+            replies = receivers.replies(2)
+            expected = weights_checksum(tensors.items())
+            two_buckets = sum(sorted(b.nbytes for b in manifest.buckets)[-2:])
+            for kind, _rank, checksum, peak, buckets in replies:
+                assert (kind, checksum, buckets) == ("ok", expected, len(manifest.buckets))
+                assert peak <= two_buckets
+
+
+def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_works(
+    receivers_factory: Any,
+) -> None:
+    receivers = receivers_factory({1: None, 2: signal.SIGKILL})  # rank 2 dies inside load_fn
+    manifest = build_manifest(SPECS, version=1, bucket_bytes=BUCKET_BYTES)
+    tensors = make_tensors(seed=1)
+    group = WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-2", timeout_s=5.0, chunk_bytes=CHUNK_BYTES)
+    receivers.join([1, 2], group)
+    receivers.tell([1, 2], "weights", manifest.to_proto().SerializeToString())
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError):
+        WeightSender("cpu").send(group, manifest, tensors)
+    assert time.monotonic() - start < 5.0 + 2.0
+    assert group.broken
+    group.close()
+    assert receivers.replies(1)[0][:2] == ("error", 1)
+    receivers.procs[2].join(timeout=10)
+    assert receivers.procs[2].exitcode == -signal.SIGKILL
+
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 2, "ws-it-2-gen2", timeout_s=5.0, chunk_bytes=CHUNK_BYTES) as group2:
+        receivers.join([1], group2)
+        manifest2 = build_manifest(SPECS, version=2, bucket_bytes=BUCKET_BYTES)
+        tensors2 = make_tensors(seed=2)
+        receivers.tell([1], "weights", manifest2.to_proto().SerializeToString())
+        WeightSender("cpu").send(group2, manifest2, tensors2)
+        kind, _rank, checksum, *_ = receivers.replies(1)[0]
+        assert (kind, checksum) == ("ok", weights_checksum(tensors2.items()))
+
+
+def test_hanging_receiver_times_out_the_send(receivers_factory: Any) -> None:
+    receivers = receivers_factory({1: signal.SIGSTOP})  # stops inside load_fn: its sockets stay open
+    manifest = build_manifest(SPECS, version=1, bucket_bytes=BUCKET_BYTES)
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 2, "ws-it-3", timeout_s=2.0, chunk_bytes=CHUNK_BYTES) as group:
+        receivers.join([1], group)
+        receivers.tell([1], "weights", manifest.to_proto().SerializeToString())
+        start = time.monotonic()
+        with pytest.raises(WeightSyncTimeout):
+            WeightSender("cpu").send(group, manifest, make_tensors(seed=1))
+        assert time.monotonic() - start < 2.0 + 2.0
+    receivers.procs[1].kill()  # SIGKILL ends a stopped process too
