@@ -32,7 +32,7 @@ def load_rows(cfg: DataConfig) -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.is_dir() and (path / "dataset_info.json").exists():
         return datasets.load_from_disk(str(path))
-    return datasets.load_dataset(cfg.path, split=cfg.split)
+    return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
 
 
 def render_prompt(tokenizer: Any, text: str, mode: str) -> list[int]:

@@ -89,6 +89,8 @@ class InferenceEngine(ABC):
 # name -> engine class, or "module:Class" imported on first use so heavy backends load only when chosen.
 ENGINES: dict[str, type[InferenceEngine] | str] = {
     "hf": "relayrl.rollout.hf:HFEngine",
+    "vllm": "relayrl.rollout.vllm:VLLMEngine",
+    "sglang": "relayrl.rollout.sglang:SGLangEngine",
 }
 
 

@@ -1,0 +1,204 @@
+"""What the engines that run their model in processes of their own (``vllm``, ``sglang``) share.
+
+Such an engine's GPU ranks live in its own worker processes, out of the rollout worker's reach, so the
+rollout worker hands weight sync to it (see ``docs/engines.md``): InitWeightSync becomes
+``engine.init_weight_sync(GroupArgs)``, UpdateWeights becomes ``engine.receive_update(manifest)``, and
+inside every engine process an ``EngineReceiver`` joins relayrl's broadcast group and loads the buckets
+with the engine's own ``load_weights``.
+
+Rank layout: the engine process of local rank r (vLLM: the worker's rank in the engine, TP x PP; SGLang:
+the TP rank) is rank ``rank_offset + r`` of the group, ``rank_offset`` being the rank InitWeightSync gave
+the rollout worker; an engine occupies ``weight_sync_ranks`` consecutive ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from relayrl.errors import FailedPrecondition
+from relayrl.rollout.hf import DTYPES, eos_token_ids
+from relayrl.weightsync.checksum import weights_checksum
+from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from relayrl.weightsync.filesystem import read_weights
+from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.packing import BufferPair
+from relayrl.weightsync.receiver import LoadFn, receive_weights
+from relayrl.weightsync.stats import ReceiveStats
+
+# Exceptions an engine process reports by class name (results cross process boundaries as plain data).
+_REPORTED: dict[str, type[Exception]] = {
+    "WeightSyncError": WeightSyncError,
+    "WeightSyncTimeout": WeightSyncTimeout,
+    "FailedPrecondition": FailedPrecondition,
+    "ValueError": ValueError,
+}
+
+
+@dataclass(frozen=True)
+class GroupArgs:
+    """Where and how the engine's processes join relayrl's weight group (the fields of InitWeightSync)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EngineGroup:
+    """The rollout worker's handle on a group the engine's processes joined: its name and how to leave it."""
+
+    def __init__(self, group_name: str, close: Callable[[], None]) -> None:
+        self.group_name = group_name
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """What an external engine needs to know of the Hugging Face checkpoint it serves, without loading it."""
+
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]]  # the trainer's (name, shape, dtype), tied weights once
+
+
+def hf_model_info(model_path: str, dtype: str) -> HFModelInfo:
+    """Tokenizer, EOS ids (tokenizer + generation config) and weight specs of ``model_path``.
+
+    The specs come from the model built on the meta device (no memory), so they carry the Hugging Face names
+    the trainer sends, whatever layout (fused qkv, TP shards) the engine keeps internally.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # the checkpoint has no generation_config.json
+        generation_config = None
+    return HFModelInfo(
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(tokenizer, generation_config),
+        vocab_size=config.vocab_size,
+        specs=[(name, tuple(p.shape), p.dtype) for name, p in skeleton.named_parameters()],
+    )
+
+
+def check_weights(
+    specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], weights: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """ValueError naming the first tensor that is not a weight of ``specs`` or has another shape."""
+    shapes = {name: shape for name, shape, _ in specs}
+    for name, tensor in weights:
+        if name not in shapes:
+            raise ValueError(f"{name}: no such parameter in the model")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the parameter's {shapes[name]}")
+
+
+class EngineReceiver:
+    """One engine process's membership in relayrl's weight group, and its staging buffers (kept between updates).
+
+    Lives inside the engine's process (a vLLM worker, an SGLang scheduler); ``local_rank`` is that process's
+    rank within the engine.
+    """
+
+    def __init__(self, device: torch.device | str, local_rank: int) -> None:
+        self.device = torch.device(device)
+        self.local_rank = local_rank
+        self.group: WeightBroadcastGroup | None = None
+        self.buffers = BufferPair(self.device)
+
+    def join(self, args: GroupArgs) -> None:
+        """Leave the current group (if any) and join ``args``'s as rank ``rank_offset + local_rank``.
+
+        Never blocks: the rendezvous happens in the first collective (see ``WeightBroadcastGroup``).
+        """
+        self.close()
+        self.group = WeightBroadcastGroup(
+            args.master_address,
+            args.master_port,
+            args.rank_offset + self.local_rank,
+            args.world_size,
+            group_name=args.group_name,
+            backend=args.backend,
+            timeout_s=args.timeout_s,
+            device=self.device,
+        )
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+
+    def receive(self, manifest: WeightManifest, load_fn: LoadFn, group: GroupArgs | None = None) -> dict[str, Any]:
+        """Receive (broadcast) or read (filesystem) every tensor of ``manifest`` and load it with ``load_fn``;
+        ``group``: join it first unless already a member. Never raises (it runs inside the engine's process).
+
+        Returns plain data (it crosses process boundaries): on success ``checksum`` (local rank 0 only, over CPU
+        copies of what it loaded: transient host memory of the model's size), ``seconds``, ``nbytes``,
+        ``buckets``, ``peak_extra_bytes``; on failure ``error`` and ``error_type`` (a broken group is left).
+        """
+        copies: dict[str, torch.Tensor] | None = {} if self.local_rank == 0 else None
+
+        def load(views: list[tuple[str, torch.Tensor]]) -> None:
+            load_fn(views)
+            if copies is not None:
+                copies.update((name, view.to("cpu", copy=True)) for name, view in views)
+
+        try:
+            if group is not None and (self.group is None or self.group.group_name != group.group_name):
+                self.join(group)
+            if manifest.transport == "filesystem":
+                stats = read_weights(manifest.path, manifest, load)
+            elif self.group is None:
+                raise WeightSyncError(f"engine rank {self.local_rank} has joined no weight group")
+            else:
+                stats = receive_weights(self.group, manifest, load, device=self.device, buffers=self.buffers)
+        except Exception as exc:
+            if isinstance(exc, WeightSyncError):
+                self.close()
+            return {"error": f"engine rank {self.local_rank}: {exc}", "error_type": type(exc).__name__}
+        return {
+            "checksum": weights_checksum(copies.items()) if copies is not None else "",
+            "seconds": stats.seconds,
+            "nbytes": stats.nbytes,
+            "buckets": stats.buckets,
+            "peak_extra_bytes": stats.peak_extra_bytes,
+        }
+
+
+def collect_receipts(results: Sequence[dict[str, Any]]) -> tuple[ReceiveStats, str]:
+    """(stats, checksum) from the per-rank results of ``EngineReceiver.receive`` (rank 0 first).
+
+    Raises the first reported failure as its class (WeightSyncError, FailedPrecondition, ValueError;
+    RuntimeError for any other) so the rollout worker treats it as it treats its own receive failing.
+    """
+    for result in results:
+        if "error" in result:
+            raise _REPORTED.get(result["error_type"], RuntimeError)(result["error"])
+    first = results[0]
+    stats = ReceiveStats(
+        seconds=max(r["seconds"] for r in results),
+        nbytes=first["nbytes"],
+        buckets=first["buckets"],
+        peak_extra_bytes=max(r["peak_extra_bytes"] for r in results),
+    )
+    return stats, first["checksum"]

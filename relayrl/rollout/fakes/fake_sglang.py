@@ -1,0 +1,267 @@
+"""A fake ``sglang`` module (SGLang 0.5.23's API, the part relayrl's ``sglang`` adapter uses), generating with
+HFEngine.
+
+Mirrored, with SGLang's names, signatures and return shapes: ``Engine(**server_args)``;
+``Engine.generate(..., input_ids, sampling_params, return_logprob, stream, rid, ...)`` yielding chunks
+``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+"output_token_logprobs": [(logprob, token_id, None)]}, "index"}`` (a non-final chunk, then the final one per
+item); ``Engine.tokenizer_manager.context_len`` / ``abort_request(rid, abort_all)``;
+``begin_weight_update`` / ``end_weight_update`` / ``update_weights_from_tensor(named_tensors, load_format,
+flush_cache)`` returning ``(success, message)`` (refused outside a session, as 0.5.23 does; ``load_format``
+None loads with the model's ``load_weights``, one of ``custom_weight_loader`` is called as
+``loader(model, named_tensors)`` on every TP rank at once); ``shutdown``; and ``sglang.srt.distributed.parallel_state
+.get_tensor_model_parallel_rank``. Logprobs: log softmax(logits / T) before top-p (T = 1 when greedy), as
+SGLang's sampler returns them, by a teacher-forced forward. ``sampling_seed`` counts only with
+``enable_deterministic_inference`` (then 42 when unset), as in SGLang.
+
+Not emulated (NotImplementedError): penalties, top-k, min-p, n > 1, stop strings, single (unbatched) input;
+SGLang's fused parameter names and TP shards (every fake rank shares one full model with Hugging Face names).
+Tests read ``Engine.server_args``, ``Engine.generate_calls``, ``tokenizer_manager.aborted``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from relayrl.rollout.fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
+from relayrl.rollout.hf import HFEngine
+from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
+
+__version__ = "0.5.23+fake"
+# What a test puts into sys.modules to stand in for SGLang (the adapter's loader imports the last one).
+MODULES = ("sglang", "sglang.srt", "sglang.srt.distributed", "sglang.srt.distributed.parallel_state")
+SAMPLING_EPS = 1e-6  # sglang/srt/sampling/sampling_params.py: temperatures below are greedy
+SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/srt/arg_groups/fields/)
+    {
+        "model_path",
+        "dtype",
+        "random_seed",
+        "max_running_requests",
+        "custom_weight_loader",
+        "tp_size",
+        "pp_size",
+        "context_length",
+        "enable_deterministic_inference",
+        "mem_fraction_static",
+        "log_level",
+    }
+)
+SAMPLING_FIELDS = frozenset(  # sglang.srt.sampling.sampling_params.SamplingParams
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+    }
+)
+_NEUTRAL = {
+    "top_k": (-1, 1 << 30),
+    "min_p": (0.0,),
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "n": (1,),
+    "min_new_tokens": (0,),
+    "stop": (None,),
+    "ignore_eos": (False,),
+}
+
+_rank = threading.local()
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """The TP rank of the calling fake scheduler (a thread here, a process in SGLang)."""
+    return _rank.value
+
+
+class TokenizerManager:
+    def __init__(self, context_len: int) -> None:
+        self.context_len = context_len
+        self.aborted: list[str] = []
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if abort_all or rid:
+            self.aborted.append("*" if abort_all else rid)
+
+    def is_aborted(self, rid: str) -> bool:
+        return "*" in self.aborted or rid in self.aborted
+
+
+class Engine:
+    """The offline engine; kwargs are ServerArgs fields. ``dtype="auto"`` loads float32 (as the tiny models)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - SERVER_ARGS)
+        if unknown:
+            raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        self.server_args = types.SimpleNamespace(**kwargs)
+        dtype = kwargs.get("dtype", "auto")
+        self.hf = HFEngine(
+            kwargs["model_path"],
+            dtype="float32" if dtype == "auto" else dtype,
+            seed=kwargs.get("random_seed") or 0,
+            max_batch_size=kwargs.get("max_running_requests") or 256,
+        )
+        self.tokenizer_manager = TokenizerManager(kwargs.get("context_length") or self.hf.max_model_len)
+        self.model = FakeEngineModel(self.hf.model)
+        self.tp_size = kwargs.get("tp_size", 1)
+        self.custom_weight_loaders = list(kwargs.get("custom_weight_loader") or [])
+        self.deterministic = bool(kwargs.get("enable_deterministic_inference", False))
+        self.generate_calls: list[dict[str, Any]] = []
+        self.cache_flushes = 0
+        self.closed = False
+        self._session = False
+
+    def generate(
+        self,
+        prompt: list[str] | str | None = None,
+        sampling_params: list[dict] | dict | None = None,
+        input_ids: list[list[int]] | list[int] | None = None,
+        image_data: Any = None,
+        return_logprob: list[bool] | bool | None = False,
+        logprob_start_len: list[int] | int | None = None,
+        top_logprobs_num: list[int] | int | None = None,
+        lora_path: list[str | None] | None = None,
+        stream: bool = False,
+        rid: list[str] | str | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        if prompt is not None or image_data is not None or lora_path is not None or top_logprobs_num:
+            raise NotImplementedError("the fake sglang generates from input_ids only, without top logprobs")
+        if not input_ids or not isinstance(input_ids[0], list):
+            raise NotImplementedError("the fake sglang takes a batch: input_ids as a list of token-id lists")
+        count = len(input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * count
+        rids = rid if isinstance(rid, list) else [f"fake-{i}" for i in range(count)]
+        for item in params:
+            self._check_sampling(item)
+        self.generate_calls.append(
+            {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob, "rid": rids}
+        )
+        chunks = self._chunks(input_ids, params, rids, bool(return_logprob), stream)
+        return chunks if stream else [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
+
+    @staticmethod
+    def _check_sampling(item: dict[str, Any]) -> None:
+        unknown = sorted(set(item) - SAMPLING_FIELDS)
+        if unknown:
+            raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        bad = [key for key, ok in _NEUTRAL.items() if key in item and item[key] not in ok]
+        if bad:
+            raise NotImplementedError(f"the fake sglang does not emulate sampling_params {bad}")
+
+    def _chunks(
+        self, input_ids: list[list[int]], params: list[dict], rids: list[str], logprob: bool, stream: bool
+    ) -> Iterator[dict]:
+        manager = self.tokenizer_manager
+        for index, (prompt, item, rid) in enumerate(zip(input_ids, params, rids, strict=True)):
+            if stream and not manager.is_aborted(rid):
+                yield self._chunk(index, rid, prompt, [], [], None)
+            if manager.is_aborted(rid):
+                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                yield self._chunk(index, rid, prompt, [], [], finish)
+                continue
+            tokens, finish = self._sample(prompt, item)
+            logprobs = self._logprobs(prompt, tokens, item) if logprob else []
+            yield self._chunk(index, rid, prompt, tokens, logprobs, finish)
+
+    def _sample(self, prompt: list[int], item: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        seed = None
+        if self.deterministic:
+            seed = item.get("sampling_seed") if item.get("sampling_seed") is not None else 42
+        relay = RelaySamplingParams(
+            n=1,
+            temperature=0.0 if item.get("temperature", 1.0) < SAMPLING_EPS else item.get("temperature", 1.0),
+            top_p=item.get("top_p", 1.0),
+            max_tokens=item.get("max_new_tokens", 128),
+            stop_token_ids=tuple(item.get("stop_token_ids") or ()),
+            seed=seed,
+        )
+        (done,) = self.hf.generate([prompt], relay)
+        if done.finish_reason == "stop":
+            return done.token_ids, {"type": "stop", "matched": done.token_ids[-1]}
+        return done.token_ids, {"type": "length", "length": relay.max_tokens}
+
+    def _logprobs(self, prompt: list[int], tokens: list[int], item: dict[str, Any]) -> list[float]:
+        temperature = item.get("temperature", 1.0)
+        effective = 1.0 if temperature < SAMPLING_EPS else temperature
+        return token_logprobs(teacher_forced_logits(self.hf.model, prompt, tokens), tokens, effective)
+
+    @staticmethod
+    def _chunk(
+        index: int, rid: str, prompt: list[int], tokens: list[int], logprobs: list[float], finish: dict | None
+    ) -> dict[str, Any]:
+        return {
+            "text": "",
+            "output_ids": list(tokens),
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens, strict=True)],
+            },
+            "index": index,
+        }
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        if self._session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self._session = True
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        if not self._session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self._session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]:
+        """Load ``named_tensors`` on every TP rank at once (SGLang's own loader, or a registered custom one)."""
+        if not self._session:
+            return False, ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        if load_format is None:
+            loader = FakeEngineModel.load_weights
+        elif load_format in self.custom_weight_loaders:
+            module_name, _, func_name = load_format.rpartition(".")
+            loader = getattr(__import__(module_name, fromlist=[func_name]), func_name)
+        else:
+            raise NotImplementedError(f"Unknown load_format={load_format}")
+
+        def on_rank(rank: int) -> None:
+            _rank.value = rank
+            loader(self.model, [(name, t.to("cpu")) for name, t in named_tensors])
+
+        run_on_ranks(self.tp_size, on_rank)
+        if flush_cache:
+            self.cache_flushes += 1
+        return True, "Success"
+
+    def shutdown(self) -> None:
+        self.closed = True

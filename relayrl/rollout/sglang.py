@@ -1,0 +1,256 @@
+"""The ``sglang`` engine: SGLang's offline ``sglang.Engine``, with relayrl's weight sync inside its schedulers.
+
+Generation: every (prompt, sample) becomes one item of a single ``Engine.generate(input_ids=...,
+sampling_params=[...], return_logprob=True, stream=True, rid=[...])`` call (``sampling_seed = seed +
+sample_index``, so seeded samples differ). ``should_abort`` is checked between streamed chunks; then every
+unfinished item is aborted with ``tokenizer_manager.abort_request(rid=...)`` and the stream drained. Each
+item's final chunk carries ``output_ids`` and ``meta_info["output_token_logprobs"]`` = [(logprob, id, text)],
+logprobs of log softmax(logits / T) before top-p: relayrl's convention.
+
+Weights: SGLang runs no caller code in its schedulers but a registered custom weight loader (server argument
+``custom_weight_loader``), which ``update_weights_from_tensor(..., load_format=<its import path>)`` calls as
+``loader(model, named_tensors)`` in every TP scheduler. ``receive_in_scheduler`` is that loader: the one
+named tensor's name carries the request (JSON); the scheduler joins relayrl's group as ``rank_offset +
+tp_rank`` (at the first update after InitWeightSync), receives the buckets, loads them with
+``model.load_weights`` and writes its receipt to a file the request names (a loader returns nothing to the
+caller). The call runs inside SGLang's weight-update session: ``begin_weight_update`` / ``end_weight_update``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
+from relayrl.rollout.external import (
+    EngineGroup,
+    EngineReceiver,
+    GroupArgs,
+    check_weights,
+    collect_receipts,
+    hf_model_info,
+)
+from relayrl.rollout.sampling import SamplingParams
+from relayrl.weightsync.filesystem import atomic_write_text
+from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.stats import ReceiveStats
+
+log = logging.getLogger(__name__)
+
+LOADER = "relayrl.rollout.sglang.receive_in_scheduler"
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_RESERVED = ("model_path", "custom_weight_loader", "random_seed", "max_running_requests", "skip_tokenizer_init")
+
+# The receiver of each TP rank in this process (a real scheduler process holds exactly one).
+_RECEIVERS: dict[int, EngineReceiver] = {}
+
+
+def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang custom weight loader: run one relayrl update inside this TP scheduler (see the module docstring).
+
+    ``named_tensors`` is ``[(request JSON, empty tensor on the scheduler's device)]``; the request holds
+    ``group`` (GroupArgs fields), ``manifest`` (its JSON) and ``result`` (the receipt file prefix).
+    """
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    ((request_json, anchor),) = named_tensors
+    request = json.loads(request_json)
+    tp_rank = get_tensor_model_parallel_rank()
+    receiver = _RECEIVERS.get(tp_rank)
+    if receiver is None:
+        receiver = _RECEIVERS[tp_rank] = EngineReceiver(anchor.device, tp_rank)
+    group = GroupArgs(**request["group"]) if request["group"] is not None else None
+    receipt = receiver.receive(WeightManifest.from_json(request["manifest"]), model.load_weights, group)
+    atomic_write_text(Path(f"{request['result']}.rank{tp_rank}.json"), json.dumps(receipt))
+
+
+class SGLangEngine(InferenceEngine):
+    """SGLang backend (pause mode only). ``options`` go to ``sglang.Engine`` as they are (``tp_size``,
+    ``mem_fraction_static``, ``context_length``, ``enable_deterministic_inference``, ...), except those this
+    adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``."""
+
+    name = "sglang"
+    receives_weights_itself: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        max_batch_size: int = 256,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        reserved = sorted(set(options) & set(_RESERVED))
+        if reserved:
+            raise ValueError(f"rollout.engine_options: {', '.join(reserved)} is set by the sglang engine itself")
+        try:
+            import sglang
+        except ImportError as err:
+            raise ImportError(f"the sglang engine needs SGLang: pip install 'relayrl[sglang]' ({err})") from err
+        info = hf_model_info(model_path, dtype)
+        self.tokenizer = info.tokenizer
+        self.eos_token_ids = info.eos_token_ids
+        self.vocab_size = info.vocab_size
+        self._specs = info.specs
+        self.engine = sglang.Engine(
+            model_path=model_path,
+            dtype=dtype,
+            random_seed=seed,
+            max_running_requests=max_batch_size,
+            custom_weight_loader=[LOADER],
+            **options,
+        )
+        self.max_model_len = self.engine.tokenizer_manager.context_len
+        self.weight_sync_ranks = options.get("tp_size", 1) * options.get("pp_size", 1)
+        self._receipts = tempfile.mkdtemp(prefix="relayrl-sglang-")
+        self._updates = itertools.count()
+        self._group: GroupArgs | None = None
+        self._checksum = ""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[EngineCompletion]:
+        """See ``InferenceEngine.generate``; aborted samples carry the tokens generated so far."""
+        batch = uuid.uuid4().hex[:12]
+        items = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        rids = [f"relayrl-{batch}-{p}-{s}" for p, s in items]
+        pending = dict(zip(rids, items, strict=True))
+        chunks = self.engine.generate(
+            input_ids=[list(prompts[p]) for p, _ in items],
+            sampling_params=[self._sampling_params(params, s) for _, s in items],
+            return_logprob=True,
+            stream=True,
+            rid=rids,
+        )
+        aborting = False
+        try:
+            for chunk in chunks:
+                meta = chunk["meta_info"]
+                if meta["finish_reason"] is not None and meta["id"] in pending:
+                    p, s = pending.pop(meta["id"])
+                    yield _completion(p, s, chunk)
+                if pending and not aborting and should_abort is not None and should_abort():
+                    aborting = True
+                    for rid in pending:
+                        self.engine.tokenizer_manager.abort_request(rid=rid)
+        finally:
+            for rid in pending:  # the consumer stopped early: leave nothing running in the engine
+                self.engine.tokenizer_manager.abort_request(rid=rid)
+
+    @staticmethod
+    def _sampling_params(params: SamplingParams, sample_index: int) -> dict[str, Any]:
+        """SGLang's sampling_params for one sample; penalties, top-k and min-p set to neutral explicitly so that
+        no server-side default (``preferred_sampling_params``) can change the distribution."""
+        out: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        if params.seed is not None:
+            out["sampling_seed"] = params.seed + sample_index
+        return out
+
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The Hugging Face specs the trainer sends (not SGLang's fused internal layout)."""
+        return list(self._specs)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Not available: SGLang's Engine exposes no parameter iterator (``get_weights_by_name`` is a truncated,
+        per-model test hook); relayrl verifies SGLang's weights with ``loaded_checksum`` instead."""
+        raise NotImplementedError("the sglang engine cannot list its weights; see docs/engines.md")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check names and shapes against the checkpoint's, then ``update_weights_from_tensor`` (SGLang's own
+        loader, through its IPC channel: meant for small updates; weight sync uses ``receive_update``)."""
+        pairs = [(name, t.detach().to("cpu")) for name, t in weights]
+        check_weights(self._specs, pairs)
+        self._in_session(lambda: self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=True))
+
+    # -- weight sync handed over by the rollout worker (see docs/engines.md) -------------------------------
+    def init_weight_sync(self, args: GroupArgs) -> EngineGroup:
+        """Remember ``args``: the schedulers join (rank ``rank_offset + tp_rank``) at the next update."""
+        self._group = args
+        return EngineGroup(args.group_name, self._forget_group)
+
+    def _forget_group(self) -> None:
+        self._group = None
+
+    def receive_update(self, manifest: WeightManifest) -> ReceiveStats:
+        """Every scheduler receives (or reads) ``manifest``'s tensors and loads them; the radix cache is flushed."""
+        self._checksum = ""  # a failed update leaves no checksum behind
+        prefix = os.path.join(self._receipts, f"update-{next(self._updates)}")
+        request = {
+            "group": self._group.to_dict() if self._group is not None else None,
+            "manifest": manifest.to_json(),
+            "result": prefix,
+        }
+        carrier = [(json.dumps(request), torch.empty(0))]
+        self._in_session(
+            lambda: self.engine.update_weights_from_tensor(named_tensors=carrier, load_format=LOADER, flush_cache=True)
+        )
+        results = []
+        for rank in range(self.weight_sync_ranks):
+            path = Path(f"{prefix}.rank{rank}.json")
+            if not path.exists():
+                raise RuntimeError(f"sglang engine: TP rank {rank} reported no result for version {manifest.version}")
+            results.append(json.loads(path.read_text(encoding="utf-8")))
+            path.unlink()
+        stats, self._checksum = collect_receipts(results)
+        return stats
+
+    def _in_session(self, update: Callable[[], tuple[bool, str]]) -> None:
+        """Run one ``update_weights_*`` call inside ``begin_weight_update`` / ``end_weight_update``."""
+        ok, message = self.engine.begin_weight_update()
+        if not ok:
+            raise RuntimeError(f"sglang begin_weight_update: {message}")
+        try:
+            ok, message = update()
+        finally:
+            self.engine.end_weight_update()
+        if not ok:
+            raise RuntimeError(f"sglang weight update: {message}")
+
+    def loaded_checksum(self) -> str:
+        """``weights_checksum`` of the tensors the last ``receive_update`` loaded; "" before the first."""
+        return self._checksum
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        shutil.rmtree(self._receipts, ignore_errors=True)
+
+
+def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any]) -> EngineCompletion:
+    """An item's final chunk as an EngineCompletion."""
+    meta = chunk["meta_info"]
+    token_ids = list(chunk["output_ids"])
+    logprobs = [float(logprob) for logprob, _, _ in meta["output_token_logprobs"]]
+    reason = FINISH_REASONS.get(meta["finish_reason"]["type"])
+    if reason is None:
+        log.warning("sglang engine: sample finished with %r; reported as aborted", meta["finish_reason"])
+        reason = "abort"
+    if len(logprobs) != len(token_ids):
+        if reason != "abort":
+            raise RuntimeError(f"sglang returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        kept = min(len(logprobs), len(token_ids))  # an abort may cut the two at different points
+        token_ids, logprobs = token_ids[:kept], logprobs[:kept]
+    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason)

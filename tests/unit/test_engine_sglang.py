@@ -1,0 +1,322 @@
+"""The sglang engine adapter, driven through the fake ``sglang`` module (relayrl/rollout/fakes/fake_sglang.py) on
+the tiny model: logprobs as the trainer computes them (top-p included), finish reasons, n samples and seeds,
+the arguments SGLang receives, abort, loading weights directly and through the rollout worker's weight sync
+(the custom-loader route), and the fake's API surface against the one recorded in docs/engines.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from engine_testing import (
+    EOS,
+    PROMPTS,
+    accepted,
+    assert_trainer_logprobs,
+    by_key,
+    documented,
+    load,
+    new_weights,
+    record,
+    send_in_background,
+    sharp_tiny_model,
+    sync_manifest,
+)
+
+from relayrl.errors import FailedPrecondition
+from relayrl.rollout import sglang as adapter
+from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
+from relayrl.rollout.external import GroupArgs
+from relayrl.rollout.fakes import fake_sglang
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams
+from relayrl.rollout.sglang import LOADER, SGLangEngine
+from relayrl.services.rollout_server import RolloutWorker
+from relayrl.v1 import rollout_pb2
+from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.group import WeightBroadcastGroup, free_port
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sharp_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch):
+    for name in fake_sglang.MODULES:
+        monkeypatch.setitem(sys.modules, name, fake_sglang)
+    monkeypatch.setattr(adapter, "_RECEIVERS", {})  # each test starts with fresh schedulers
+    return fake_sglang
+
+
+@pytest.fixture
+def engine(fake, model_dir: Path):
+    eng = SGLangEngine(str(model_dir), dtype="float32", max_batch_size=8, seed=0, enable_deterministic_inference=True)
+    yield eng
+    eng.close()
+
+
+def group_name() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+def test_registered_and_created_by_name(fake, model_dir: Path) -> None:
+    assert engine_class("sglang") is SGLangEngine
+    eng = create_engine("sglang", model_path=str(model_dir), dtype="float32", max_batch_size=4, seed=0)
+    assert (eng.name, eng.vocab_size, eng.max_model_len, eng.eos_token_ids) == ("sglang", 23, 64, frozenset({EOS}))
+    assert eng.receives_weights_itself and eng.weight_sync_ranks == 1
+    eng.close()
+    assert eng.engine.closed and not os.path.exists(eng._receipts)
+
+
+def test_generate_n_samples_with_the_trainers_logprobs_even_under_top_p(engine: SGLangEngine, model_dir) -> None:
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.8, max_tokens=12, seed=7)
+    completions = by_key(list(engine.generate(PROMPTS, params)))
+    assert set(completions) == {(p, s) for p in range(len(PROMPTS)) for s in range(3)}
+    for c in completions.values():
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS and EOS not in c.token_ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == params.max_tokens
+    assert_trainer_logprobs(load(model_dir), PROMPTS, completions, params.temperature)
+
+
+def test_greedy_logprobs_are_at_temperature_one(engine: SGLangEngine, model_dir: Path) -> None:
+    completions = by_key(list(engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=8))))
+    for p in range(len(PROMPTS)):
+        assert completions[p, 0].token_ids == completions[p, 1].token_ids
+    assert_trainer_logprobs(load(model_dir), PROMPTS, completions, 1.0)
+
+
+def test_seeded_samples_are_reproducible_and_distinct(engine: SGLangEngine) -> None:
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=5)
+    first = by_key(list(engine.generate(PROMPTS[:1], params)))
+    again = by_key(list(engine.generate(PROMPTS[:1], params)))
+    assert {k: c.token_ids for k, c in first.items()} == {k: c.token_ids for k, c in again.items()}
+    assert len({tuple(c.token_ids) for c in first.values()}) > 1
+
+
+def test_arguments_reach_sglang_as_documented(engine: SGLangEngine, model_dir: Path) -> None:
+    assert vars(engine.engine.server_args) == {
+        "model_path": str(model_dir),
+        "dtype": "float32",
+        "random_seed": 0,
+        "max_running_requests": 8,
+        "custom_weight_loader": [LOADER],
+        "enable_deterministic_inference": True,
+    }
+    params = SamplingParams(n=2, temperature=0.5, top_p=0.9, max_tokens=4, stop_token_ids=(5, 9), seed=11)
+    list(engine.generate(PROMPTS[:2], params))
+    list(engine.generate(PROMPTS[:1], dataclasses.replace(params, seed=None)))
+    seeded, unseeded = engine.engine.generate_calls
+    assert seeded["input_ids"] == [PROMPTS[p] for p in range(2) for _ in range(2)]
+    assert seeded["return_logprob"] is True and len(set(seeded["rid"])) == 4
+    neutral = {
+        "max_new_tokens": 4,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "stop_token_ids": [5, 9],
+    }
+    assert seeded["sampling_params"] == [{**neutral, "sampling_seed": 11 + s} for _ in range(2) for s in range(2)]
+    assert unseeded["sampling_params"] == [neutral, neutral]
+
+
+def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
+    (free,) = engine.generate(PROMPTS[1:2], greedy)
+    stop = next(t for t in free.token_ids[1:] if t != EOS)
+    (stopped,) = engine.generate(PROMPTS[1:2], dataclasses.replace(greedy, stop_token_ids=(stop,)))
+    cut = free.token_ids.index(stop) + 1
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:cut]
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-6)
+
+
+def test_should_abort_aborts_the_unfinished_items(engine: SGLangEngine) -> None:
+    seen: list[EngineCompletion] = []
+    for c in engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=6, seed=0), should_abort=lambda: bool(seen)):
+        seen.append(c)
+    completions = by_key(seen)
+    assert len(completions) == 6
+    assert [c.finish_reason for c in seen].count("abort") == 5
+    assert len(engine.engine.tokenizer_manager.aborted) == 5
+
+
+def test_a_consumer_that_stops_early_leaves_nothing_running(engine: SGLangEngine) -> None:
+    stream = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=0))
+    next(stream)
+    stream.close()
+    assert len(engine.engine.tokenizer_manager.aborted) == 5
+
+
+def test_options_the_adapter_sets_are_refused(fake, model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="custom_weight_loader"):
+        SGLangEngine(str(model_dir), dtype="float32", custom_weight_loader=["x.y"])
+
+
+def test_without_sglang_the_error_says_what_to_install(monkeypatch, model_dir: Path) -> None:
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[sglang]'")):
+        SGLangEngine(str(model_dir))
+
+
+def test_load_weights_changes_what_is_generated(engine: SGLangEngine, model_dir: Path) -> None:
+    weights, trained = new_weights(model_dir)
+    engine.load_weights(weights.items())
+    assert engine.engine.cache_flushes == 1 and not engine.engine._session
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=8, seed=1)
+    assert_trainer_logprobs(trained, PROMPTS, by_key(list(engine.generate(PROMPTS, params))), 0.8)
+
+
+def test_load_weights_refuses_unknown_names_and_shapes_before_loading(engine: SGLangEngine) -> None:
+    with pytest.raises(ValueError, match="nope: no such parameter"):
+        engine.load_weights([("model.norm.weight", torch.ones(64)), ("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match=re.escape("model.norm.weight: shape")):
+        engine.load_weights([("model.norm.weight", torch.ones(3))])
+    assert engine.engine.model.loaded_names == []
+
+
+def test_named_weights_are_not_available(engine: SGLangEngine, model_dir: Path) -> None:
+    with pytest.raises(NotImplementedError, match=re.escape("docs/engines.md")):
+        dict(engine.named_weights())
+    assert engine.weight_specs() == [(n, tuple(p.shape), p.dtype) for n, p in load(model_dir).named_parameters()]
+
+
+def test_broadcast_update_through_the_rollout_worker(engine: SGLangEngine, model_dir: Path) -> None:
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    weights, trained = new_weights(model_dir)
+    name = group_name()
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 2, group_name=name, backend="gloo", timeout_s=30) as trainer:
+        worker.init_weight_sync(
+            rollout_pb2.InitWeightSyncRequest(
+                master_address="127.0.0.1",
+                master_port=trainer.port,
+                rank=1,
+                world_size=2,
+                group_name=name,
+                backend="gloo",
+                timeout_s=30,
+            )
+        )
+        manifest = sync_manifest(weights)
+        join = send_in_background(trainer, manifest, weights)
+        response = worker.update_weights(
+            rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(), group_name=name)
+        )
+        join()
+        worker.group.close()
+    assert (response.policy_version, response.checksum) == (1, manifest.checksum)
+    assert worker.stats(with_checksum=True).weights_checksum == manifest.checksum
+    assert engine.engine.cache_flushes == 1 and os.listdir(engine._receipts) == []
+    assert adapter._RECEIVERS[0].group.rank == 1
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=2)
+    assert_trainer_logprobs(trained, PROMPTS, by_key(list(engine.generate(PROMPTS, params))), 1.0)
+
+
+def test_filesystem_update_is_read_inside_the_schedulers(engine: SGLangEngine, model_dir: Path, tmp_path) -> None:
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    weights, trained = new_weights(model_dir, seed=4)
+    manifest = sync_manifest(weights, version=3, transport="filesystem")
+    write_weights(tmp_path, manifest, weights)
+    manifest = dataclasses.replace(manifest, path=str(tmp_path.resolve()))
+    response = worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    assert (response.policy_version, response.checksum) == (3, manifest.checksum)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=8)
+    assert_trainer_logprobs(trained, PROMPTS, by_key(list(engine.generate(PROMPTS, params))), 1.0)
+
+
+def test_tensor_parallel_schedulers_join_as_consecutive_ranks(fake, model_dir: Path) -> None:
+    eng = SGLangEngine(str(model_dir), dtype="float32", seed=0, tp_size=2)
+    assert eng.weight_sync_ranks == 2
+    weights, _ = new_weights(model_dir)
+    name = group_name()
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, group_name=name, backend="gloo", timeout_s=30) as trainer:
+        group = eng.init_weight_sync(GroupArgs("127.0.0.1", trainer.port, 1, 3, name, "gloo", 30.0))
+        manifest = sync_manifest(weights)
+        join = send_in_background(trainer, manifest, weights)
+        stats = eng.receive_update(manifest)
+        join()
+        group.close()
+        assert [adapter._RECEIVERS[r].group.rank for r in range(2)] == [1, 2]
+    assert stats.nbytes == manifest.total_bytes and eng.loaded_checksum() == manifest.checksum
+    assert sorted(eng.engine.model.loaded_names) == sorted(list(weights) * 2)  # loaded on both ranks
+    worker = RolloutWorker(eng, "tp", mode="pause", limits=GenerationLimits())
+    request = rollout_pb2.InitWeightSyncRequest(
+        master_address="127.0.0.1", master_port=1, rank=1, world_size=3, group_name="x", backend="gloo"
+    )
+    with pytest.raises(FailedPrecondition, match="spans 2 group ranks"):
+        worker.init_weight_sync(request)
+    eng.close()
+
+
+def test_a_failed_load_is_reported_and_leaves_no_checksum(engine: SGLangEngine, model_dir: Path, tmp_path) -> None:
+    weights, _ = new_weights(model_dir)
+    manifest = sync_manifest(weights, transport="filesystem")
+    write_weights(tmp_path, manifest, weights)
+    with pytest.raises(FailedPrecondition, match="engine rank 0"):
+        engine.receive_update(dataclasses.replace(manifest, path=str(tmp_path / "elsewhere")))
+    assert engine.loaded_checksum() == "" and not engine.engine._session
+
+
+def test_shadow_mode_is_refused(engine: SGLangEngine) -> None:
+    with pytest.raises(ValueError, match="supports 'pause' only"):
+        RolloutWorker(engine, "w0", mode="shadow", limits=GenerationLimits())
+
+
+# -- the API surface recorded in docs/engines.md -------------------------------------------------------------
+def test_the_fake_and_the_adapter_keep_to_the_documented_api(fake, model_dir: Path, tmp_path, monkeypatch) -> None:
+    docs = documented("sglang.")
+    targets = {
+        "sglang.Engine": accepted(fake_sglang.Engine, fake_sglang.SERVER_ARGS),
+        "sglang.Engine.generate": accepted(fake_sglang.Engine.generate),
+        "sglang.SamplingParams": set(fake_sglang.SAMPLING_FIELDS),
+        "sglang.Engine.update_weights_from_tensor": accepted(fake_sglang.Engine.update_weights_from_tensor),
+        "sglang.TokenizerManager.abort_request": accepted(fake_sglang.TokenizerManager.abort_request),
+    }
+    assert set(docs) == set(targets)
+    for name, names in targets.items():
+        assert docs[name] <= names, f"{name}: the fake lacks {docs[name] - names}"
+
+    used: dict[str, set[str]] = {}
+    for owner, attr, key in [
+        (fake_sglang.Engine, "generate", "sglang.Engine.generate"),
+        (fake_sglang.Engine, "update_weights_from_tensor", "sglang.Engine.update_weights_from_tensor"),
+        (fake_sglang.TokenizerManager, "abort_request", "sglang.TokenizerManager.abort_request"),
+        (fake_sglang, "Engine", "sglang.Engine"),
+    ]:
+        record(monkeypatch, owner, attr, key, used)
+    eng = SGLangEngine(str(model_dir), dtype="float32", seed=0, tp_size=1, mem_fraction_static=0.5)
+    list(eng.generate(PROMPTS, SamplingParams(n=2, max_tokens=3, seed=0), should_abort=lambda: True))
+    weights, _ = new_weights(model_dir)
+    eng.load_weights(weights.items())
+    manifest = sync_manifest(weights, transport="filesystem")
+    write_weights(tmp_path, manifest, weights)
+    eng.receive_update(dataclasses.replace(manifest, path=str(tmp_path.resolve())))
+    used["sglang.SamplingParams"] = {
+        key for call in eng.engine.generate_calls for p in call["sampling_params"] for key in p
+    }
+    eng.close()
+    assert set(used) == set(docs)
+    for name, names in used.items():
+        assert names <= docs[name], f"{name}: the adapter passes {names - docs[name]}, not in docs/engines.md"
+
+
+def test_a_group_that_cannot_be_joined_fails_the_update_not_the_scheduler(engine: SGLangEngine, model_dir) -> None:
+    weights, _ = new_weights(model_dir)
+    engine.init_weight_sync(GroupArgs("127.0.0.1", free_port(), 1, 2, group_name(), "gloo", 1.0))
+    with pytest.raises(WeightSyncError, match="engine rank 0"):
+        engine.receive_update(sync_manifest(weights))
+    assert engine.loaded_checksum() == "" and not engine.engine._session
+    assert len(list(engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2)))) == len(PROMPTS)

@@ -1,0 +1,44 @@
+"""Every shipped example config parses with ``load_config``, and the GPU example says what it promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relayrl.config import load_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def test_there_are_examples() -> None:
+    assert {"digits.yaml", "gsm8k-qwen2.5.yaml"} <= {p.name for p in EXAMPLES}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_config_loads(path: Path) -> None:
+    load_config(path)
+
+
+def test_gsm8k_example_is_a_dapo_run_on_vllm() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "gsm8k-qwen2.5.yaml")
+    assert (cfg.data.path, cfg.data.subset, cfg.model.dtype) == ("openai/gsm8k", "main", "bfloat16")
+    assert cfg.rollout.engine == "vllm" and {"tensor_parallel_size", "gpu_memory_utilization"} <= set(
+        cfg.rollout.engine_options
+    )
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.loss_agg) == (0.2, 0.28, "token-mean")
+    assert cfg.controller.dynamic_sampling and cfg.controller.reward.fn == "math"
+    assert cfg.controller.reward.overlong_buffer > 0 and cfg.rollout.max_tokens == 1024 and cfg.rollout.n >= 8
+    assert (cfg.weight_sync.backend, cfg.weight_sync.bucket_mib, cfg.weight_sync.mode) == ("nccl", 512, "pause")
+    assert cfg.trainer.nproc >= 4
+
+
+def test_a_hub_dataset_subset_reaches_load_dataset(monkeypatch) -> None:
+    from relayrl.config import DataConfig
+    from relayrl.data import dataset
+
+    calls = []
+    monkeypatch.setattr(dataset.datasets, "load_dataset", lambda *args, **kw: calls.append((args, kw)))
+    dataset.load_rows(DataConfig(path="openai/gsm8k", subset="main", split="test"))
+    dataset.load_rows(DataConfig(path="some/dataset"))
+    assert calls == [(("openai/gsm8k", "main"), {"split": "test"}), (("some/dataset", None), {"split": "train"})]
