@@ -32,6 +32,10 @@ class ResourceExhausted(RelayError):
         super().__init__(f"{field}: {got} exceeds the limit {limit}")
 
 
+# While an operator has paused the run, UNAVAILABLE details start with this (the trainer keeps waiting).
+PAUSED_DETAIL = "run paused by an operator"
+
+
 class Unavailable(RelayError):
     """Retryable: the server is paused, draining or not ready yet."""
 

@@ -1,10 +1,20 @@
-"""gRPC channel and server options shared by every relayrl process."""
+"""gRPC channel and server options shared by every relayrl process, and how clients authenticate.
+
+A process's client security (token, TLS) is configured once from its config (``configure_client``);
+every ``open_channel`` uses it unless given another. Unconfigured, clients send the token found in
+``RELAYRL_AUTH_TOKEN`` (if any) over plaintext.
+"""
 
 from __future__ import annotations
 
 import grpc
 
+from relayrl.config import SecurityConfig
+from relayrl.services.auth import BearerToken, ClientSecurity
+
 MIB = 1 << 20
+
+_configured: ClientSecurity | None = None
 
 
 def message_options(max_message_mib: int = 64) -> list[tuple[str, int]]:
@@ -14,9 +24,26 @@ def message_options(max_message_mib: int = 64) -> list[tuple[str, int]]:
     ]
 
 
-def open_channel(address: str, options: list | None = None, credentials: grpc.ChannelCredentials | None = None):
-    """An insecure or TLS channel to ``address`` with relayrl's message-size options."""
+def configure_client(cfg: SecurityConfig | None) -> None:
+    """Make ``cfg`` this process's client security (token from its environment variable, TLS files);
+    None goes back to the unconfigured default."""
+    global _configured
+    _configured = None if cfg is None else ClientSecurity.from_config(cfg)
+
+
+def client_security() -> ClientSecurity:
+    """The configured client security, or the token of ``RELAYRL_AUTH_TOKEN`` over plaintext."""
+    return _configured or ClientSecurity.from_config(SecurityConfig())
+
+
+def open_channel(address: str, options: list | None = None, security: ClientSecurity | None = None) -> grpc.Channel:
+    """A plaintext or TLS channel to ``address`` with relayrl's message-size options and the bearer token."""
+    security = security or client_security()
     opts = (options or []) + message_options() + [("grpc.enable_retries", 1)]
-    if credentials is not None:
-        return grpc.secure_channel(address, credentials, options=opts)
-    return grpc.insecure_channel(address, options=opts)
+    if security.server_name:
+        opts.append(("grpc.ssl_target_name_override", security.server_name))
+    if security.credentials is not None:
+        channel = grpc.secure_channel(address, security.credentials, options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    return grpc.intercept_channel(channel, BearerToken(security.token)) if security.token else channel

@@ -1,8 +1,9 @@
-"""Building blocks of every relayrl gRPC server: error mapping, health, reflection, lifecycle.
+"""Building blocks of every relayrl gRPC server: error mapping, health, reflection, security, lifecycle.
 
 Every RPC handler is wrapped so that a ``RelayError`` becomes its precise status, a bad request can
 never escape as an unhandled exception, and anything unexpected is logged and answered INTERNAL —
-the server keeps serving.
+the server keeps serving. Bytes that do not parse as the method's request message are answered
+INVALID_ARGUMENT before any servicer code runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from relayrl.config import SecurityConfig
 from relayrl.errors import RelayError
+from relayrl.services.auth import load_token, server_credentials, server_interceptors
 from relayrl.services.channels import message_options
 
 log = logging.getLogger(__name__)
@@ -54,8 +57,46 @@ def guarded(method: Callable) -> Callable:
     return unary
 
 
+class DecodeRequests(grpc.ServerInterceptor):
+    """Answer INVALID_ARGUMENT, not INTERNAL, when a unary request's bytes are not the method's message."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        decode, method = handler.request_deserializer, handler_call_details.method
+
+        def parse(raw: bytes, context: grpc.ServicerContext):
+            try:
+                return decode(raw)
+            except Exception:  # DecodeError, invalid UTF-8 in a string field, ...
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid request message of {method}")
+
+        if handler.response_streaming:
+            stream = handler.unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                lambda raw, context: stream(parse(raw, context), context),
+                response_serializer=handler.response_serializer,
+            )
+        unary = handler.unary_unary
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: unary(parse(raw, context), context),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class GrpcServer:
-    """A grpc.Server with Health (SERVING per service) and reflection, bound to ``address``."""
+    """A grpc.Server with Health (SERVING per service) and reflection, bound to ``address``.
+
+    With ``security``: every call but health checks needs the bearer token (when its environment variable
+    is set) and the server speaks TLS (when a certificate is configured). ``interceptors`` run outside
+    the token check, so they also see refused calls.
+    """
 
     def __init__(
         self,
@@ -64,16 +105,20 @@ class GrpcServer:
         max_workers: int = 32,
         max_message_mib: int = 64,
         interceptors: Iterable[grpc.ServerInterceptor] = (),
-        credentials: grpc.ServerCredentials | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
+        security = security or SecurityConfig()
+        if load_token(security) and not security.tls and not _is_loopback(address):
+            log.warning("serving %s without TLS: the auth token travels in clear text (set security.tls_cert)", address)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             options=message_options(max_message_mib),
-            interceptors=list(interceptors),
+            interceptors=[*interceptors, *server_interceptors(security), DecodeRequests()],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        credentials = server_credentials(security)
         if credentials is not None:
             self.port = self.server.add_secure_port(address, credentials)
         else:

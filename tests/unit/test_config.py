@@ -1,0 +1,171 @@
+"""Bad configs fail at start with the key's dotted path and the reason: unknown keys, wrong types, impossible
+combinations and security settings; also through ``relayrl controller serve`` (exit code 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relayrl.config import ConfigError, RelayConfig, dump_config, load_config, parse_config
+
+BASE = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
+
+
+def config_error(raw: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    return str(err.value)
+
+
+def with_sections(**sections) -> dict:
+    raw = {**BASE}
+    for name, values in sections.items():
+        raw[name] = values
+    return raw
+
+
+def test_minimal_config_is_valid() -> None:
+    cfg = parse_config(BASE)
+    assert isinstance(cfg, RelayConfig)
+    assert cfg.security.auth_token_env == "RELAYRL_AUTH_TOKEN" and not cfg.security.tls
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({**BASE, "bogus": 1}, "bogus: unknown key"),
+        (with_sections(controller={"reward": {"fnn": "x"}}), "controller.reward.fnn: unknown key"),
+        (with_sections(rollout={"limits": {"max_prompt": 3}}), "rollout.limits.max_prompt: unknown key"),
+        (with_sections(security={"auth_token": "s3cret"}), "security.auth_token: unknown key"),
+        ({"data": {"path": "d"}}, "model: Field required"),
+    ],
+)
+def test_unknown_and_missing_keys_name_the_path(raw, expected) -> None:
+    assert expected in config_error(raw)
+
+
+@pytest.mark.parametrize(
+    ("sections", "path", "reason"),
+    [
+        ({"rollout": {"n": "many"}}, "rollout.n", "integer"),
+        ({"rollout": {"temperature": -1}}, "rollout.temperature", "greater than or equal to 0"),
+        ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
+        ({"rollout": {"engine": "tgi"}}, "rollout.engine", "'hf', 'vllm' or 'sglang'"),
+        ({"controller": {"port": 70000}}, "controller.port", "less than or equal to 65535"),
+        ({"controller": {"rpc_threads": 1}}, "controller.rpc_threads", "greater than or equal to 4"),
+        ({"trainer": {"betas": "fast"}}, "trainer.betas", "tuple"),
+        ({"rollout": {"limits": {"max_id_chars": 0}}}, "rollout.limits.max_id_chars", "greater than or equal to 1"),
+        ({"security": {"auth_token_env": "NOT A NAME"}}, "security.auth_token_env", "pattern"),
+        ({"security": {"require_client_cert": "sometimes"}}, "security.require_client_cert", "boolean"),
+        ({"rollout": []}, "rollout", "dictionary"),
+    ],
+)
+def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
+    message = config_error(with_sections(**sections))
+    assert message.startswith(f"{path}: ") and reason in message
+
+
+@pytest.mark.parametrize(
+    ("sections", "words"),
+    [
+        (
+            {"controller": {"train_batch_groups": 2}, "trainer": {"mini_batches": 4}},
+            ["trainer.mini_batches (4)", "controller.train_batch_groups (2)"],
+        ),
+        (
+            {"controller": {"train_batch_groups": 3}, "rollout": {"n": 3}, "trainer": {"nproc": 2}},
+            ["9 samples", "trainer.nproc = 2"],
+        ),
+        ({"rollout": {"n": 1}}, ["rollout.n must be >= 2", "'grpo'"]),
+        (
+            {"rollout": {"max_tokens": 8}, "controller": {"reward": {"overlong_buffer": 8}}},
+            ["controller.reward.overlong_buffer (8)", "rollout.max_tokens (8)"],
+        ),
+        ({"rollout": {"n": 16, "limits": {"max_n": 8}}}, ["rollout.n (16)", "rollout.limits.max_n (8)"]),
+        ({"security": {"tls_cert": "c.pem"}}, ["security: ", "tls_cert and tls_key"]),
+        ({"security": {"tls_ca": "ca.pem"}}, ["security: ", "tls_ca needs tls_cert"]),
+        (
+            {"security": {"tls_cert": "c.pem", "tls_key": "k.pem", "require_client_cert": True}},
+            ["security: ", "require_client_cert needs tls_ca"],
+        ),
+    ],
+)
+def test_impossible_combinations_say_why(sections, words) -> None:
+    message = config_error(with_sections(**sections))
+    for word in words:
+        assert word in message
+
+
+def test_overrides_are_validated_like_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert load_config(path, ["rollout.n=4"]).rollout.n == 4
+    with pytest.raises(ConfigError, match=r"^rollout\.nn: unknown key"):
+        load_config(path, ["rollout.nn=4"])
+    with pytest.raises(ConfigError, match=r"^model\.path\.x: path is not a section"):
+        load_config(path, ["model.path.x=1"])
+    with pytest.raises(ConfigError, match="overrides look like"):
+        load_config(path, ["rollout.n"])
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_dump_holds_the_token_variable_name_not_the_token(monkeypatch) -> None:
+    secret = "tok-" + "x7" * 20
+    monkeypatch.setenv("RELAYRL_AUTH_TOKEN", secret)
+    dumped = dump_config(parse_config(BASE))
+    assert "RELAYRL_AUTH_TOKEN" in dumped and secret not in dumped
+
+
+# -- through the command line ------------------------------------------------------------------------
+def serve(tmp_path: Path, raw: dict, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "controller", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**(env or {}), "PATH": "/usr/bin:/bin"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (with_sections(controller={"prot": 1}), "controller.prot: unknown key"),
+        (with_sections(rollout={"n": "eight"}), "rollout.n: Input should be a valid integer"),
+        (
+            with_sections(controller={"train_batch_groups": 1}, trainer={"mini_batches": 2}),
+            "trainer.mini_batches (2) exceeds controller.train_batch_groups (1)",
+        ),
+        (
+            with_sections(security={"tls_cert": "/nonexistent/c.pem", "tls_key": "/nonexistent/k.pem"}),
+            "security.tls_key: cannot read /nonexistent/k.pem",
+        ),
+    ],
+    ids=["unknown-key", "wrong-type", "combination", "unreadable-cert"],
+)
+def test_controller_serve_refuses_a_bad_config_with_exit_code_2(tmp_path, raw, expected) -> None:
+    result = serve(tmp_path, raw)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr
+
+
+def test_controller_serve_refuses_a_weak_token_without_printing_it(tmp_path) -> None:
+    weak = "short-tok"
+    result = serve(tmp_path, BASE, env={"RELAYRL_AUTH_TOKEN": weak})
+    assert result.returncode == 2
+    assert "RELAYRL_AUTH_TOKEN: the auth token needs at least 16 characters" in result.stderr
+    assert weak not in result.stderr + result.stdout
