@@ -10,10 +10,16 @@ import sys
 import threading
 
 from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.ops.parser import add_operator_commands
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
-    return load_config(args.config, args.set)
+    """The validated config; its ``security`` section also becomes this process's client security."""
+    from relayrl.services.channels import configure_client
+
+    cfg = load_config(args.config, args.set)
+    configure_client(cfg.security)
+    return cfg
 
 
 def _add_config(parser: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -43,7 +49,7 @@ def cmd_controller_serve(args: argparse.Namespace) -> int:
     from relayrl.services.controller_server import serve_controller
 
     cfg = _config(args)
-    server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir)
+    server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir, metrics_port=args.metrics_port)
     print(f"controller listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
     logging.info("%s: shutting down the controller", sig)
@@ -58,7 +64,13 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     server, worker, heartbeat = serve_rollout(
-        cfg, controller=controller, host=args.host, port=args.port, advertise=args.advertise, worker_id=args.worker_id
+        cfg,
+        controller=controller,
+        host=args.host,
+        port=args.port,
+        advertise=args.advertise,
+        worker_id=args.worker_id,
+        metrics_port=args.metrics_port,
     )
     print(f"rollout worker {worker.worker_id} listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
@@ -79,6 +91,12 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     return run_trainer(_config(args), controller, resume=args.resume)
 
 
+def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    from relayrl.trainer.launch import run_supervised
+
+    return run_supervised(rest)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from relayrl.launcher import run_local
 
@@ -88,6 +106,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.which == "weightsync":
         from relayrl.bench.weightsync import main
+
+        return main(rest)
+    if args.which == "load":
+        from relayrl.bench.load import main
 
         return main(rest)
     raise SystemExit(f"unknown benchmark {args.which!r}")
@@ -103,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--port", type=int, default=None, help="overrides controller.port (0 = any free port)")
     p.add_argument("--state-dir", default=None, help="ledger, cursor and versions (default <run dir>/controller)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_controller_serve)
 
     rollout = sub.add_parser("rollout", help="rollout workers").add_subparsers(dest="action", required=True)
@@ -113,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
     p.add_argument("--worker-id", default=None)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_rollout_serve)
 
     trainer = sub.add_parser("trainer", help="training ranks (under torchrun)").add_subparsers(
@@ -124,13 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     p.set_defaults(func=cmd_trainer_run)
 
+    p = trainer.add_parser(
+        "launch",
+        help="torchrun ARGS... under a supervisor: SIGTERM lets the ranks finish the step and exit 0",
+        add_help=False,
+    )
+    p.set_defaults(func=cmd_trainer_launch, passthrough=True)
+
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
     _add_config(p, positional=True)
     p.add_argument("--resume", action="store_true", help="continue the run in its run directory")
     p.set_defaults(func=cmd_up)
 
+    add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
+
     p = sub.add_parser("bench", help="benchmarks that print JSON", add_help=False)
-    p.add_argument("which", choices=["weightsync"])
+    p.add_argument("which", choices=["weightsync", "load"])
     p.set_defaults(func=cmd_bench, passthrough=True)
     return parser
 

@@ -42,6 +42,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str  # local JSONL/parquet file, a directory, or a hub dataset id
+    subset: str | None = None  # a hub dataset's config name (`name` of datasets.load_dataset), e.g. gsm8k's "main"
     split: str = "train"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -56,6 +57,8 @@ class GenerationLimitsConfig(Section):
     max_n: int = Field(64, ge=1)
     max_tokens: int = Field(4096, ge=1)
     max_message_mib: int = Field(64, ge=1)
+    max_id_chars: int = Field(256, ge=1)  # prompt, worker, batch and group ids; addresses
+    max_text_chars: int = Field(65536, ge=1)  # prompt text, reference answers, pause reasons
 
 
 class RolloutConfig(Section):
@@ -91,7 +94,17 @@ class ControllerConfig(Section):
     generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call
     shutdown_grace_s: float = Field(10.0, ge=0)  # SIGTERM: finish in-flight RPCs for this long
     dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call
+    rpc_threads: int = Field(32, ge=4)  # RPCs served at once (a SubmitPrompts stream holds one); more wait in order
+    max_workers: int = Field(1024, ge=1)  # registered rollout workers; RegisterWorker beyond: RESOURCE_EXHAUSTED
+    max_pull_timeout_s: float = Field(3600.0, gt=0)  # longest PullBatch.timeout_s accepted
     reward: RewardConfig = Field(default_factory=RewardConfig)
+
+
+class WandbConfig(Section):
+    project: str
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    entity: str | None = None
+    name: str | None = None  # default: run.name
 
 
 class TrainerConfig(Section):
@@ -108,6 +121,8 @@ class TrainerConfig(Section):
     export_hf: bool = True
     threads: int = Field(1, ge=1)
     pull_timeout_s: float = Field(600.0, gt=0)
+    tensorboard: bool = False  # also write metrics as TensorBoard events to <run dir>/tensorboard
+    wandb: WandbConfig | None = None  # also log metrics to Weights & Biases (skipped when wandb is not installed)
 
 
 class AlgorithmConfig(Section):
@@ -130,11 +145,44 @@ class AlgorithmConfig(Section):
 class WeightSyncConfig(Section):
     transport: Literal["broadcast", "filesystem"] = "broadcast"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    bucket_mib: int = Field(512, ge=1)
+    bucket_mib: float = Field(512, gt=0)
     timeout_s: float = Field(60.0, gt=0)
     mode: Literal["pause", "shadow"] = "pause"
     master_address: str = "127.0.0.1"  # address rollout workers reach trainer rank 0 at
     path: str | None = None  # filesystem transport directory (default <run dir>/weights)
+    # How often trainer rank 0 looks for operator SyncWeights requests and newly joined workers.
+    on_demand_interval_s: float = Field(1.0, gt=0)
+
+
+class SecurityConfig(Section):
+    """Bearer-token authentication and TLS for every relayrl server and client.
+
+    The token is read from the environment variable named by ``auth_token_env`` (never from the YAML, so
+    config dumps cannot leak it); when that variable is unset or empty, authentication is off. TLS is on
+    when ``tls_cert`` and ``tls_key`` are set: every server serves that certificate and every client presents
+    it as its client certificate, and verifies servers against ``tls_ca`` (the system roots when unset).
+    """
+
+    auth_token_env: str = Field("RELAYRL_AUTH_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    tls_cert: str | None = None  # PEM certificate chain of this process
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_ca: str | None = None  # PEM CA bundle: verifies server certificates and (mTLS) client certificates
+    require_client_cert: bool = False  # mTLS: servers refuse clients without a certificate signed by tls_ca
+    tls_server_name: str | None = None  # name expected in server certificates (default: the host dialled)
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> SecurityConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be set together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_ca needs tls_cert and tls_key (TLS is on when a certificate is set)")
+        if self.require_client_cert and self.tls_ca is None:
+            raise ValueError("require_client_cert needs tls_ca, the CA that signs client certificates")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
 
 class RelayConfig(Section):
@@ -146,6 +194,7 @@ class RelayConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RelayConfig:

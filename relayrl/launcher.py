@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from relayrl.assets import prepare_assets
 from relayrl.config import RelayConfig, dump_config
+from relayrl.ops.scaler import LocalScaler
+from relayrl.procs import kill_tree
 from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
@@ -60,21 +61,25 @@ class LocalJob:
             if proc.poll() is not None:
                 raise LaunchError(f"{role} exited with code {proc.returncode}; see {self.logs / (role + '.log')}")
 
-    def stop(self, roles: list[str] | None = None, grace_s: float = 20.0) -> None:
-        """SIGTERM each role's process group, wait, then SIGKILL what is left."""
+    def stop(self, roles: list[str] | None = None, grace_s: float = 30.0) -> None:
+        """Stop roles in order (the trainer before the workers before the controller, so each can still
+        reach what it reports to): SIGTERM a role's process group, wait up to ``grace_s``, SIGKILL the rest.
+        Workers stop together."""
         roles = [r for r in (roles or list(self.children)) if r in self.children]
-        for role in roles:
-            proc = self.children[role]
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for role in roles:
-            proc = self.children[role]
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        waves = [[r for r in roles if r == "trainer"], [r for r in roles if r.startswith("rollout")]]
+        waves.append([r for r in roles if r not in waves[0] + waves[1]])
+        for wave in waves:
+            for role in wave:
+                if self.children[role].poll() is None:
+                    os.killpg(self.children[role].pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for role in wave:
+                proc = self.children[role]
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    kill_tree(proc.pid)
+                    proc.wait()
 
 
 def controller_status(address: str) -> controller_pb2.StatusResponse:
@@ -108,6 +113,13 @@ def prepare_run_dir(cfg: RelayConfig, resume: bool) -> Path:
     return config_path
 
 
+def spawn_rollout(job: LocalJob, index: int) -> None:
+    """Start rollout worker ``rollout-<index>`` against the job's controller."""
+    role = f"rollout-{index}"
+    argv = ["rollout", "serve", "--config", str(job.config_path), "--controller", job.controller_address]
+    job.spawn(role, job.relay(*argv, "--worker-id", role))
+
+
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
     port = free_port()
@@ -115,13 +127,9 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     common = ["--config", str(config_path)]
     job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, ["controller"])
+    (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
     for i in range(cfg.rollout.workers):
-        job.spawn(
-            f"rollout-{i}",
-            job.relay(
-                "rollout", "serve", *common, "--controller", job.controller_address, "--worker-id", f"rollout-{i}"
-            ),
-        )
+        spawn_rollout(job, i)
     workers = [f"rollout-{i}" for i in range(cfg.rollout.workers)]
     wait_until(
         lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
@@ -131,7 +139,8 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
         ["controller", *workers],
     )
     trainer_argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
+        sys.executable, "-m", "relayrl.cli", "trainer", "launch",
+        "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
         "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
     ] + (["--resume"] if resume else [])  # fmt: skip
     job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})
@@ -148,9 +157,12 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
         TextColumn("reward {task.fields[reward]}  version {task.fields[version]}  {task.fields[sps]} samples/s"),
         TimeElapsedColumn(),
     ]
+    stub = controller_pb2_grpc.ControllerServiceStub(open_channel(job.controller_address))
     with Progress(*columns, console=console, transient=False) as progress:
+        scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=progress.console.print)
         task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
         while job.children["trainer"].poll() is None:
+            scaler.tick()  # `relayrl scale rollout N`
             job.check_alive([r for r in job.children if r != "trainer"])
             records = read_metrics(metrics_path)
             if records:
@@ -199,8 +211,6 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
 
 def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
     started = time.monotonic()
-    for path in prepare_assets(cfg):
-        console.print(f"[dim]built {path}[/dim]")
     config_path = prepare_run_dir(cfg, resume)
     stop_signal: list[str] = []
 

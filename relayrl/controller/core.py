@@ -20,14 +20,16 @@ from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig
 from relayrl.controller.dispatch import Dispatcher, PromptJob
+from relayrl.controller.fanout import fan_out
 from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TRAINED, Ledger
 from relayrl.controller.scoring import ScoredGroup, Scorer
-from relayrl.controller.workers import WorkerRegistry
+from relayrl.controller.weight_syncs import WeightSyncLog
+from relayrl.controller.workers import DRAINING, WorkerRegistry
 from relayrl.data.dataset import PromptDataset
-from relayrl.errors import FailedPrecondition, NotFound, Unavailable
+from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
-from relayrl.v1 import controller_pb2
+from relayrl.v1 import controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class ProgressState:
     policy_version: int = 0  # version on the workers after that step
     last_sync_seconds: float = 0.0
     last_sync_unix: float = 0.0
+    desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -50,6 +53,10 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
+
+
+class _Abandoned(Exception):
+    """The run was rewound while a batch was being built: that batch is void."""
 
 
 class Controller:
@@ -76,14 +83,19 @@ class Controller:
         )
         self.state = "running"
         self.error = ""
+        self.syncs = WeightSyncLog()
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._batches: dict[int, controller_pb2.Batch] = {}
-        self._next_step = self.progress.trainer_step + 1
+        self._epoch = 0  # bumped by rewind(): batches begun in an older epoch are void
+        self._batch_dir = self.state_dir / "batches"
+        self._batch_dir.mkdir(exist_ok=True)
+        self._batches: dict[int, controller_pb2.Batch] = self._load_batches()
+        self._next_step = max([self.progress.trainer_step, *self._batches]) + 1
         self._fail_unfinished_prompts()
         self._threads = [
             threading.Thread(target=self._produce_loop, name="producer", daemon=True),
             threading.Thread(target=self._reap_loop, name="reaper", daemon=True),
+            threading.Thread(target=self._stats_loop, name="worker-stats", daemon=True),
         ]
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -106,10 +118,28 @@ class Controller:
     def _save_progress(self) -> None:
         write_json_atomic(self.state_dir / "state.json", self.progress.__dict__)
 
+    def _load_batches(self) -> dict[int, controller_pb2.Batch]:
+        """Batches produced but not yet reported survive a restart (the trainer may be training one)."""
+        batches = {}
+        for path in self._batch_dir.glob("step_*.pb"):
+            step = int(path.stem.split("_")[1])
+            if step > self.progress.trainer_step:
+                batches[step] = controller_pb2.Batch.FromString(path.read_bytes())
+            else:
+                path.unlink()
+        return batches
+
+    def _persist_batch(self, batch: controller_pb2.Batch) -> None:
+        tmp = self._batch_dir / f"step_{batch.step}.tmp"
+        tmp.write_bytes(batch.SerializeToString())
+        tmp.replace(self._batch_dir / f"step_{batch.step}.pb")
+
     def _fail_unfinished_prompts(self) -> None:
-        """After a restart, prompts that were in flight or in an unreported batch cannot be trained."""
+        """After a restart, prompts that were mid-generation are lost work: fail them with the reason.
+        Prompts of persisted batches stay pending: those batches are still handed out."""
+        kept = {s.prompt_id for batch in self._batches.values() for s in batch.samples}
         for state in (PENDING, QUEUED):
-            ids = self.ledger.ids_in(state)
+            ids = [pid for pid in self.ledger.ids_in(state) if pid not in kept]
             if ids:
                 self.ledger.mark(ids, FAILED, "controller restarted before the prompt was trained")
 
@@ -118,6 +148,16 @@ class Controller:
         while not self._stop.wait(1.0):
             for worker_id in self.registry.reap():
                 log.warning("worker %s missed heartbeats for %.0fs: dropped", worker_id, self.registry.timeout_s)
+
+    def _stats_loop(self, interval_s: float = 2.0) -> None:
+        """Keep each worker's token counters (Status, metrics) fresh from its Stats."""
+        while not self._stop.wait(interval_s):
+            workers = self.registry.snapshot()
+            responses, _ = fan_out(workers, "Stats", rollout_pb2.StatsRequest(), timeout_s=interval_s)
+            for worker in workers:
+                if worker.worker_id in responses:
+                    worker.tokens_per_second = responses[worker.worker_id].tokens_per_second
+                    worker.generated_tokens = responses[worker.worker_id].generated_tokens
 
     # -- batch production ----------------------------------------------------------------------
     def _may_produce(self, step: int) -> bool:
@@ -131,18 +171,22 @@ class Controller:
     def _produce_loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
-                step = self._next_step
+                step, epoch = self._next_step, self._epoch
                 if not self._may_produce(step):
                     self._cond.wait(0.5)
                     continue
             try:
-                batch = self._build_batch(step)
+                batch = self._build_batch(step, epoch)
             except DynamicSamplingExhausted as err:
                 self._fail(str(err))
                 return
             if batch is None:
                 continue
             with self._cond:
+                if epoch != self._epoch:
+                    self.ledger.rewind(sorted({s.prompt_id for s in batch.samples}), "batch voided by a rewind")
+                    continue
+                self._persist_batch(batch)
                 self._batches[step] = batch
                 self._next_step = step + 1
                 self._save_progress()
@@ -154,13 +198,17 @@ class Controller:
             self.state, self.error = "failed", message
             self._cond.notify_all()
 
-    def _draw(self, count: int) -> list:
-        records = [self.dataset.record(self.progress.cursor + i) for i in range(count)]
-        self.progress.cursor += count
-        self.ledger.mark([r.prompt_id for r in records], PENDING)
+    def _draw(self, count: int, epoch: int) -> list:
+        with self._cond:
+            if epoch != self._epoch:
+                raise _Abandoned
+            records = [self.dataset.record(self.progress.cursor + i) for i in range(count)]
+            self.ledger.mark([r.prompt_id for r in records], PENDING)
+            self.progress.cursor += count
+            self._save_progress()  # after the ledger: a crash in between only re-draws pending prompts
         return records
 
-    def _build_batch(self, step: int) -> controller_pb2.Batch | None:
+    def _build_batch(self, step: int, epoch: int) -> controller_pb2.Batch | None:
         """Generate until ``train_batch_groups`` informative groups are kept (DAPO dynamic sampling)."""
         ccfg = self.cfg.controller
         required = max(0, step - 1 - ccfg.max_staleness)
@@ -168,24 +216,25 @@ class Controller:
             ccfg.train_batch_groups, ccfg.max_gen_batches, enabled=ccfg.dynamic_sampling
         )
         start = time.monotonic()
+        cursor_start = self.progress.cursor
         all_groups: list[ScoredGroup] = []
         stale = failed = 0
         drawn: list[str] = []
         try:
             while not filler.is_full:
-                records = self._draw(ccfg.prompts_per_gen_batch)
+                records = self._draw(ccfg.prompts_per_gen_batch, epoch)
                 drawn += [r.prompt_id for r in records]
                 result = self.dispatcher.run(
                     [PromptJob(r.prompt_id, r.token_ids) for r in records],
                     self.params,
                     min_version=required,
-                    should_stop=self._stop.is_set,
+                    should_stop=lambda: self._stop.is_set() or epoch != self._epoch,
                 )
                 for prompt_id, reason in result.failed.items():
                     self.ledger.mark([prompt_id], FAILED, reason, step)
                 failed += len(result.failed)
-                if self._stop.is_set():
-                    return None
+                if self._stop.is_set() or epoch != self._epoch:
+                    raise _Abandoned
                 groups = [
                     self.scorer.group(r, result.groups[r.prompt_id]) for r in records if r.prompt_id in result.groups
                 ]
@@ -199,13 +248,22 @@ class Controller:
                 all_groups += fresh
                 dropped = filler.add_batch(fresh, [g.rewards for g in fresh])
                 self.ledger.mark([g.record.prompt_id for g in dropped], FILTERED, "all rewards equal", step)
+        except _Abandoned:
+            if epoch != self._epoch:
+                self.ledger.rewind(drawn, "batch abandoned by a rewind")
+            else:
+                pending = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
+                self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
+            return None
         except DynamicSamplingExhausted as err:
             leftover = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
             self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
             raise err
         kept = filler.take()
         self.ledger.mark([g.record.prompt_id for g in filler.surplus], FILTERED, "surplus beyond the batch", step)
-        return self._batch_message(step, kept, all_groups, filler, stale, failed, time.monotonic() - start)
+        batch = self._batch_message(step, kept, all_groups, filler, stale, failed, time.monotonic() - start)
+        batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
+        return batch
 
     def _batch_message(self, step, kept, all_groups, filler, stale, failed, seconds) -> controller_pb2.Batch:
         samples = [
@@ -219,6 +277,7 @@ class Controller:
                 score=score,
                 finish_reason=c.finish_reason,
                 policy_version=c.policy_version,
+                worker_id=c.worker_id,
             )
             for gi, g in enumerate(kept)
             for c, reward, score in zip(g.completions, g.rewards, g.scores)
@@ -263,6 +322,8 @@ class Controller:
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if self.state == "paused":
+                        raise Unavailable(f"{PAUSED_DETAIL}: no batch for step {step} until Resume; retry")
                     raise Unavailable(f"no batch for step {step} within {timeout_s:.0f}s; retry")
                 self._cond.wait(min(remaining, 1.0))
             batch = self._batches[step]
@@ -275,6 +336,7 @@ class Controller:
             if batch is None or batch.batch_id != request.batch_id:
                 raise NotFound(f"batch_id: {request.batch_id!r} is not the pending batch of step {request.step}")
             del self._batches[request.step]
+            (self._batch_dir / f"step_{request.step}.pb").unlink(missing_ok=True)
             self.progress.trainer_step = request.step
             self.progress.policy_version = request.policy_version
             self.progress.last_sync_seconds = request.sync_seconds
@@ -285,16 +347,72 @@ class Controller:
             self._cond.notify_all()
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
         self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), TRAINED, step=request.step)
+        self.syncs.record(
+            controller_pb2.WeightSyncRecord(
+                policy_version=request.policy_version,
+                reason="step",
+                seconds=request.sync_seconds,
+                synced_worker_ids=request.synced_worker_ids,
+            )
+        )
+
+    def rewind(self, request: controller_pb2.RewindRequest) -> int:
+        """Roll the run back to a trainer checkpoint: undo later batches, ledger entries and draws."""
+        if request.cursor < 0 or request.cursor > self.progress.cursor:
+            raise InvalidArgument("cursor", f"{request.cursor} is outside [0, {self.progress.cursor}]")
+        with self._cond:
+            for step in list(self._batches):
+                (self._batch_dir / f"step_{step}.pb").unlink(missing_ok=True)
+            self._batches.clear()
+            self._epoch += 1
+            undone = [self.dataset.record(d).prompt_id for d in range(request.cursor, self.progress.cursor)]
+            count = self.ledger.rewind(undone, f"rolled back to checkpoint step {request.step}")
+            self.progress.cursor = request.cursor
+            self.progress.trainer_step = self.progress.policy_version = request.step
+            self._next_step = request.step + 1
+            finished = request.step >= self.cfg.trainer.steps
+            self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
+            self.error = ""
+            self._save_progress()
+            self._cond.notify_all()
+        if finished:  # nothing can Resume a finished run: client prompts must not wait for it
+            self.registry.set_paused(False)
+        self.registry.set_versions(list(request.synced_worker_ids), request.step, exact=True)
+        log.warning("rewound to step %d (cursor %d): %d prompts undone", request.step, request.cursor, count)
+        return count
 
     def sync_plan(self) -> controller_pb2.WeightSyncPlan:
+        request_id, force = self.syncs.pending()
         return controller_pb2.WeightSyncPlan(
             workers=[
                 controller_pb2.WorkerEndpoint(worker_id=w.worker_id, address=w.address, policy_version=w.policy_version)
                 for w in sorted(self.registry.active(), key=lambda w: w.worker_id)
-            ]
+            ],
+            sync_request_id=request_id,
+            force=force,
+        )
+
+    def report_weight_sync(self, request: controller_pb2.ReportWeightSyncRequest) -> None:
+        """An update outside a step (operator request, joiners): versions and history."""
+        self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
+        self.syncs.record(
+            controller_pb2.WeightSyncRecord(
+                policy_version=request.policy_version,
+                reason=request.reason or "operator",
+                seconds=request.seconds,
+                synced_worker_ids=request.synced_worker_ids,
+                failed=request.failed,
+                sync_request_id=request.sync_request_id,
+            )
         )
 
     # -- operators -----------------------------------------------------------------------------
+    @property
+    def batches_ready(self) -> int:
+        """Queue depth: batches produced and not yet reported trained."""
+        with self._cond:
+            return len(self._batches)
+
     def status(self) -> controller_pb2.StatusResponse:
         counts = self.ledger.counts()
         return controller_pb2.StatusResponse(
@@ -325,4 +443,85 @@ class Controller:
             last_sync_unix=self.progress.last_sync_unix,
             error=self.error,
             dataset_cursor=self.progress.cursor,
+            desired_rollout_replicas=self.progress.desired_rollout_replicas,
+        )
+
+    def pause(self, reason: str) -> controller_pb2.PauseRunResponse:
+        """Stop batch production and dispatch; forward Pause to every worker."""
+        with self._cond:
+            if self.state not in ("running", "paused"):
+                raise FailedPrecondition(f"state: the run is {self.state}; only a running run can be paused")
+            self.state = "paused"
+            self._cond.notify_all()
+        self.registry.set_paused(True)
+        log.warning("run paused by an operator: %s", reason or "no reason given")
+        acked, errors = fan_out(self.registry.snapshot(), "Pause", rollout_pb2.PauseRequest(reason=reason), 10.0)
+        return controller_pb2.PauseRunResponse(state="paused", workers=sorted(acked), worker_errors=errors)
+
+    def resume(self) -> controller_pb2.ResumeRunResponse:
+        with self._cond:
+            if self.state not in ("running", "paused"):
+                raise FailedPrecondition(f"state: the run is {self.state}; it cannot be resumed")
+            self.state = "running"
+            self._cond.notify_all()
+        self.registry.set_paused(False)
+        log.warning("run resumed by an operator")
+        acked, errors = fan_out(self.registry.snapshot(), "Resume", rollout_pb2.ResumeRequest(), 10.0)
+        return controller_pb2.ResumeRunResponse(state="running", workers=sorted(acked), worker_errors=errors)
+
+    def drain(self, worker_id: str) -> controller_pb2.DrainWorkerResponse:
+        """No new Generate calls for this worker; its in-flight calls finish."""
+        if not self.registry.set_state(worker_id, DRAINING):
+            raise NotFound(f"worker_id: no registered worker {worker_id!r}")
+        handle = self.registry.get(worker_id)
+        log.warning("worker %s draining (operator)", worker_id)
+        return controller_pb2.DrainWorkerResponse(
+            worker_id=worker_id, state=DRAINING, in_flight=handle.in_flight if handle else 0
+        )
+
+    def scale(self, replicas: int) -> controller_pb2.ScaleRolloutResponse:
+        """Record the desired rollout replica count (persisted); launchers actuate it."""
+        if replicas < 1:
+            raise InvalidArgument("replicas", f"must be >= 1, got {replicas}")
+        with self._cond:
+            previous = self.progress.desired_rollout_replicas
+            self.progress.desired_rollout_replicas = replicas
+            self._save_progress()
+        log.warning("desired rollout replicas: %d -> %d", previous, replicas)
+        return controller_pb2.ScaleRolloutResponse(
+            previous=previous, replicas=replicas, registered=len(self.registry.snapshot())
+        )
+
+    def request_sync(self, force: bool) -> controller_pb2.SyncWeightsResponse:
+        request_id = self.syncs.request(force)
+        log.info("weight sync request %d (force=%s)", request_id, force)
+        version = self.progress.policy_version
+        return controller_pb2.SyncWeightsResponse(sync_request_id=request_id, policy_version=version)
+
+    def weights_status(self) -> controller_pb2.WeightsStatusResponse:
+        """Each worker's weights as it reports them (Stats, asked now) and the recent updates."""
+        workers = sorted(self.registry.snapshot(), key=lambda w: w.worker_id)
+        stats, errors = fan_out(workers, "Stats", rollout_pb2.StatsRequest(), timeout_s=5.0)
+        entries = []
+        for w in workers:
+            entry = controller_pb2.WorkerWeights(
+                worker_id=w.worker_id, address=w.address, state=w.state, policy_version=w.policy_version
+            )
+            if w.worker_id in stats:
+                s = stats[w.worker_id]
+                entry.policy_version = s.policy_version
+                entry.last_update_seconds = s.last_update_seconds
+                entry.weight_sync_group = s.weight_sync_group
+                entry.generated_tokens = s.generated_tokens
+                entry.tokens_per_second = s.tokens_per_second
+            else:
+                entry.error = errors.get(w.worker_id, "no answer")
+            entries.append(entry)
+        pending, _ = self.syncs.pending()
+        return controller_pb2.WeightsStatusResponse(
+            policy_version=self.progress.policy_version,
+            workers=entries,
+            recent_syncs=self.syncs.history(),
+            sync_request_pending=pending,
+            sync_request_handled=self.syncs.handled,
         )

@@ -89,6 +89,8 @@ class Dispatcher:
                 chunk = pending.popleft()
                 future = self._pool.submit(self._generate_chunk, worker, chunk, params, min_version, on_group)
                 running[future] = (chunk, worker)
+            if self.registry.paused:  # a paused run is not idle: its prompts wait for Resume
+                idle_since = time.monotonic()
             if not running:
                 if time.monotonic() - idle_since > no_worker_timeout_s:
                     for chunk in pending:
@@ -103,6 +105,10 @@ class Dispatcher:
                 chunk, worker = running.pop(future)
                 self.registry.release(worker)
                 groups, error = future.result()
+                if error.startswith("UNAVAILABLE") and f"worker {worker.worker_id} is" not in error:
+                    # unreachable, not merely paused/draining (those answer "worker <id> is ..."): stop choosing
+                    # it; a live worker's next heartbeat re-adds it
+                    self.registry.remove(worker.worker_id)
                 result.groups.update(groups)
                 retry = [job for job in chunk if job.prompt_id not in groups]
                 for job in retry:

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 PENDING, QUEUED, TRAINED, FILTERED, FAILED = "pending", "queued", "trained", "filtered", "failed"
+REWOUND = "rewound"  # an event, not a state: the run was rolled back to before this prompt was drawn
 TERMINAL = frozenset({TRAINED, FILTERED, FAILED})
 
 
@@ -37,7 +38,10 @@ class Ledger:
         for line in self._path.read_text().splitlines():
             if line.strip():
                 event = json.loads(line)
-                self._entries[event["id"]] = (event["state"], event.get("reason", ""), event.get("step", -1))
+                if event["state"] == REWOUND:
+                    self._entries.pop(event["id"], None)
+                else:
+                    self._entries[event["id"]] = (event["state"], event.get("reason", ""), event.get("step", -1))
 
     def mark(self, prompt_ids: list[str] | tuple[str, ...], state: str, reason: str = "", step: int = -1) -> None:
         """Move prompts to ``state``. Moving a prompt out of a terminal state raises LedgerError."""
@@ -50,6 +54,16 @@ class Ledger:
                 if self._path is not None:
                     record = {"id": pid, "state": state, "reason": reason, "step": step}
                     self._file.write(json.dumps(record) + "\n")
+
+    def rewind(self, prompt_ids: list[str], reason: str) -> int:
+        """Forget prompts drawn after a checkpoint the run rolled back to (logged, then dropped)."""
+        with self._lock:
+            known = [pid for pid in prompt_ids if pid in self._entries]
+            for pid in known:
+                del self._entries[pid]
+                if self._path is not None:
+                    self._file.write(json.dumps({"id": pid, "state": REWOUND, "reason": reason}) + "\n")
+            return len(known)
 
     def state(self, prompt_id: str) -> tuple[str, str, int] | None:
         with self._lock:

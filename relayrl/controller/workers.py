@@ -25,8 +25,10 @@ class WorkerHandle:
     state: str = READY
     last_seen: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    last_dispatch: float = 0.0  # monotonic time of the last Generate handed to it
     calls: set = field(default_factory=set)  # live Generate calls, cancelled when the worker dies
     tokens_per_second: float = 0.0
+    generated_tokens: int = 0  # from the worker's Stats (polled)
 
 
 class WorkerRegistry:
@@ -38,6 +40,7 @@ class WorkerRegistry:
         self._channel_options = channel_options or []
         self._workers: dict[str, WorkerHandle] = {}
         self.lock = threading.Condition()
+        self.paused = False  # an operator paused the run: nothing is handed out
 
     def register(self, worker_id: str, address: str, engine: str, policy_version: int, state: str = READY) -> None:
         """Add or refresh a worker. A worker that comes back after being declared dead re-joins here."""
@@ -75,11 +78,13 @@ class WorkerRegistry:
             self.remove(worker_id)
         return dead
 
-    def set_versions(self, worker_ids: list[str], version: int) -> None:
+    def set_versions(self, worker_ids: list[str], version: int, *, exact: bool = False) -> None:
+        """Record that workers loaded ``version`` (never lowering a known version unless ``exact``)."""
         with self.lock:
             for worker_id in worker_ids:
                 if worker_id in self._workers:
-                    self._workers[worker_id].policy_version = max(self._workers[worker_id].policy_version, version)
+                    known = self._workers[worker_id].policy_version
+                    self._workers[worker_id].policy_version = version if exact else max(known, version)
             self.lock.notify_all()
 
     def set_state(self, worker_id: str, state: str) -> bool:
@@ -90,9 +95,22 @@ class WorkerRegistry:
             self.lock.notify_all()
             return True
 
-    def acquire(self, min_version: int) -> WorkerHandle | None:
-        """The least-loaded ready worker at ``min_version`` or newer with a free slot; its load is taken."""
+    def set_paused(self, paused: bool) -> None:
         with self.lock:
+            self.paused = paused
+            self.lock.notify_all()
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        with self.lock:
+            return self._workers.get(worker_id)
+
+    def acquire(self, min_version: int) -> WorkerHandle | None:
+        """The least-loaded ready worker at ``min_version`` or newer with a free slot (least recently used
+        among equals); its load is taken.
+        None while the registry is paused."""
+        with self.lock:
+            if self.paused:
+                return None
             candidates = [
                 w
                 for w in self._workers.values()
@@ -100,8 +118,9 @@ class WorkerRegistry:
             ]
             if not candidates:
                 return None
-            worker = min(candidates, key=lambda w: (w.in_flight, w.worker_id))
+            worker = min(candidates, key=lambda w: (w.in_flight, w.last_dispatch))  # ties: least recently used
             worker.in_flight += 1
+            worker.last_dispatch = time.monotonic()
             return worker
 
     def release(self, worker: WorkerHandle) -> None:

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import uuid
+
+from transformers import AutoConfig
 
 from relayrl.config import RelayConfig
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import PromptJob
 from relayrl.data.dataset import render_prompt
-from relayrl.errors import InvalidArgument, ResourceExhausted, Unavailable
+from relayrl.errors import PAUSED_DETAIL, InvalidArgument, Unavailable
 from relayrl.rewards import resolve_reward
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
+from relayrl.services.channels import configure_client
+from relayrl.services.metrics import ControllerCollector, MetricsEndpoint
 from relayrl.services.server import GrpcServer, guarded
+from relayrl.services.validate import (
+    check_count,
+    check_length,
+    check_number,
+    check_register_worker,
+    check_report_step,
+    check_submit_prompts,
+)
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -24,12 +37,16 @@ _DONE = object()
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
+        self.limits = controller.cfg.rollout.limits
+        model = AutoConfig.from_pretrained(controller.cfg.model.path)  # SubmitPrompts: vocabulary and context
+        self.vocab_size, self.max_model_len = model.vocab_size, model.max_position_embeddings
 
     @guarded
     def RegisterWorker(self, request, context):
-        for field in ("worker_id", "address"):
-            if not getattr(request, field):
-                raise InvalidArgument(field, "must not be empty")
+        check_register_worker(request, self.limits)
+        known = {w.worker_id for w in self.controller.registry.snapshot()}
+        if request.worker_id not in known:
+            check_count("workers", len(known) + 1, self.controller.cfg.controller.max_workers)
         self.controller.registry.register(
             request.worker_id, request.address, request.engine or "hf", request.policy_version
         )
@@ -37,6 +54,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     @guarded
     def DeregisterWorker(self, request, context):
+        check_length("worker_id", request.worker_id, self.limits.max_id_chars, required=True)
         self.controller.registry.remove(request.worker_id)
         return controller_pb2.DeregisterWorkerResponse()
 
@@ -44,15 +62,22 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def PullBatch(self, request, context):
         if request.step < 1:
             raise InvalidArgument("step", f"must be >= 1, got {request.step}")
+        check_number("timeout_s", request.timeout_s, high=self.controller.cfg.controller.max_pull_timeout_s)
         timeout = request.timeout_s if request.timeout_s > 0 else 60.0
+        timeout = min(timeout, context.time_remaining() or math.inf)  # nobody waits for an answer after that
         return self.controller.pull_batch(request.step, timeout)
 
     @guarded
     def ReportStep(self, request, context):
-        if request.step < 1:
-            raise InvalidArgument("step", f"must be >= 1, got {request.step}")
+        check_report_step(request, self.limits, self.controller.cfg.controller.max_workers)
         self.controller.report_step(request)
         return controller_pb2.ReportStepResponse()
+
+    @guarded
+    def Rewind(self, request, context):
+        if request.step < 0:
+            raise InvalidArgument("step", f"must be >= 0, got {request.step}")
+        return controller_pb2.RewindResponse(prompts_rewound=self.controller.rewind(request))
 
     @guarded
     def GetWeightSyncPlan(self, request, context):
@@ -63,34 +88,67 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return self.controller.status()
 
     @guarded
+    def Pause(self, request, context):
+        check_length("reason", request.reason, self.limits.max_text_chars)
+        return self.controller.pause(request.reason)
+
+    @guarded
+    def Resume(self, request, context):
+        return self.controller.resume()
+
+    @guarded
+    def DrainWorker(self, request, context):
+        check_length("worker_id", request.worker_id, self.limits.max_id_chars, required=True)
+        return self.controller.drain(request.worker_id)
+
+    @guarded
+    def SyncWeights(self, request, context):
+        return self.controller.request_sync(request.force)
+
+    @guarded
+    def ScaleRollout(self, request, context):
+        check_number("replicas", request.replicas, low=1, high=self.controller.cfg.controller.max_workers)
+        return self.controller.scale(request.replicas)
+
+    @guarded
+    def WeightsStatus(self, request, context):
+        return self.controller.weights_status()
+
+    @guarded
+    def ReportWeightSync(self, request, context):
+        check_count("synced_worker_ids", len(request.synced_worker_ids), self.controller.cfg.controller.max_workers)
+        self.controller.report_weight_sync(request)
+        return controller_pb2.ReportWeightSyncResponse()
+
+    @guarded
     def SubmitPrompts(self, request, context):
         """Sample completions for client prompts; streams one message per sample as groups complete."""
         ctl = self.controller
-        limits = ctl.cfg.rollout.limits
-        if not request.prompts:
-            raise InvalidArgument("prompts", "must not be empty")
-        if len(request.prompts) > limits.max_prompts:
-            raise ResourceExhausted("prompts", limits.max_prompts, len(request.prompts))
+        limits = self.limits
+        check_submit_prompts(request.prompts, limits)
         params = SamplingParams.from_proto(request.params)
-        reward_fn = None
-        if request.reward_fn:
-            try:
-                reward_fn = resolve_reward(request.reward_fn)
-            except (KeyError, ValueError) as err:
-                raise InvalidArgument("reward_fn", str(err).strip("'\"")) from None
+        reward_fn = self._client_reward(request.reward_fn) if request.reward_fn else None
         jobs, answers = [], {}
-        for i, prompt in enumerate(request.prompts):
+        for prompt in request.prompts:
             if prompt.token_ids:
                 ids = list(prompt.token_ids)
-            elif prompt.text:
-                ids = render_prompt(ctl.tokenizer, prompt.text, "never" if request.raw else ctl.cfg.data.chat_template)
             else:
-                raise InvalidArgument(f"prompts[{i}]", "needs text or token_ids")
+                ids = render_prompt(ctl.tokenizer, prompt.text, "never" if request.raw else ctl.cfg.data.chat_template)
             prompt_id = prompt.prompt_id or f"client-{uuid.uuid4().hex[:12]}"
             jobs.append(PromptJob(prompt_id, ids))
             answers[prompt_id] = prompt.answer
+        validate_request(
+            [job.token_ids for job in jobs],
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            limits=GenerationLimits(limits.max_prompts, limits.max_n, limits.max_tokens),
+        )
         if not ctl.registry.snapshot():
             raise Unavailable("no rollout worker is registered yet")
+        if ctl.state == "paused":
+            raise Unavailable(f"{PAUSED_DETAIL}; retry after Resume")
+        current = ctl.progress.policy_version  # a worker that joined at version 0 serves once it has these weights
         out: queue.Queue = queue.Queue()
 
         def on_group(prompt_id, completions):
@@ -104,7 +162,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         def run():
             try:
                 result = ctl.dispatcher.run(
-                    jobs, params, on_group=on_group, should_stop=lambda: not context.is_active()
+                    jobs, params, min_version=current, on_group=on_group, should_stop=lambda: not context.is_active()
                 )
                 for prompt_id, reason in result.failed.items():
                     log.warning("client prompt %s failed: %s", prompt_id, reason)
@@ -122,12 +180,33 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             elif item.failed:
                 raise Unavailable(f"{len(item.failed)} prompts failed: {next(iter(item.failed.values()))}")
 
+    def _client_reward(self, name: str):
+        """A client may name registered reward functions only: importing ``module:function`` on a client's
+        word would run any module's import-time code in the controller (the config's own function is fine)."""
+        check_length("reward_fn", name, self.limits.max_id_chars)
+        if ":" in name and name != self.controller.cfg.controller.reward.fn:
+            raise InvalidArgument("reward_fn", "clients may name registered functions only (module:function: config)")
+        try:
+            return resolve_reward(name)
+        except (KeyError, ValueError) as err:
+            raise InvalidArgument("reward_fn", str(err).strip("'\"")) from None
 
-def serve_controller(cfg: RelayConfig, *, port: int | None = None, state_dir: str | None = None) -> tuple:
-    """Start the controller and its gRPC server; returns (server, controller)."""
+
+def serve_controller(
+    cfg: RelayConfig, *, port: int | None = None, state_dir: str | None = None, metrics_port: int | None = None
+) -> tuple:
+    """Start the controller and its gRPC server (and /metrics when ``metrics_port``); returns (server, controller)."""
     controller = Controller(cfg, state_dir=state_dir)
+    metrics = MetricsEndpoint(metrics_port)
     bind_port = cfg.controller.port if port is None else port
-    server = GrpcServer(f"{cfg.controller.host}:{bind_port}", max_message_mib=cfg.rollout.limits.max_message_mib)
+    configure_client(cfg.security)  # the controller calls its workers
+    server = GrpcServer(
+        f"{cfg.controller.host}:{bind_port}",
+        max_workers=cfg.controller.rpc_threads,
+        max_message_mib=cfg.rollout.limits.max_message_mib,
+        interceptors=metrics.interceptors,
+        security=cfg.security,
+    )
     server.add(
         controller_pb2_grpc.add_ControllerServiceServicer_to_server,
         ControllerServicer(controller),
@@ -135,5 +214,6 @@ def serve_controller(cfg: RelayConfig, *, port: int | None = None, state_dir: st
     )
     controller.start()
     server.start()
+    metrics.start(ControllerCollector(controller))
     log.info("controller serving on %s:%d", cfg.controller.host, server.port)
     return server, controller

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -23,12 +24,14 @@ from relayrl.config import RelayConfig
 from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from relayrl.rollout.engine import InferenceEngine
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
-from relayrl.services.channels import open_channel
+from relayrl.services.channels import configure_client, open_channel
+from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
 from relayrl.services.server import GrpcServer, guarded
+from relayrl.services.validate import check_init_weight_sync, check_length
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
-from relayrl.weightsync.filesystem import read_weights
+from relayrl.weightsync.filesystem import latest_version, read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.packing import BufferPair
@@ -61,6 +64,23 @@ class TokenRate:
         return sum(n for _, n in self._events) / span
 
 
+FAULT_EXIT_DURING_LOAD = "RELAYRL_FAULT_EXIT_DURING_LOAD"
+
+
+def with_fault_injection(load_fn, worker_id: str, version: int):
+    """Fault-injection hook for tests: with RELAYRL_FAULT_EXIT_DURING_LOAD=<worker id>@<version> in its
+    environment, that worker dies (exit 137, no cleanup) right after loading the first bucket of that version."""
+    if os.environ.get(FAULT_EXIT_DURING_LOAD) != f"{worker_id}@{version}":
+        return load_fn
+
+    def load_then_die(views):
+        load_fn(views)
+        log.error("fault injection: exiting in the middle of loading version %d", version)
+        os._exit(137)
+
+    return load_then_die
+
+
 class RolloutWorker:
     """Engine + version + admission control. Thread-safe; the servicer is a thin layer over it."""
 
@@ -82,6 +102,10 @@ class RolloutWorker:
         self._abort = threading.Event()
         self._buffers = BufferPair("cpu")
         self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
+        # vllm / sglang: the engine's own GPU processes join the group and receive (docs/engines.md)
+        self.engine_receives = bool(getattr(engine, "receives_weights_itself", False))
+        if self.engine_receives and mode != "pause":
+            raise ValueError(f"weight_sync.mode: the {engine.name} engine supports 'pause' only, got {mode!r}")
 
     @property
     def reported_version(self) -> int:
@@ -137,6 +161,9 @@ class RolloutWorker:
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.engine_receives:
+            self._init_engine_weight_sync(request)
+            return
         device = "cuda" if request.backend == "nccl" else "cpu"
         self.group = WeightBroadcastGroup(
             request.master_address,
@@ -149,13 +176,41 @@ class RolloutWorker:
             device=device,
         )
 
+    def _init_engine_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> None:
+        """The engine's processes join as ranks request.rank .. + weight_sync_ranks - 1; the trainer assigns one
+        rank per worker, so only single-rank engines can (tensor-parallel ones: the filesystem transport)."""
+        from relayrl.rollout.external import GroupArgs
+
+        if self.engine.weight_sync_ranks != 1:
+            raise FailedPrecondition(
+                f"rank: this {self.engine.name} engine spans {self.engine.weight_sync_ranks} group ranks "
+                "(tensor/pipeline parallel) but the trainer assigns one per worker; use the filesystem transport"
+            )
+        self.group = self.engine.init_weight_sync(
+            GroupArgs(
+                master_address=request.master_address,
+                master_port=request.master_port,
+                rank_offset=request.rank,
+                world_size=request.world_size,
+                group_name=request.group_name,
+                backend=request.backend or "gloo",
+                timeout_s=request.timeout_s or 60.0,
+            )
+        )
+
+    def _checksum(self) -> str:
+        """sha256 of the loaded weights; an engine that receives them itself hashes what it loaded."""
+        if self.engine_receives:
+            return self.engine.loaded_checksum()
+        return weights_checksum(self.engine.named_weights())
+
     def update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
-        manifest = WeightManifest.from_proto(request.manifest)
+        manifest = self._checked_manifest(request.manifest)
         if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
             raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
         start = time.perf_counter()
         stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
-        checksum = weights_checksum(self.engine.named_weights())
+        checksum = self._checksum()
         if manifest.checksum and checksum != manifest.checksum:
             self.state = "torn"
             raise FailedPrecondition(f"checksum: loaded weights {checksum[:12]} != manifest {manifest.checksum[:12]}")
@@ -172,8 +227,31 @@ class RolloutWorker:
             peak_extra_bytes=stats.peak_extra_bytes,
         )
 
-    def _receive(self, manifest: WeightManifest, load_fn):
+    def _checked_manifest(self, msg: common_pb2.WeightManifest) -> WeightManifest:
+        """The manifest, refused before anything is paused or loaded when it cannot apply to this engine
+        (so a bad request never leaves the worker torn)."""
         try:
+            manifest = WeightManifest.from_proto(msg)
+        except ValueError as err:
+            raise InvalidArgument("manifest", str(err)) from None
+        shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
+        for spec in manifest.tensors:
+            if shapes.get(spec.name) != spec.shape:
+                raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
+        if manifest.transport == "filesystem":
+            try:
+                published = latest_version(manifest.path) if manifest.path else None
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise FailedPrecondition(f"manifest.path: cannot read its LATEST marker: {err}") from None
+            if published != manifest.version:
+                raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
+        return manifest
+
+    def _receive(self, manifest: WeightManifest, load_fn):
+        load_fn = with_fault_injection(load_fn, self.worker_id, manifest.version)
+        try:
+            if self.engine_receives:
+                return self.engine.receive_update(manifest)
             if manifest.transport == "filesystem":
                 return read_weights(manifest.path, manifest, load_fn)
             return receive_weights(self.group, manifest, load_fn, buffers=self._buffers)
@@ -240,7 +318,7 @@ class RolloutWorker:
             active_requests=self._active,
             generated_tokens=self.rate.total,
             tokens_per_second=self.rate.rate(),
-            weights_checksum=weights_checksum(self.engine.named_weights()) if with_checksum else "",
+            weights_checksum=self._checksum() if with_checksum else "",
             weight_sync_group=self.group.group_name if self.group else "",
             last_update_seconds=self.last_update_seconds,
             loaded=list(self.loaded),
@@ -248,24 +326,35 @@ class RolloutWorker:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, worker: RolloutWorker) -> None:
+    def __init__(self, worker: RolloutWorker, cfg: RelayConfig) -> None:
         self.worker = worker
+        self.limits = cfg.rollout.limits
+        self.sync_timeout_s = cfg.weight_sync.timeout_s
 
     @guarded
     def Generate(self, request, context):
+        for i, prompt in enumerate(request.prompts):
+            check_length(f"prompts[{i}].prompt_id", prompt.prompt_id, self.limits.max_id_chars)
         yield from self.worker.generate(request, context.is_active)
 
     @guarded
     def InitWeightSync(self, request, context):
+        check_init_weight_sync(request, self.limits, self.sync_timeout_s)
+        if not request.timeout_s:
+            request.timeout_s = self.sync_timeout_s  # 0: this worker's weight_sync.timeout_s
+        if request.backend == "nccl" and not torch.cuda.is_available():
+            raise FailedPrecondition("backend: nccl needs a CUDA device on this worker")
         self.worker.init_weight_sync(request)
         return rollout_pb2.InitWeightSyncResponse(group_name=request.group_name)
 
     @guarded
     def UpdateWeights(self, request, context):
+        check_length("group_name", request.group_name, self.limits.max_id_chars)
         return self.worker.update_weights(request)
 
     @guarded
     def Pause(self, request, context):
+        check_length("reason", request.reason, self.limits.max_text_chars)
         self.worker.pause()
         return rollout_pb2.PauseResponse()
 
@@ -322,9 +411,17 @@ class Heartbeat:
 
 
 def serve_rollout(
-    cfg: RelayConfig, *, controller: str | None, host: str, port: int, advertise: str | None, worker_id: str | None
+    cfg: RelayConfig,
+    *,
+    controller: str | None,
+    host: str,
+    port: int,
+    advertise: str | None,
+    worker_id: str | None,
+    metrics_port: int | None = None,
 ) -> tuple[GrpcServer, RolloutWorker, Heartbeat | None]:
-    """Load the engine, start the gRPC server and (when a controller is given) the heartbeat."""
+    """Load the engine, start the gRPC server, /metrics (when ``metrics_port``) and (when a controller is
+    given) the heartbeat."""
     from relayrl.rollout.engine import create_engine
 
     torch.set_num_threads(cfg.rollout.threads)
@@ -341,15 +438,23 @@ def serve_rollout(
         max_n=cfg.rollout.limits.max_n,
         max_tokens=cfg.rollout.limits.max_tokens,
     )
-    server = GrpcServer(f"{host}:{port}", max_message_mib=cfg.rollout.limits.max_message_mib)
+    configure_client(cfg.security)  # the heartbeat calls the controller
+    metrics = MetricsEndpoint(metrics_port)
+    server = GrpcServer(
+        f"{host}:{port}",
+        max_message_mib=cfg.rollout.limits.max_message_mib,
+        interceptors=metrics.interceptors,
+        security=cfg.security,
+    )
     address = advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{server.port}"
     worker = RolloutWorker(engine, worker_id or address, mode=cfg.weight_sync.mode, limits=limits)
     server.add(
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(worker),
+        RolloutServicer(worker, cfg),
         rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
     )
     server.start()
+    metrics.start(RolloutCollector(worker))
     heartbeat = None
     if controller:
         heartbeat = Heartbeat(worker, controller, address)

@@ -44,7 +44,7 @@ class PullBatchRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version")
+    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version", "worker_id")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Sample(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     group: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -63,10 +64,11 @@ class Sample(_message.Message):
     score: float
     finish_reason: _common_pb2.FinishReason
     policy_version: int
-    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class BatchStats(_message.Message):
-    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed")
+    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end")
     GROUPS_KEPT_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
     GEN_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class BatchStats(_message.Message):
     RESPONSE_LEN_MEAN_FIELD_NUMBER: _ClassVar[int]
     GROUPS_STALE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_START_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_END_FIELD_NUMBER: _ClassVar[int]
     groups_kept: int
     groups_filtered: int
     gen_batches: int
@@ -91,7 +95,9 @@ class BatchStats(_message.Message):
     response_len_mean: float
     groups_stale: int
     groups_failed: int
-    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ...) -> None: ...
+    cursor_start: int
+    cursor_end: int
+    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "step", "samples", "stats", "temperature")
@@ -136,6 +142,22 @@ class ReportStepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RewindRequest(_message.Message):
+    __slots__ = ("step", "cursor", "synced_worker_ids")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    cursor: int
+    synced_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., cursor: _Optional[int] = ..., synced_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("prompts_rewound",)
+    PROMPTS_REWOUND_FIELD_NUMBER: _ClassVar[int]
+    prompts_rewound: int
+    def __init__(self, prompts_rewound: _Optional[int] = ...) -> None: ...
+
 class GetWeightSyncPlanRequest(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -153,10 +175,14 @@ class WorkerEndpoint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "sync_request_id", "force")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerEndpoint]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ...) -> None: ...
+    sync_request_id: int
+    force: bool
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ..., sync_request_id: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class SubmitPromptsRequest(_message.Message):
     __slots__ = ("prompts", "params", "reward_fn", "raw")
@@ -226,7 +252,7 @@ class LedgerCounts(_message.Message):
     def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor")
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +263,7 @@ class StatusResponse(_message.Message):
     LAST_SYNC_UNIX_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DATASET_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_ROLLOUT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     trainer_step: int
@@ -247,4 +274,187 @@ class StatusResponse(_message.Message):
     last_sync_unix: float
     error: str
     dataset_cursor: int
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ...) -> None: ...
+    desired_rollout_replicas: int
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ...) -> None: ...
+
+class PauseRunRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class PauseRunResponse(_message.Message):
+    __slots__ = ("state", "workers", "worker_errors")
+    class WorkerErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    worker_errors: _containers.ScalarMap[str, str]
+    def __init__(self, state: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., worker_errors: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ResumeRunRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRunResponse(_message.Message):
+    __slots__ = ("state", "workers", "worker_errors")
+    class WorkerErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    worker_errors: _containers.ScalarMap[str, str]
+    def __init__(self, state: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., worker_errors: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "state", "in_flight")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: str
+    in_flight: int
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class SyncWeightsRequest(_message.Message):
+    __slots__ = ("force",)
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    force: bool
+    def __init__(self, force: _Optional[bool] = ...) -> None: ...
+
+class SyncWeightsResponse(_message.Message):
+    __slots__ = ("sync_request_id", "policy_version")
+    SYNC_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sync_request_id: int
+    policy_version: int
+    def __init__(self, sync_request_id: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ScaleRolloutRequest(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleRolloutResponse(_message.Message):
+    __slots__ = ("previous", "replicas", "registered")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    previous: int
+    replicas: int
+    registered: int
+    def __init__(self, previous: _Optional[int] = ..., replicas: _Optional[int] = ..., registered: _Optional[int] = ...) -> None: ...
+
+class WeightsStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerWeights(_message.Message):
+    __slots__ = ("worker_id", "address", "state", "policy_version", "last_update_seconds", "weight_sync_group", "generated_tokens", "tokens_per_second", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    state: str
+    policy_version: int
+    last_update_seconds: float
+    weight_sync_group: str
+    generated_tokens: int
+    tokens_per_second: float
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., weight_sync_group: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WeightSyncRecord(_message.Message):
+    __slots__ = ("policy_version", "reason", "seconds", "unix_time", "synced_worker_ids", "failed", "sync_request_id")
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    reason: str
+    seconds: float
+    unix_time: float
+    synced_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.ScalarMap[str, str]
+    sync_request_id: int
+    def __init__(self, policy_version: _Optional[int] = ..., reason: _Optional[str] = ..., seconds: _Optional[float] = ..., unix_time: _Optional[float] = ..., synced_worker_ids: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., sync_request_id: _Optional[int] = ...) -> None: ...
+
+class WeightsStatusResponse(_message.Message):
+    __slots__ = ("policy_version", "workers", "recent_syncs", "sync_request_pending", "sync_request_handled")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_SYNCS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUEST_PENDING_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUEST_HANDLED_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerWeights]
+    recent_syncs: _containers.RepeatedCompositeFieldContainer[WeightSyncRecord]
+    sync_request_pending: int
+    sync_request_handled: int
+    def __init__(self, policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerWeights, _Mapping]]] = ..., recent_syncs: _Optional[_Iterable[_Union[WeightSyncRecord, _Mapping]]] = ..., sync_request_pending: _Optional[int] = ..., sync_request_handled: _Optional[int] = ...) -> None: ...
+
+class ReportWeightSyncRequest(_message.Message):
+    __slots__ = ("policy_version", "seconds", "synced_worker_ids", "failed", "sync_request_id", "reason")
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    seconds: float
+    synced_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.ScalarMap[str, str]
+    sync_request_id: int
+    reason: str
+    def __init__(self, policy_version: _Optional[int] = ..., seconds: _Optional[float] = ..., synced_worker_ids: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., sync_request_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportWeightSyncResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

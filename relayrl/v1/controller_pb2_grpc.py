@@ -59,6 +59,11 @@ class ControllerServiceStub:
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.GetWeightSyncPlanRequest.SerializeToString,
                 response_deserializer=relayrl_dot_v1_dot_controller__pb2.WeightSyncPlan.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/relayrl.v1.ControllerService/Rewind',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.RewindRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.RewindResponse.FromString,
+                _registered_method=True)
         self.SubmitPrompts = channel.unary_stream(
                 '/relayrl.v1.ControllerService/SubmitPrompts',
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.SubmitPromptsRequest.SerializeToString,
@@ -68,6 +73,41 @@ class ControllerServiceStub:
                 '/relayrl.v1.ControllerService/Status',
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.StatusRequest.SerializeToString,
                 response_deserializer=relayrl_dot_v1_dot_controller__pb2.StatusResponse.FromString,
+                _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/relayrl.v1.ControllerService/Pause',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.PauseRunRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.PauseRunResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/relayrl.v1.ControllerService/Resume',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.ResumeRunRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.ResumeRunResponse.FromString,
+                _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/relayrl.v1.ControllerService/DrainWorker',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
+        self.SyncWeights = channel.unary_unary(
+                '/relayrl.v1.ControllerService/SyncWeights',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.SyncWeightsRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.SyncWeightsResponse.FromString,
+                _registered_method=True)
+        self.ScaleRollout = channel.unary_unary(
+                '/relayrl.v1.ControllerService/ScaleRollout',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.FromString,
+                _registered_method=True)
+        self.WeightsStatus = channel.unary_unary(
+                '/relayrl.v1.ControllerService/WeightsStatus',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.WeightsStatusRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.WeightsStatusResponse.FromString,
+                _registered_method=True)
+        self.ReportWeightSync = channel.unary_unary(
+                '/relayrl.v1.ControllerService/ReportWeightSync',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.FromString,
                 _registered_method=True)
 
 
@@ -109,6 +149,15 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Trainer, after resuming from a checkpoint: roll the run back to that step. Batches and ledger
+        entries of later steps are undone and the dataset cursor returns to the checkpoint's position,
+        so the resumed run sees the same data in the same order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitPrompts(self, request, context):
         """Clients: sample completions for a batch of prompts (text or token ids), streamed back.
         """
@@ -118,6 +167,66 @@ class ControllerServiceServicer:
 
     def Status(self, request, context):
         """Operators.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pause(self, request, context):
+        """Stop producing training batches and forward Pause to every registered worker (they stop
+        admitting Generate calls; in-flight calls finish). Nothing is lost: a batch being generated
+        waits, the trainer's PullBatch answers UNAVAILABLE ("paused ...") and SubmitPrompts answers
+        UNAVAILABLE until Resume. FAILED_PRECONDITION when the run is failed or finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Undo Pause: batch production restarts and Resume is forwarded to every registered worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainWorker(self, request, context):
+        """Put one worker in state "draining": it receives no new Generate calls, its in-flight calls
+        finish (or, if it dies first, their prompts are re-dispatched to other workers). Once
+        `in_flight` (Status) is 0 the worker can be stopped. NOT_FOUND for an unknown worker_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncWeights(self, request, context):
+        """Ask the trainer to push its current weights to every worker now (rank 0 polls for requests
+        about once a second). Returns at once with the request's id; WeightsStatus tells when the
+        trainer reported it handled. With no trainer running, the request stays pending.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScaleRollout(self, request, context):
+        """Record the desired number of rollout workers. The controller does not start processes: the
+        local launcher (`relayrl up`) polls Status.desired_rollout_replicas and starts or drains and
+        stops workers; on Kubernetes `relayrl scale rollout` patches the StatefulSet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WeightsStatus(self, request, context):
+        """Every worker's loaded policy version (asked from the worker itself with Stats) and the most
+        recent weight syncs with their durations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportWeightSync(self, request, context):
+        """Trainer: a weight update made outside a training step (an operator's SyncWeights request, or
+        newly joined workers brought to the current version). Updates the workers' versions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +260,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.GetWeightSyncPlanRequest.FromString,
                     response_serializer=relayrl_dot_v1_dot_controller__pb2.WeightSyncPlan.SerializeToString,
             ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.RewindRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.RewindResponse.SerializeToString,
+            ),
             'SubmitPrompts': grpc.unary_stream_rpc_method_handler(
                     servicer.SubmitPrompts,
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.SubmitPromptsRequest.FromString,
@@ -160,6 +274,41 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.StatusRequest.FromString,
                     response_serializer=relayrl_dot_v1_dot_controller__pb2.StatusResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.PauseRunRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.PauseRunResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.ResumeRunRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.ResumeRunResponse.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'SyncWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncWeights,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.SyncWeightsRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.SyncWeightsResponse.SerializeToString,
+            ),
+            'ScaleRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleRollout,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.SerializeToString,
+            ),
+            'WeightsStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.WeightsStatus,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.WeightsStatusRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.WeightsStatusResponse.SerializeToString,
+            ),
+            'ReportWeightSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWeightSync,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +457,33 @@ class ControllerService:
             _registered_method=True)
 
     @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/Rewind',
+            relayrl_dot_v1_dot_controller__pb2.RewindRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.RewindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SubmitPrompts(request,
             target,
             options=(),
@@ -351,6 +527,195 @@ class ControllerService:
             '/relayrl.v1.ControllerService/Status',
             relayrl_dot_v1_dot_controller__pb2.StatusRequest.SerializeToString,
             relayrl_dot_v1_dot_controller__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/Pause',
+            relayrl_dot_v1_dot_controller__pb2.PauseRunRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.PauseRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/Resume',
+            relayrl_dot_v1_dot_controller__pb2.ResumeRunRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.ResumeRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/DrainWorker',
+            relayrl_dot_v1_dot_controller__pb2.DrainWorkerRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/SyncWeights',
+            relayrl_dot_v1_dot_controller__pb2.SyncWeightsRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.SyncWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/ScaleRollout',
+            relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WeightsStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/WeightsStatus',
+            relayrl_dot_v1_dot_controller__pb2.WeightsStatusRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.WeightsStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWeightSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/ReportWeightSync',
+            relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Operating a running job: the operator commands, their output, and scaling (local and Kubernetes)."""

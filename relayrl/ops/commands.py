@@ -1,0 +1,286 @@
+"""The operator commands (``relayrl submit|status|weights|pause|resume|drain|scale``) over RelayClient.
+
+Each returns the process exit code: 0 done, 1 the controller refused or was unreachable (the status
+code and its message are printed), 2 a usage problem (missing address, unreadable file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from relayrl.client import ClientConfigError, RelayClient, SamplingParams
+from relayrl.client.options import ENV_ADDRESS
+from relayrl.ops import k8s
+from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
+
+out = Console()
+err = Console(stderr=True)
+
+
+def operator_command(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Map client errors to a one-line message and an exit code."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ClientConfigError, ValueError, OSError) as error:
+            err.print(f"[red]relayrl: {error}[/red]")
+            return 2
+        except grpc.RpcError as error:
+            err.print(f"[red]relayrl: {error.code().name}: {error.details()}[/red]")
+            return 1
+        except TimeoutError as error:
+            err.print(f"[red]relayrl: {error}[/red]")
+            return 1
+
+    return run
+
+
+def connect(args: argparse.Namespace) -> RelayClient:
+    settings = {"attempts": args.attempts}
+    if args.timeout:
+        settings["timeout_s"] = settings["submit_timeout_s"] = args.timeout
+    return RelayClient(
+        args.controller,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        server_name=args.tls_server_name,
+        **settings,
+    )
+
+
+def read_prompts(path: Path) -> list:
+    """JSONL: one object per line ({"prompt"|"text", "answer", "id"|"prompt_id", "token_ids"}) or a string."""
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON: {error.msg}") from None
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+@contextlib.contextmanager
+def open_sink(path: str | None) -> Iterator[TextIO]:
+    """The file at ``path`` (written anew), or stdout."""
+    if path is None:
+        yield sys.stdout
+        return
+    with Path(path).open("w") as sink:
+        yield sink
+
+
+@operator_command
+def cmd_submit(args: argparse.Namespace) -> int:
+    prompts = read_prompts(Path(args.prompts))
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
+    versions, workers, rewards, tokens = Counter(), Counter(), [], 0
+    started = time.monotonic()
+    columns = [TextColumn("[bold]submit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with (
+        open_sink(args.out) as sink,
+        connect(args) as client,
+        Progress(*columns, console=err, transient=True) as progress,
+    ):
+        task = progress.add_task("completions", total=len(prompts) * args.n)
+        for completion in client.submit(prompts, params, reward_fn=args.reward_fn, raw=args.raw):
+            sink.write(json.dumps(completion.to_dict()) + "\n")
+            versions[completion.policy_version] += 1
+            workers[completion.worker_id] += 1
+            tokens += len(completion.token_ids)
+            if completion.reward is not None:
+                rewards.append(completion.reward)
+            progress.advance(task)
+    seconds = time.monotonic() - started
+    summary = {
+        "prompts": len(prompts),
+        "completions": sum(workers.values()),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "policy_versions": {str(v): n for v, n in sorted(versions.items())},
+        "workers": dict(sorted(workers.items())),
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "out": args.out or "-",
+    }
+    console = out if args.out else err  # without --out, stdout carries the completions
+    if args.json:
+        print_json(console, summary)
+    else:
+        table = Table(title="submitted", show_header=False)
+        for key, value in summary.items():
+            table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+        console.print(table)
+    return 0
+
+
+@operator_command
+def cmd_status(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        status = client.status()
+    if args.json:
+        print_json(out, status)
+    else:
+        for table in status_tables(status):
+            out.print(table)
+    return 0
+
+
+@operator_command
+def cmd_weights_status(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        weights = client.weights_status()
+    if args.json:
+        print_json(out, weights)
+    else:
+        for table in weights_tables(weights):
+            out.print(table)
+    return 0
+
+
+@operator_command
+def cmd_weights_sync(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        request = client.sync_weights(force=args.force)
+        if args.no_wait:
+            if args.json:
+                print_json(out, request)
+            else:
+                out.print(f"weight sync request #{request.sync_request_id} queued (version {request.policy_version})")
+            return 0
+        weights = client.wait_for_sync(request.sync_request_id, timeout=args.wait_timeout)
+    answer = next((s for s in reversed(weights.recent_syncs) if s.sync_request_id >= request.sync_request_id), None)
+    if args.json:
+        print_json(out, {"request": to_dict(request), "sync": to_dict(answer) if answer else None})
+    elif answer is not None and not answer.synced_worker_ids and not answer.failed:
+        why = "no step trained yet: version 0 is the base model every worker loads" if not answer.policy_version else ""
+        out.print(f"weight sync #{request.sync_request_id}: nothing to push ({why or 'no worker registered'})")
+    elif answer is not None:
+        left_out = f"; left out: {dict(answer.failed)}" if answer.failed else ""
+        out.print(
+            f"weight sync #{request.sync_request_id}: version {answer.policy_version} pushed to "
+            f"{len(answer.synced_worker_ids)} workers in {answer.seconds:.2f}s ({answer.reason}){left_out}"
+        )
+    return 0
+
+
+@operator_command
+def cmd_pause(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        response = client.pause(args.reason)
+    _print_ack(args, response, "paused")
+    return 0
+
+
+@operator_command
+def cmd_resume(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        response = client.resume()
+    _print_ack(args, response, "resumed")
+    return 0
+
+
+def _print_ack(args: argparse.Namespace, response, verb: str) -> None:
+    if args.json:
+        print_json(out, response)
+        return
+    out.print(f"run {verb}; workers acknowledged: {', '.join(response.workers) or 'none'}")
+    for worker_id, reason in sorted(response.worker_errors.items()):
+        err.print(f"[yellow]{worker_id}: {reason}[/yellow]")
+
+
+@operator_command
+def cmd_drain(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        response = client.drain(args.worker)
+        if args.wait:
+            wait_drained(client, [args.worker], args.wait_timeout)
+    if args.json:
+        print_json(out, response)
+    else:
+        done = "its in-flight calls finished" if args.wait else f"{response.in_flight} calls in flight"
+        out.print(f"{response.worker_id} draining: no new work; {done}. Stop it once Status shows 0 in flight.")
+    return 0
+
+
+def wait_drained(client: RelayClient, worker_ids: list[str], timeout_s: float) -> None:
+    """Until every listed worker has no Generate call in flight (or is gone); TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = [w.worker_id for w in client.status().workers if w.worker_id in worker_ids and w.in_flight]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still busy after {timeout_s:.0f}s: {busy}")
+        time.sleep(0.5)
+
+
+@operator_command
+def cmd_scale_rollout(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"replicas: must be >= 1, got {args.replicas}")
+    if bool(args.k8s_namespace) != bool(args.statefulset):
+        raise ValueError("--k8s-namespace and --statefulset go together")
+    if args.k8s_namespace:
+        return _scale_statefulset(args)
+    with connect(args) as client:
+        response = client.scale_rollout(args.replicas)
+    if args.json:
+        print_json(out, response)
+    else:
+        previous = response.previous or "unset"
+        out.print(
+            f"desired rollout replicas {previous} -> {response.replicas} ({response.registered} registered); "
+            "`relayrl up` starts or drains and stops local workers to match"
+        )
+    return 0
+
+
+def _scale_statefulset(args: argparse.Namespace) -> int:
+    """Drain the pods a scale-down removes (when a controller is reachable), then patch the StatefulSet."""
+    drained: list[str] = []
+    if args.controller or os.environ.get(ENV_ADDRESS):
+        with connect(args) as client:
+            client.scale_rollout(args.replicas)
+            ids = [w.worker_id for w in client.status().workers]
+            drained = k8s.workers_beyond(ids, args.statefulset, args.replicas)
+            for worker_id in drained:
+                client.drain(worker_id)
+            wait_drained(client, drained, args.drain_timeout)
+    previous = k8s.scale_statefulset(args.k8s_namespace, args.statefulset, args.replicas)
+    result = {
+        "namespace": args.k8s_namespace,
+        "statefulset": args.statefulset,
+        "previous": previous,
+        "replicas": args.replicas,
+        "drained": drained,
+    }
+    if args.json:
+        print_json(out, result)
+    else:
+        out.print(
+            f"statefulset {args.k8s_namespace}/{args.statefulset}: replicas {previous} -> {args.replicas}"
+            + (f" (drained first: {', '.join(drained)})" if drained else "")
+        )
+    return 0

@@ -1,0 +1,88 @@
+"""Operator output: rich tables for people, JSON (the proto3 JSON mapping, field names as in the .proto)
+for scripts. Nothing here ever prints a credential: the responses carry none."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from relayrl.v1 import controller_pb2
+
+
+def to_dict(message: Message) -> dict:
+    return json_format.MessageToDict(
+        message,
+        always_print_fields_with_no_presence=True,
+        preserving_proto_field_name=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def print_json(console: Console, message: Message | dict) -> None:
+    payload = message if isinstance(message, dict) else to_dict(message)
+    console.print_json(json.dumps(payload))
+
+
+def _ago(unix: float) -> str:
+    return f"{time.time() - unix:.0f}s ago" if unix > 0 else "never"
+
+
+def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
+    run = Table(title=f"run '{status.run_name}'", show_header=False)
+    run.add_column("key", style="bold")
+    run.add_column("value")
+    desired = str(status.desired_rollout_replicas) if status.desired_rollout_replicas else "unset"
+    for key, value in (
+        ("state", status.state + (f" ({status.error})" if status.error else "")),
+        ("trainer step", str(status.trainer_step)),
+        ("policy version", str(status.policy_version)),
+        ("rollout workers", f"{len(status.workers)} registered, desired {desired}"),
+        ("dataset cursor", str(status.dataset_cursor)),
+        ("last sync", f"{status.last_sync_seconds:.2f}s, {_ago(status.last_sync_unix)}"),
+    ):
+        run.add_row(key, value)
+    workers = Table(title="rollout workers")
+    for column in ("worker", "address", "engine", "state", "version", "in flight", "tokens/s"):
+        workers.add_column(column, justify="right" if column in ("version", "in flight", "tokens/s") else "left")
+    for w in status.workers:
+        numbers = (str(w.policy_version), str(w.in_flight), f"{w.tokens_per_second:.0f}")
+        workers.add_row(w.worker_id, w.address, w.engine, w.state, *numbers)
+    ledger = Table(title="prompt ledger")
+    for column in ("drawn", "trained", "filtered", "failed", "pending"):
+        ledger.add_column(column, justify="right")
+    c = status.ledger
+    ledger.add_row(*(str(v) for v in (c.dispatched, c.trained, c.filtered, c.failed, c.pending)))
+    return [run, workers, ledger]
+
+
+def weights_tables(weights: controller_pb2.WeightsStatusResponse) -> list[Table]:
+    workers = Table(title=f"worker weights (controller at version {weights.policy_version})")
+    for column in ("worker", "state", "version", "last load", "sync group", "tokens generated", "error"):
+        workers.add_column(column)
+    for w in weights.workers:
+        workers.add_row(
+            w.worker_id,
+            w.state,
+            "torn" if w.policy_version < 0 else str(w.policy_version),
+            f"{w.last_update_seconds:.3f}s",
+            w.weight_sync_group or "-",
+            str(w.generated_tokens),
+            w.error,
+        )
+    syncs = Table(title="recent weight syncs (newest last)")
+    for column in ("version", "reason", "seconds", "workers", "left out", "when"):
+        syncs.add_column(column)
+    for s in weights.recent_syncs:
+        left_out = ", ".join(f"{k}: {v}" for k, v in sorted(s.failed.items())) or "-"
+        workers_synced = str(len(s.synced_worker_ids))
+        syncs.add_row(str(s.policy_version), s.reason, f"{s.seconds:.3f}", workers_synced, left_out, _ago(s.unix_time))
+    pending = weights.sync_request_pending
+    syncs.caption = f"operator requests: handled up to #{weights.sync_request_handled}" + (
+        f", #{pending} pending" if pending else ""
+    )
+    return [workers, syncs]

@@ -1,0 +1,136 @@
+"""``relayrl scale rollout`` on a real ``relayrl up`` job (controller, workers and trainer as processes).
+
+One worker at the start; past step 2 the operator pauses (so the short run cannot end while a worker
+starts) and scales to 2: the launcher starts ``rollout-1``, which registers at version 0; the trainer
+pushes it the current weights before it gets any work ("joiners"); after resume it serves, never with
+version 0. Back to 1 under load: the launcher drains and stops it. Along the way: a forced weight sync
+and a pause that really stops training. At the end every drawn prompt is trained, filtered or failed
+with a reason: none pending.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from relayrl.client import RelayClient, SamplingParams
+from relayrl.trainer.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 200
+
+
+def relay(*args: str) -> dict:
+    """An operator command with --json; returns its parsed output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *args, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def final_ledger(path: Path) -> dict[str, tuple[str, str]]:
+    states = {}
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        states[event["id"]] = (event["state"], event.get("reason", ""))
+    return states
+
+
+def test_scale_rollout_up_and_down_on_a_live_run(make_config, monkeypatch):
+    config = make_config(
+        "scale",
+        rollout={"workers": 1, "n": 4, "max_tokens": 4},
+        controller={"dynamic_sampling": False},
+        trainer={"steps": STEPS, "nproc": 1, "lr": 0.001},
+    )
+    run_dir = config.parent / "runs" / "scale"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=(config.parent / "up.log").open("wb"),
+    )
+    try:
+        address_file = run_dir / "controller.address"  # written by `relayrl up` for operator commands
+        wait(address_file.exists, 120, "the controller")
+        address = address_file.read_text()
+        monkeypatch.setenv("RELAYRL_CONTROLLER", address)
+        client = RelayClient(address)
+        wait(lambda: client.status().trainer_step >= 2, 180, "training to pass step 2")
+
+        # Paused, so that the run cannot end while the new worker starts (a few seconds on this machine).
+        assert relay("pause", "--reason", "scale up")["state"] == "paused"
+        assert relay("scale", "rollout", "2")["replicas"] == 2
+        seen = []  # (controller version, rollout-1 version, rollout-1 generated tokens)
+
+        def rollout1_current() -> bool:
+            weights = client.weights_status()
+            for w in weights.workers:
+                if w.worker_id == "rollout-1" and not w.error:
+                    seen.append((weights.policy_version, w.policy_version, w.generated_tokens))
+                    return w.policy_version == weights.policy_version
+            return False
+
+        wait(rollout1_current, 90, "rollout-1 to receive the current weights")
+        assert seen[-1][2] == 0  # registered at version 0, brought to the current version before any work
+        joiners = [s for s in client.weights_status().recent_syncs if s.reason in ("joiners", "step")]
+        assert any("rollout-1" in s.synced_worker_ids for s in joiners)
+
+        forced = relay("weights", "sync", "--force")["sync"]  # the trainer answers while paused
+        assert forced["reason"] == "operator-force" and sorted(forced["synced_worker_ids"]) == [
+            "rollout-0",
+            "rollout-1",
+        ]
+
+        version = client.status().policy_version
+        assert relay("resume")["state"] == "running"
+        results = list(client.submit([f"{d} + 1 =" for d in range(8)], SamplingParams(n=2, max_tokens=4)))
+        assert len(results) == 16 and min(c.policy_version for c in results) >= version >= 2
+        wait(lambda: rollout1_current() and seen[-1][2] > 0, 60, "rollout-1 to generate")
+        assert all(tokens == 0 for _, worker_version, tokens in seen if worker_version < 1), seen
+
+        assert relay("scale", "rollout", "1")["replicas"] == 1  # under load: drained, then stopped
+        wait(lambda: [w.worker_id for w in client.status().workers] == ["rollout-0"], 60, "rollout-1 to stop")
+
+        assert relay("pause")["state"] == "paused"
+        time.sleep(1.0)  # the step in progress completes
+        step = client.status().trainer_step
+        time.sleep(2.0)
+        assert client.status().trainer_step <= step + 1, "training went on while paused"
+        assert relay("resume")["state"] == "running"
+
+        assert up.wait(timeout=240) == 0, (config.parent / "up.log").read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.terminate()
+            up.wait(timeout=60)
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:  # synchronous: step s trains data of version s - 1 only, nothing stale
+        assert r["rollout_version_min"] == r["step"] - 1 and r["groups_stale"] == 0
+    assert any(r["workers_synced"] == 2 for r in records) and records[-1]["workers_synced"] == 1
+
+    ledger = final_ledger(run_dir / "controller" / "ledger.jsonl")
+    states = {state for state, _ in ledger.values()}
+    assert states <= {"trained", "filtered", "failed"}, f"prompts left {states - {'trained', 'filtered', 'failed'}}"
+    assert all(reason for state, reason in ledger.values() if state in ("filtered", "failed"))
+    assert sum(state == "trained" for state, _ in ledger.values()) == STEPS * 4
+    assert "scale down: stopping rollout-1" in (config.parent / "up.log").read_text()
