@@ -7,6 +7,7 @@ verifiable exactly, and hard enough that a random policy scores about 1/vocab.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def digits_rows(count: int, *, seed: int = 0, offsets: tuple[int, ...] = (1,)) -
 def write_digits_jsonl(path: str | Path, count: int = 2000, *, seed: int = 0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in digits_rows(count, seed=seed)))
     tmp.replace(path)
     return path

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -18,12 +20,16 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, dump_config
+from relayrl.errors import PAUSED_DETAIL
 from relayrl.services.channels import open_channel
+from relayrl.services.retry import RETRYABLE, call_with_retry
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
+from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.sync import WeightPublisher
+from relayrl.trainer.trackers import StepTrackers
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,18 +44,40 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
-def pull_batch(stub, step: int, deadline_s: float) -> controller_pb2.Batch:
-    """PullBatch, retrying UNAVAILABLE (no batch yet, controller restarting) until the deadline."""
+class ShutdownFlag:
+    """Set by SIGTERM/SIGINT; rank 0 acts on it between steps (the step in progress completes)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        log.warning("%s: finishing the current step, then checkpointing and exiting", signal.Signals(signum).name)
+        self.requested = True
+
+
+def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag) -> bytes:
+    """The serialized batch for ``step``, or b"" once a shutdown was requested."""
+    request = controller_pb2.PullBatchRequest(step=step, timeout_s=2)
     deadline = time.monotonic() + deadline_s
-    while True:
+    while not stop.requested:
         try:
-            return stub.PullBatch(controller_pb2.PullBatchRequest(step=step, timeout_s=30), timeout=60)
+            return stub.PullBatch(request, timeout=30).SerializeToString()
         except grpc.RpcError as err:
-            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if err.code() not in RETRYABLE:
                 raise RuntimeError(f"PullBatch(step={step}) failed: {err.code().name}: {err.details()}") from None
+            if (err.details() or "").startswith(PAUSED_DETAIL):  # an operator's pause is not a stall
+                deadline = time.monotonic() + deadline_s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no batch for step {step} within {deadline_s:.0f}s") from None
-            time.sleep(1.0)
+            time.sleep(0.2)
+    return b""
+
+
+def save_checkpoint(backend, run_dir: Path, step: int, cursor: int) -> None:
+    directory = run_dir / "checkpoints" / f"step_{step}"
+    backend.save_checkpoint(directory, {"step": step, "policy_version": step, "data_cursor": cursor})
 
 
 def broadcast_bytes(payload: bytes | None) -> bytes:
@@ -84,6 +112,9 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "workers_synced": len(sync.synced),
         "step_seconds": step_seconds,
         "samples_per_second": stats.samples_generated / step_seconds if step_seconds > 0 else 0.0,
+        "rollout_workers": sorted({s.worker_id for s in batch.samples}),
+        "data_cursor_start": stats.cursor_start,
+        "data_cursor_end": stats.cursor_end,
         "time": time.time(),
     }
 
@@ -100,30 +131,43 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     backend = FSDPBackend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
-    start_step = 0
+    start_step = cursor = 0
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
-        start_step = backend.load_checkpoint(checkpoint)["step"]
-        log.info("resumed from %s at step %d", checkpoint, start_step)
+        state = backend.load_checkpoint(checkpoint)
+        start_step, cursor = state["step"], state["data_cursor"]
+        log.info("resumed from %s at step %d (dataset cursor %d)", checkpoint, start_step, cursor)
 
-    stub = publisher = writer = None
+    stub = publisher = writer = syncer = trackers = None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller_address))
         publisher = WeightPublisher(cfg.weight_sync, stub, str(Path(cfg.weight_sync.path or run_dir / "weights")))
         writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step)
+        trackers = StepTrackers.from_config(cfg)
+        syncer = OnDemandSync(publisher, stub, cfg.weight_sync.on_demand_interval_s)  # operator syncs, joiners
+        syncer.start()
 
-    if start_step > 0:  # workers start from the base model: bring them to the resumed version first
+    if checkpoint is not None:  # workers run newer (lost) or base weights: bring them to the checkpoint
         weights = backend.full_weights()
         if rank == 0:
-            publisher.publish(start_step, weights)
+            sync = syncer.publish(start_step, weights)
+            rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
+            call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
 
+    stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    saved_step, stopped = start_step, False
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
-        payload = pull_batch(stub, step, cfg.trainer.pull_timeout_s).SerializeToString() if rank == 0 else None
-        batch_msg = controller_pb2.Batch.FromString(broadcast_bytes(payload))
+        payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
+        payload = broadcast_bytes(payload)
+        if not payload:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
+            log.info("stopping before step %d", step)
+            stopped = True
+            break
+        batch_msg = controller_pb2.Batch.FromString(payload)
         batch = to_train_batch(batch_msg, pad_id)
         train = train_on_batch(
             backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
@@ -131,35 +175,47 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         )  # fmt: skip
         weights = backend.full_weights()
         if rank == 0:
-            sync = publisher.publish(step, weights)
+            sync = syncer.publish(step, weights)
             step_seconds = time.perf_counter() - began
-            stub.ReportStep(
-                controller_pb2.ReportStepRequest(
-                    step=step,
-                    batch_id=batch_msg.batch_id,
-                    policy_version=step,
-                    sync_seconds=sync.seconds,
-                    step_seconds=step_seconds,
-                    synced_worker_ids=sync.synced,
-                ),
-                timeout=60,
+            report = controller_pb2.ReportStepRequest(
+                step=step,
+                batch_id=batch_msg.batch_id,
+                policy_version=step,
+                sync_seconds=sync.seconds,
+                step_seconds=step_seconds,
+                synced_worker_ids=sync.synced,
             )
+            call_with_retry(partial(stub.ReportStep, report, timeout=60), what="ReportStep", deadline_s=600)
             record = step_record(step, batch_msg, train, sync, step_seconds)
             writer.write(record)
+            trackers.log(record)
             log.info(
                 "step %d reward %.3f clip %.3f kl %.4f sync %.2fs step %.2fs",
                 step, record["reward_mean"], record["clip_frac"], record["kl"], sync.seconds, step_seconds,
             )  # fmt: skip
         every = cfg.trainer.checkpoint_every
         if (every and step % every == 0) or step == cfg.trainer.steps:
-            directory = run_dir / "checkpoints" / f"step_{step}"
-            backend.save_checkpoint(directory, {"step": step, "policy_version": step})
+            save_checkpoint(backend, run_dir, step, batch_msg.stats.cursor_end)
+            saved_step = step
+        last_cursor = batch_msg.stats.cursor_end
 
+    if stopped:
+        if saved_step != step - 1 and step - 1 > start_step:
+            save_checkpoint(backend, run_dir, step - 1, last_cursor)
+        if rank == 0:
+            writer.close()
+            trackers.close()
+            syncer.stop()
+            publisher.close()
+        dist.destroy_process_group()
+        return 0
     if cfg.trainer.export_hf:
         backend.export_hf(run_dir / "final", tokenizer)
     if rank == 0:
         writer.close()
+        trackers.close()
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{cfg.run.name}: reward per step")
+        syncer.stop()
         publisher.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -13,12 +13,14 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future
+from functools import partial
 
 import grpc
 import torch
 
 from relayrl.config import WeightSyncConfig
 from relayrl.services.channels import open_channel
+from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
@@ -103,14 +105,15 @@ class WeightPublisher:
         self.group, self.members = group, members
         return {}
 
-    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> SyncResult:
-        """Bring every live worker to ``version``. Never raises for a worker's failure; reports it."""
+    def publish(self, version: int, weights: dict[str, torch.Tensor], only: set[str] | None = None) -> SyncResult:
+        """Bring every live worker (or the workers in ``only``) to ``version``. Never raises for a worker's
+        failure; reports it."""
         start = time.perf_counter()
         checksum = weights_checksum(weights.items())
         specs = [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
         manifest = dataclasses.replace(
             build_manifest(
-                specs, version=version, bucket_bytes=self.cfg.bucket_mib << 20, transport=self.cfg.transport
+                specs, version=version, bucket_bytes=int(self.cfg.bucket_mib * (1 << 20)), transport=self.cfg.transport
             ),
             checksum=checksum,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
@@ -118,10 +121,20 @@ class WeightPublisher:
         failed: dict[str, str] = {}
         synced: list[str] = []
         for _attempt in range(3):
-            plan = self.controller.GetWeightSyncPlan(
-                controller_pb2.GetWeightSyncPlanRequest(version=version), timeout=30
+            plan = call_with_retry(
+                partial(
+                    self.controller.GetWeightSyncPlan,
+                    controller_pb2.GetWeightSyncPlanRequest(version=version),
+                    timeout=30,
+                ),
+                what="GetWeightSyncPlan",
+                deadline_s=600,
             )
-            members = [(w.worker_id, w.address) for w in plan.workers if w.worker_id not in failed]
+            members = [
+                (w.worker_id, w.address)
+                for w in plan.workers
+                if w.worker_id not in failed and (only is None or w.worker_id in only)
+            ]
             if not members:
                 break
             if self.cfg.transport == "filesystem":

@@ -31,11 +31,13 @@ def wait_for(proc, timeout_s: float) -> int:
     return proc.returncode
 
 
-def test_three_steps_with_verified_weights_and_logprobs(make_config):
-    cfg = load_config(make_config("e2e", trainer={"steps": 3}))
+@pytest.mark.parametrize("transport", ["broadcast", "filesystem"])
+def test_three_steps_with_verified_weights_and_logprobs(make_config, transport):
+    source = make_config("e2e", trainer={"steps": 3}, weight_sync={"transport": transport})
+    cfg = load_config(source)
     cfg.run_dir.joinpath("logs").mkdir(parents=True)
     config_path = cfg.run_dir / "config.yaml"
-    config_path.write_text(make_config("e2e", trainer={"steps": 3}).read_text())
+    config_path.write_text(source.read_text())
     job = start_job(cfg, config_path, resume=False)
     try:
         code = wait_for(job.children["trainer"], 300)

@@ -1,0 +1,170 @@
+"""Fault injection with real processes: dead, frozen and restarted roles, and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from relayrl.config import load_config
+from relayrl.launcher import controller_status
+from relayrl.procs import descendants, kill_tree
+from relayrl.services.channels import open_channel
+from relayrl.trainer.metrics import read_metrics
+from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+from .jobs import assert_nothing_lost, launch, signal_role, tail, wait_exit, wait_steps
+
+pytestmark = pytest.mark.slow
+
+FAST_FAILURE = {"worker_timeout_s": 3, "generate_timeout_s": 20}
+
+
+def contiguous(records: list[dict], steps: int) -> None:
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:  # synchronous loop: every trained trajectory came from the previous version
+        assert r["rollout_version_min"] == r["step"] - 1, r
+
+
+def test_rollout_worker_sigkill_mid_step(make_config):
+    job, cfg = launch(make_config("kill", trainer={"steps": 8}, controller=FAST_FAILURE))
+    try:
+        wait_steps(cfg, 2, job=job)
+        signal_role(job, "rollout-1", signal.SIGKILL)
+        assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
+        records = read_metrics(cfg.run_dir / "metrics.jsonl")
+        contiguous(records, 8)
+        assert records[-1]["workers_synced"] == 1
+        assert_nothing_lost(job, cfg)
+    finally:
+        job.stop()
+
+
+def test_rollout_worker_frozen_then_back(make_config):
+    steps = 40
+    job, cfg = launch(
+        make_config("freeze", trainer={"steps": steps}, controller=FAST_FAILURE, weight_sync={"timeout_s": 5})
+    )
+    try:
+        wait_steps(cfg, 2, job=job)
+        signal_role(job, "rollout-1", signal.SIGSTOP)
+        frozen_at = wait_steps(cfg, 3, job=job)[-1]["step"]  # steps go on without it
+        assert "rollout-1" not in {w.worker_id for w in controller_status(job.controller_address).workers}
+        signal_role(job, "rollout-1", signal.SIGCONT)
+        assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
+        records = read_metrics(cfg.run_dir / "metrics.jsonl")
+        contiguous(records, steps)
+        assert records[-1]["workers_synced"] == 2  # back in the weight-sync group
+        worker = next(w for w in controller_status(job.controller_address).workers if w.worker_id == "rollout-1")
+        stats = rollout_pb2_grpc.RolloutServiceStub(open_channel(worker.address)).Stats(
+            rollout_pb2.StatsRequest(), timeout=10
+        )
+        assert stats.policy_version == steps  # re-registered and re-synced
+        assert frozen_at < steps
+        assert_nothing_lost(job, cfg)
+    finally:
+        job.stop()
+
+
+def test_trainer_killed_then_resumed(make_config):
+    steps = 30
+    job, cfg = launch(make_config("resume", trainer={"steps": steps, "checkpoint_every": 4}))
+    try:
+        wait_steps(cfg, 5, job=job)
+        signal_role(job, "trainer", signal.SIGKILL)
+        job.children["trainer"].wait()
+        before = read_metrics(cfg.run_dir / "metrics.jsonl")
+        resumed_from = max(int(p.name.split("_")[1]) for p in (cfg.run_dir / "checkpoints").glob("step_*"))
+        job.spawn("trainer", [*job.children["trainer"].args, "--resume"])
+        assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
+        after = read_metrics(cfg.run_dir / "metrics.jsonl")
+        contiguous(after, steps)  # no step repeated or skipped
+        by_step = {r["step"]: r for r in before}
+        # the resumed run continues from the checkpoint's data position...
+        assert after[resumed_from]["data_cursor_start"] == by_step[resumed_from]["data_cursor_end"]
+        if resumed_from + 1 in by_step:
+            assert after[resumed_from]["data_cursor_start"] == by_step[resumed_from + 1]["data_cursor_start"]
+        # ...and from the checkpoint's weights: what the workers reloaded hashes to that step's weights
+        worker = controller_status(job.controller_address).workers[0]
+        loaded = (
+            rollout_pb2_grpc.RolloutServiceStub(open_channel(worker.address))
+            .Stats(rollout_pb2.StatsRequest(), timeout=10)
+            .loaded
+        )
+        reloads = [v for v in loaded if v.policy_version == resumed_from]
+        assert reloads and all(v.checksum == by_step[resumed_from]["weights_checksum"] for v in reloads)
+        assert_nothing_lost(job, cfg)
+    finally:
+        job.stop()
+
+
+def test_controller_killed_and_restarted(make_config):
+    job, cfg = launch(make_config("ctlkill", trainer={"steps": 10}))
+    try:
+        wait_steps(cfg, 3, job=job)
+        argv = list(job.children["controller"].args)
+        signal_role(job, "controller", signal.SIGKILL)
+        job.children["controller"].wait()
+        time.sleep(1)
+        job.spawn("controller", argv)
+        assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
+        contiguous(read_metrics(cfg.run_dir / "metrics.jsonl"), 10)
+        status = controller_status(job.controller_address)
+        assert status.trainer_step == 10 and len(status.workers) == 2
+        assert_nothing_lost(job, cfg)
+    finally:
+        job.stop()
+
+
+def test_sigterm_stops_each_role_cleanly(make_config):
+    job, cfg = launch(make_config("term", trainer={"steps": 200}))
+    try:
+        wait_steps(cfg, 2, job=job)
+        signal_role(job, "trainer", signal.SIGTERM)
+        assert wait_exit(job, "trainer", 60) == 0, tail(job, "trainer")
+        done = len(read_metrics(cfg.run_dir / "metrics.jsonl"))
+        assert (cfg.run_dir / "checkpoints" / f"step_{done}" / "trainer_state.json").exists()
+        signal_role(job, "rollout-0", signal.SIGTERM)
+        assert wait_exit(job, "rollout-0", 60) == 0
+        assert [w.worker_id for w in controller_status(job.controller_address).workers] == ["rollout-1"]
+        for role in ("rollout-1", "controller"):
+            signal_role(job, role, signal.SIGTERM)
+            assert wait_exit(job, role, 60) == 0, tail(job, role)
+    finally:
+        job.stop()
+
+
+def test_sigterm_to_relayrl_up_shuts_the_job_down(make_config):
+    config = make_config("upterm", trainer={"steps": 500})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    cfg = load_config(config)
+    try:
+        wait_steps(cfg, 2)
+        tree = descendants(proc.pid)
+        assert len(tree) >= 5  # controller, 2 workers, supervisor, torchrun, ranks
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, proc.stderr.read().decode()[-2000:]
+        time.sleep(1)
+        alive = [pid for pid in tree if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+        assert not alive, f"left running: {alive}"
+        done = len(read_metrics(cfg.run_dir / "metrics.jsonl"))
+        assert (cfg.run_dir / "checkpoints" / f"step_{done}").exists()  # the trainer checkpointed on its way out
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
