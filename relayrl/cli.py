@@ -14,10 +14,14 @@ from relayrl.ops.parser import add_operator_commands
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
-    """The validated config; its ``security`` section also becomes this process's client security."""
+    """The validated config, with the demo assets it asks for built; its ``security`` section also
+    becomes this process's client security."""
+    from relayrl.assets import prepare_assets
     from relayrl.services.channels import configure_client
 
     cfg = load_config(args.config, args.set)
+    for path in prepare_assets(cfg):
+        print(f"built {path}", file=sys.stderr)
     configure_client(cfg.security)
     return cfg
 
