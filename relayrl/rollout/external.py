@@ -13,7 +13,7 @@ the rollout worker; an engine occupies ``weight_sync_ranks`` consecutive ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -202,3 +202,10 @@ def collect_receipts(results: Sequence[dict[str, Any]]) -> tuple[ReceiveStats, s
         peak_extra_bytes=max(r["peak_extra_bytes"] for r in results),
     )
     return stats, first["checksum"]
+
+
+def reject_reserved_options(options: dict, reserved: Iterable[str], engine: str) -> None:
+    """``rollout.engine_options`` may not set what the adapter sets itself (ValueError naming them)."""
+    clash = sorted(set(options) & set(reserved))
+    if clash:
+        raise ValueError(f"rollout.engine_options: {', '.join(clash)} is set by the {engine} engine itself")

@@ -39,6 +39,7 @@ from relayrl.rollout.external import (
     check_weights,
     collect_receipts,
     hf_model_info,
+    reject_reserved_options,
 )
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.filesystem import atomic_write_text
@@ -91,9 +92,7 @@ class SGLangEngine(InferenceEngine):
         seed: int = 0,
         **options: Any,
     ) -> None:
-        reserved = sorted(set(options) & set(_RESERVED))
-        if reserved:
-            raise ValueError(f"rollout.engine_options: {', '.join(reserved)} is set by the sglang engine itself")
+        reject_reserved_options(options, _RESERVED, "sglang")
         try:
             import sglang
         except ImportError as err:

@@ -29,6 +29,7 @@ from relayrl.rollout.external import (
     check_weights,
     collect_receipts,
     hf_model_info,
+    reject_reserved_options,
 )
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.manifest import WeightManifest
@@ -92,9 +93,7 @@ class VLLMEngine(InferenceEngine):
         seed: int = 0,
         **options: Any,
     ) -> None:
-        reserved = sorted(set(options) & set(_RESERVED))
-        if reserved:
-            raise ValueError(f"rollout.engine_options: {', '.join(reserved)} is set by the vllm engine itself")
+        reject_reserved_options(options, _RESERVED, "vllm")
         try:
             import vllm
             from vllm.sampling_params import RequestOutputKind

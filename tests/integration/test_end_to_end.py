@@ -6,43 +6,26 @@ version, and the engine's logprobs equal the trainer's recomputed logprobs withi
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from relayrl.config import load_config
-from relayrl.launcher import controller_status, start_job
+from relayrl.launcher import controller_status
 from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import REQUIRED_KEYS, read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.checksum import weights_checksum
 
+from .jobs import launch, tail, wait_exit
+
 pytestmark = pytest.mark.slow
-
-
-def wait_for(proc, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if proc.poll() is None:
-        raise AssertionError(f"process still running after {timeout_s}s")
-    return proc.returncode
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "filesystem"])
 def test_three_steps_with_verified_weights_and_logprobs(make_config, transport):
-    source = make_config("e2e", trainer={"steps": 3}, weight_sync={"transport": transport})
-    cfg = load_config(source)
-    cfg.run_dir.joinpath("logs").mkdir(parents=True)
-    config_path = cfg.run_dir / "config.yaml"
-    config_path.write_text(source.read_text())
-    job = start_job(cfg, config_path, resume=False)
+    job, cfg = launch(make_config("e2e", trainer={"steps": 3}, weight_sync={"transport": transport}))
     try:
-        code = wait_for(job.children["trainer"], 300)
-        log = (job.logs / "trainer.log").read_text()
-        assert code == 0, log[-3000:]
+        assert wait_exit(job, "trainer", 300) == 0, tail(job, "trainer")
 
         records = read_metrics(cfg.run_dir / "metrics.jsonl")
         assert [r["step"] for r in records] == [1, 2, 3]
