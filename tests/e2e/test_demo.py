@@ -42,4 +42,4 @@ def test_demo_reward_rises(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert model.config.vocab_size == len(tokenizer)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_40", "step_80"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_120", "step_60"]
