@@ -216,7 +216,7 @@ def test_trainer_indexed_job_with_rank0_rendezvous(overlay: str):
     # Indexed Job pods are named <job>-<index> and live under the subdomain: rank 0 is pod 0
     master = f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
     assert env["MASTER_ADDR"]["value"] == master
-    assert c["command"] == ["torchrun"]
+    assert c["command"] == ["relayrl", "trainer", "launch"]  # torchrun under the SIGTERM-forwarding supervisor
     args = c["args"]
     assert arg_after(args, "--nnodes") == "$(NNODES)"
     assert arg_after(args, "--node-rank") == "$(NODE_RANK)"
