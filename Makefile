@@ -27,6 +27,7 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/relayrl/v1/*.proto
 
 bench-weightsync: $(STAMP)
+	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench weightsync --json > bench/results/weightsync.json
 
 clean:
