@@ -341,10 +341,13 @@ class Controller:
             self.progress.policy_version = request.policy_version
             self.progress.last_sync_seconds = request.sync_seconds
             self.progress.last_sync_unix = time.time()
-            if request.step >= self.cfg.trainer.steps:
+            finished = request.step >= self.cfg.trainer.steps
+            if finished:
                 self.state = "finished"
             self._save_progress()
             self._cond.notify_all()
+        if finished:  # a finished run is never paused: clients keep being served
+            self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
         self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), TRAINED, step=request.step)
         self.syncs.record(

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from relayrl.client import ClientConfigError, RelayClient, SamplingParams
 from relayrl.client.options import ENV_ADDRESS
-from relayrl.ops import k8s
+from relayrl.ops import k8s, slurm
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
 
 out = Console()
@@ -242,8 +242,12 @@ def cmd_scale_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"replicas: must be >= 1, got {args.replicas}")
     if bool(args.k8s_namespace) != bool(args.statefulset):
         raise ValueError("--k8s-namespace and --statefulset go together")
+    if args.k8s_namespace and args.slurm_job:
+        raise ValueError("--slurm-job and --k8s-namespace exclude each other")
     if args.k8s_namespace:
         return _scale_statefulset(args)
+    if args.slurm_job:
+        return _scale_slurm(args)
     with connect(args) as client:
         response = client.scale_rollout(args.replicas)
     if args.json:
@@ -282,5 +286,55 @@ def _scale_statefulset(args: argparse.Namespace) -> int:
         out.print(
             f"statefulset {args.k8s_namespace}/{args.statefulset}: replicas {previous} -> {args.replicas}"
             + (f" (drained first: {', '.join(drained)})" if drained else "")
+        )
+    return 0
+
+
+def _scale_slurm(args: argparse.Namespace) -> int:
+    """Start extra rollout steps in a relayrl.sbatch het job, or drain and stop the highest extra ones."""
+    try:
+        job = slurm.find_job(args.slurm_job, args.slurm_run_dir)
+        extras = slurm.extra_workers(job)
+        todo = slurm.plan(args.replicas, job.base_tasks, list(extras))
+        args.controller = args.controller or job.controller
+        started: list[dict] = []
+        stopped: list[str] = []
+        with connect(args) as client:
+            response = client.scale_rollout(args.replicas)
+            if todo.start:
+                taken = slurm.ports_in_use(job)
+                started = [slurm.launch(job, k, taken_ports=taken) for k in todo.start]
+            if todo.stop:
+                stopped = [f"{slurm.STEP_NAME}-{k}" for k in todo.stop]
+                for worker_id in stopped:
+                    try:
+                        client.drain(worker_id)
+                    except grpc.RpcError as error:
+                        if error.code() != grpc.StatusCode.NOT_FOUND:  # not registered: nothing in flight
+                            raise
+                wait_drained(client, stopped, args.drain_timeout)
+        if todo.stop:
+            slurm.stop_steps(job, {k: extras[k] for k in todo.stop}, args.drain_timeout)
+    except slurm.SlurmError as error:
+        err.print(f"[red]relayrl: {error}[/red]")
+        return 1
+    result = {
+        "job_id": job.job_id,
+        "run_dir": str(job.run_dir),
+        "controller": args.controller,
+        "previous": response.previous,
+        "replicas": args.replicas,
+        "job_workers": job.base_tasks,
+        "started": started,
+        "stopped": stopped,
+    }
+    if args.json:
+        print_json(out, result)
+    else:
+        what = [f"started {s['worker_id']} on {s['node']}:{s['port']} (log {s['log']})" for s in started]
+        what += [f"drained and stopped {w}" for w in stopped]
+        out.print(
+            f"slurm job {job.job_id}: rollout workers {response.previous or 'unset'} -> {args.replicas} "
+            f"({job.base_tasks} of the job's own step)" + "".join(f"\n  {line}" for line in what)
         )
     return 0

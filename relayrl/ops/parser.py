@@ -87,6 +87,18 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("RELAYRL_ROLLOUT_STATEFULSET"),
         help="the rollout StatefulSet (default: RELAYRL_ROLLOUT_STATEFULSET)",
     )
-    p.add_argument("--drain-timeout", type=float, default=300.0, help="Kubernetes: wait this long for drained pods")
+    p.add_argument(
+        "--slurm-job",
+        default=None,
+        help="start or stop rollout job steps in this running relayrl.sbatch het job instead",
+    )
+    p.add_argument(
+        "--slurm-run-dir",
+        default=None,
+        help="the job's RUN_DIR (default: RELAYRL_RUN_DIR, else <submit dir>/runs/slurm-<job id>)",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=300.0, help="Kubernetes/Slurm: wait this long for drained workers"
+    )
     _connection(p)
     p.set_defaults(func=_lazy("cmd_scale_rollout"))
