@@ -300,7 +300,7 @@ def _scale_slurm(args: argparse.Namespace) -> int:
         started: list[dict] = []
         stopped: list[str] = []
         with connect(args) as client:
-            response = client.scale_rollout(args.replicas)
+            client.status()  # reachable before anything starts or stops
             if todo.start:
                 taken = slurm.ports_in_use(job)
                 started = [slurm.launch(job, k, taken_ports=taken) for k in todo.start]
@@ -313,8 +313,8 @@ def _scale_slurm(args: argparse.Namespace) -> int:
                         if error.code() != grpc.StatusCode.NOT_FOUND:  # not registered: nothing in flight
                             raise
                 wait_drained(client, stopped, args.drain_timeout)
-        if todo.stop:
-            slurm.stop_steps(job, {k: extras[k] for k in todo.stop}, args.drain_timeout)
+                slurm.stop_steps(job, {k: extras[k] for k in todo.stop}, args.drain_timeout)
+            response = client.scale_rollout(args.replicas)  # the count now running, recorded
     except slurm.SlurmError as error:
         err.print(f"[red]relayrl: {error}[/red]")
         return 1

@@ -95,7 +95,7 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--slurm-run-dir",
         default=None,
-        help="the job's RUN_DIR (default: RELAYRL_RUN_DIR, else <submit dir>/runs/slurm-<job id>)",
+        help="the job's RUN_DIR (default: what the job recorded in its Comment, else RELAYRL_RUN_DIR)",
     )
     p.add_argument(
         "--drain-timeout", type=float, default=300.0, help="Kubernetes/Slurm: wait this long for drained workers"
