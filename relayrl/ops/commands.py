@@ -135,28 +135,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def show(args: argparse.Namespace, response, tables) -> int:
+    """``response`` as JSON with --json, else as the tables ``tables(response)`` renders."""
+    if args.json:
+        print_json(out, response)
+    else:
+        for table in tables(response):
+            out.print(table)
+    return 0
+
+
 @operator_command
 def cmd_status(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        status = client.status()
-    if args.json:
-        print_json(out, status)
-    else:
-        for table in status_tables(status):
-            out.print(table)
-    return 0
+        return show(args, client.status(), status_tables)
 
 
 @operator_command
 def cmd_weights_status(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        weights = client.weights_status()
-    if args.json:
-        print_json(out, weights)
-    else:
-        for table in weights_tables(weights):
-            out.print(table)
-    return 0
+        return show(args, client.weights_status(), weights_tables)
 
 
 @operator_command
