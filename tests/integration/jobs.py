@@ -22,6 +22,13 @@ def launch(config_path: Path) -> tuple[LocalJob, object]:
     return start_job(cfg, run_config, resume=False), cfg
 
 
+def wait_until(predicate, timeout_s: float = 120, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s}s"
+        time.sleep(0.3)
+
+
 def wait_steps(cfg, count: int, timeout_s: float = 240, job: LocalJob | None = None) -> list[dict]:
     """Block until metrics.jsonl has ``count`` steps."""
     deadline = time.monotonic() + timeout_s
@@ -71,12 +78,15 @@ def ledger_fates(cfg) -> dict[str, list[str]]:
     return fates
 
 
-def assert_nothing_lost(job: LocalJob, cfg) -> None:
-    """Every drawn prompt ended trained, filtered or failed; none trained twice."""
+def assert_nothing_lost(job: LocalJob, cfg, *, finished: bool = True) -> None:
+    """Every drawn prompt ended trained, filtered or failed; none trained twice. A run stopped before its
+    last step (``finished=False``) may hold one produced, unreported batch: those prompts stay queued or
+    pending, kept by the controller for the resumed trainer."""
     fates = ledger_fates(cfg)
-    unfinished = {pid: f for pid, f in fates.items() if f[-1] not in ("trained", "filtered", "failed")}
+    allowed = {"trained", "filtered", "failed"} | (set() if finished else {"pending", "queued"})
+    unfinished = {pid: f for pid, f in fates.items() if f[-1] not in allowed}
     assert not unfinished, f"prompts without a final state: {list(unfinished.items())[:5]}"
     twice = [pid for pid, f in fates.items() if f.count("trained") > 1]
     assert not twice, f"trained twice: {twice[:5]}"
-    status = controller_status(job.controller_address)
-    assert status.ledger.pending == 0
+    if finished:
+        assert controller_status(job.controller_address).ledger.pending == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ from relayrl.services.rollout_server import FAULT_EXIT_DURING_LOAD
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 
-from .jobs import launch, signal_role, tail, wait_exit, wait_steps
+from .jobs import launch, signal_role, tail, wait_exit, wait_steps, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +26,6 @@ def spawn_worker(job, name: str, env: dict[str, str] | None = None):
 def loaded_checksums(address: str) -> dict[int, str]:
     stub = rollout_pb2_grpc.RolloutServiceStub(open_channel(address))
     return {v.policy_version: v.checksum for v in stub.Stats(rollout_pb2.StatsRequest(), timeout=10).loaded}
-
-
-def wait_until(predicate, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.3)
 
 
 def test_joining_worker_serves_the_current_version_from_its_first_trajectory(make_config):
