@@ -403,6 +403,7 @@ class Heartbeat:
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
+        self._thread.join(timeout=10)  # a beat in flight must not re-register after the deregistration
         if deregister:
             with contextlib.suppress(grpc.RpcError):
                 self._stub.DeregisterWorker(
