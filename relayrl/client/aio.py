@@ -26,13 +26,7 @@ class AsyncRelayClient:
 
     def __init__(self, address: str | None = None, *, options: ClientOptions | None = None, **settings) -> None:
         self.options = options or ClientOptions.resolve(address, **settings)
-        credentials = self.options.credentials()
-        if credentials is None:
-            self._channel = aio.insecure_channel(self.options.address, options=self.options.channel_options())
-        else:
-            self._channel = aio.secure_channel(
-                self.options.address, credentials, options=self.options.channel_options()
-            )
+        self._channel = self.options.open_channel(aio)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -108,6 +108,14 @@ class ClientOptions:
             certificate_chain=self.certificate_chain,
         )
 
+    def open_channel(self, transport):
+        """A channel to ``address`` from ``transport``: the ``grpc`` module (sync) or ``grpc.aio``; both
+        expose ``insecure_channel`` / ``secure_channel`` with the same arguments."""
+        credentials = self.credentials()
+        if credentials is None:
+            return transport.insecure_channel(self.address, options=self.channel_options())
+        return transport.secure_channel(self.address, credentials, options=self.channel_options())
+
     def channel_options(self) -> list[tuple[str, object]]:
         options: list[tuple[str, object]] = list(message_options(self.max_message_mib))
         if self.server_name:

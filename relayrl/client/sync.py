@@ -28,13 +28,7 @@ class RelayClient:
 
     def __init__(self, address: str | None = None, *, options: ClientOptions | None = None, **settings) -> None:
         self.options = options or ClientOptions.resolve(address, **settings)
-        credentials = self.options.credentials()
-        if credentials is None:
-            self._channel = grpc.insecure_channel(self.options.address, options=self.options.channel_options())
-        else:
-            self._channel = grpc.secure_channel(
-                self.options.address, credentials, options=self.options.channel_options()
-            )
+        self._channel = self.options.open_channel(grpc)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
 
     def close(self) -> None:
