@@ -4,12 +4,19 @@ Layout rule (``build_manifest``): tensors are grouped by dtype (dtypes in order 
 tensors in the given order within a dtype) and packed into flat byte buckets of at most
 ``bucket_bytes``; every offset is a multiple of ``ALIGN`` bytes so each tensor's view is aligned.
 A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+
+The layout (tensors + buckets) rarely changes between updates, so it has an id (``layout_id``): a
+manifest may travel compact, naming its layout by id, to a receiver that keeps a ``LayoutCache``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import pairwise
 
 import torch
@@ -113,30 +120,49 @@ class WeightManifest:
         if mine:
             raise ValueError(f"{next(iter(mine))}: in the manifest but not expected")
 
-    def to_proto(self) -> pb.WeightManifest:
+    @cached_property
+    def layout_id(self) -> str:
+        """sha256 of the layout alone (tensors + buckets, deterministic proto bytes): equal ids, same bytes
+        at the same places."""
+        layout = pb.WeightManifest(tensors=self._tensor_protos(), buckets=self._bucket_protos())
+        return hashlib.sha256(layout.SerializeToString(deterministic=True)).hexdigest()
+
+    def with_header(
+        self, *, version: int, checksum: str = "", path: str = "", transport: str = "broadcast"
+    ) -> WeightManifest:
+        """This layout for another update (``dataclasses.replace``, keeping the computed ``layout_id``)."""
+        manifest = dataclasses.replace(self, version=version, checksum=checksum, path=path, transport=transport)
+        manifest.__dict__["layout_id"] = self.layout_id  # cached_property storage: same tensors, same id
+        return manifest
+
+    def to_proto(self, *, compact: bool = False) -> pb.WeightManifest:
+        """The wire form; ``compact``: the layout named by ``layout_id`` only (see ``LayoutCache``)."""
         return pb.WeightManifest(
             version=self.version,
-            tensors=[
-                pb.TensorSpec(
-                    name=t.name,
-                    shape=t.shape,
-                    dtype=dtype_name(t.dtype),
-                    bucket=t.bucket,
-                    offset=t.offset,
-                    nbytes=t.nbytes,
-                )
-                for t in self.tensors
-            ],
-            buckets=[pb.BucketSpec(index=b.index, dtype=dtype_name(b.dtype), nbytes=b.nbytes) for b in self.buckets],
+            tensors=[] if compact else self._tensor_protos(),
+            buckets=[] if compact else self._bucket_protos(),
             transport=self.transport,
             path=self.path,
             checksum=self.checksum,
+            layout_id=self.layout_id,
         )
+
+    def _tensor_protos(self) -> list[pb.TensorSpec]:
+        return [
+            pb.TensorSpec(
+                name=t.name, shape=t.shape, dtype=dtype_name(t.dtype), bucket=t.bucket, offset=t.offset, nbytes=t.nbytes
+            )
+            for t in self.tensors
+        ]
+
+    def _bucket_protos(self) -> list[pb.BucketSpec]:
+        return [pb.BucketSpec(index=b.index, dtype=dtype_name(b.dtype), nbytes=b.nbytes) for b in self.buckets]
 
     @classmethod
     def from_proto(cls, msg: pb.WeightManifest) -> WeightManifest:
-        """Inverse of ``to_proto``; ValueError (naming the tensor) for an inconsistent layout."""
-        return cls(
+        """Inverse of ``to_proto`` (not compact); ValueError (naming the field) for an inconsistent layout,
+        or a ``layout_id`` that is not the layout's."""
+        manifest = cls(
             version=msg.version,
             tensors=tuple(
                 TensorSpec(t.name, tuple(t.shape), dtype_from_name(t.dtype), t.bucket, t.offset, t.nbytes)
@@ -147,6 +173,9 @@ class WeightManifest:
             path=msg.path,
             checksum=msg.checksum,
         )
+        if msg.layout_id and msg.layout_id != manifest.layout_id:
+            raise ValueError(f"layout_id: {msg.layout_id[:12]} is not the id of the layout sent with it")
+        return manifest
 
     def to_json(self) -> str:
         """The proto's canonical JSON (what the filesystem transport stores next to the shards)."""
@@ -216,3 +245,50 @@ def build_manifest(
             buckets[open_bucket] = BucketSpec(open_bucket, dtype, used)
             tensors.append(TensorSpec(name, shape, dtype, open_bucket, offset, nbytes))
     return WeightManifest(version=version, tensors=tuple(tensors), buckets=tuple(buckets), transport=transport)
+
+
+class ManifestBuilder:
+    """Sender side: ``build_manifest`` once per set of specs, then only the header changes per update."""
+
+    def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "broadcast") -> None:
+        self.bucket_bytes, self.transport = bucket_bytes, transport
+        self._specs: list[Spec] = []
+        self._layout: WeightManifest | None = None
+
+    def build(self, specs: Sequence[Spec], *, version: int, checksum: str = "", path: str = "") -> WeightManifest:
+        specs = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
+        if self._layout is None or specs != self._specs:
+            self._layout = build_manifest(specs, version=version, bucket_bytes=self.bucket_bytes)
+            self._specs = specs
+        return self._layout.with_header(version=version, checksum=checksum, path=path, transport=self.transport)
+
+
+class UnknownLayout(KeyError):
+    """A compact manifest named a layout this receiver was never sent."""
+
+
+class LayoutCache:
+    """The last ``capacity`` layouts a receiver was sent in full, by ``layout_id``."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._layouts: OrderedDict[str, WeightManifest] = OrderedDict()
+
+    def resolve(self, msg: pb.WeightManifest) -> WeightManifest:
+        """The manifest ``msg`` stands for: parsed (and remembered) when it lists its layout, else this
+        cache's layout ``msg.layout_id`` with msg's header. ValueError for a bad layout, UnknownLayout
+        for a compact manifest whose layout is not here."""
+        if msg.tensors or msg.buckets or not msg.layout_id:
+            manifest = WeightManifest.from_proto(msg)
+            self._layouts[manifest.layout_id] = manifest
+        else:
+            layout = self._layouts.get(msg.layout_id)
+            if layout is None:
+                raise UnknownLayout(msg.layout_id)
+            manifest = layout.with_header(
+                version=msg.version, checksum=msg.checksum, path=msg.path, transport=msg.transport or "broadcast"
+            )
+        self._layouts.move_to_end(manifest.layout_id)
+        while len(self._layouts) > self.capacity:
+            self._layouts.popitem(last=False)
+        return manifest

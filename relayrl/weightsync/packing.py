@@ -48,6 +48,36 @@ def transfer_chunks(manifest: WeightManifest, bucket: BucketSpec, chunk_bytes: i
     return chunks
 
 
+class PackStep(NamedTuple):
+    """One chunk on the sender: copy ``sources`` (by name) into ``targets`` (views in a staging slot),
+    then broadcast ``piece`` (the chunk's bytes of that slot)."""
+
+    piece: torch.Tensor
+    names: list[str]
+    targets: list[torch.Tensor]
+
+
+def pack_plan(manifest: WeightManifest, buffers: BufferPair, chunk_bytes: int) -> list[list[PackStep]]:
+    """Per bucket, its chunks as PackSteps into slot k % 2 of ``buffers`` (prepared for the manifest).
+
+    Valid while the layout, ``chunk_bytes`` and the slots stay the same: build once, reuse per update.
+    """
+    plan = []
+    for k, bucket in enumerate(manifest.buckets):
+        flat = buffers.slot(k, bucket.nbytes)
+        plan.append(
+            [
+                PackStep(
+                    flat[chunk.start : chunk.end],
+                    [spec.name for spec in chunk.to_pack],
+                    [tensor_view(flat, spec) for spec in chunk.to_pack],
+                )
+                for chunk in transfer_chunks(manifest, bucket, chunk_bytes)
+            ]
+        )
+    return plan
+
+
 def tensor_view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """The bytes of ``spec`` inside the flat uint8 ``buffer`` as a tensor of its dtype and shape."""
     return buffer[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
@@ -117,6 +147,11 @@ class BufferPair:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._slots if b is not None)
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """Changes whenever a slot is (re)allocated: the key for anything holding views of the slots."""
+        return tuple(b.data_ptr() if b is not None else 0 for b in self._slots)
 
     def prepare(self, buckets: Sequence[BucketSpec]) -> None:
         """Make sure each slot can hold its buckets: slot s needs max(nbytes of buckets[s::2])."""

@@ -1,10 +1,14 @@
-"""Rollout-worker side of a weight update: receive the buckets in order into two reusable buffers.
+"""Rollout-worker side of a weight update, two ways.
 
-While bucket k is received and loaded from slot k % 2, every chunk of bucket k+1 is already posted
-into the other slot (whose bucket, k-1, is fully loaded), so the extra memory is at most two buckets
-(``peak_extra_bytes``). ``load_fn`` is called with views of the tensors a chunk completes, as soon as
-it arrives; it must copy them into the engine's parameters before returning (the buffer is
-overwritten two buckets later).
+``receive_into``: the engine's weights live in a ``WeightArena`` with the manifest's layout, so every
+chunk is received straight into the weights: no staging, no copy, no extra memory.
+
+``receive_weights``: for engines that must be handed tensors (vLLM / SGLang ``load_weights``): the
+buckets are received in order into two reusable buffers. While bucket k is received and loaded from
+slot k % 2, every chunk of bucket k+1 is already posted into the other slot (whose bucket, k-1, is
+fully loaded), so the extra memory is at most two buckets (``peak_extra_bytes``). ``load_fn`` is
+called with views of the tensors a chunk completes, as soon as it arrives; it must copy them into
+the engine's parameters before returning (the buffer is overwritten two buckets later).
 """
 
 from __future__ import annotations
@@ -15,12 +19,38 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.packing import BufferPair, Chunk, check_device, transfer_chunks, views
 from relayrl.weightsync.stats import ReceiveStats
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+Progress = Callable[[int], None]
+
+
+def receive_into(
+    group: WeightBroadcastGroup,
+    manifest: WeightManifest,
+    arena: WeightArena,
+    *,
+    src: int = 0,
+    progress: Progress | None = None,
+) -> ReceiveStats:
+    """Receive every bucket of ``manifest`` from rank ``src`` directly into ``arena`` (ValueError unless
+    ``arena.fits(manifest)`` and it lives on the group's device); ``progress`` as in
+    ``WeightArena.broadcast``. Ends with the collective vote, like ``receive_weights``."""
+    if not arena.fits(manifest):
+        raise ValueError(f"manifest: version {manifest.version} does not have the layout of the arena")
+    start = time.perf_counter()
+    arena.broadcast(group, src, progress)
+    group.all_ok(True)
+    return ReceiveStats(
+        seconds=time.perf_counter() - start,
+        nbytes=manifest.total_bytes,
+        buckets=len(manifest.buckets),
+        peak_extra_bytes=0,
+    )
 
 
 def receive_weights(

@@ -1,6 +1,8 @@
 """Trainer rank 0 side of a weight update: pack and broadcast the manifest's buckets, double-buffered.
 
-Bucket k is packed into slot k % 2 while bucket k-1 (the other slot) is still being broadcast; before
+From a ``WeightArena`` with the manifest's layout on the group's device (where the trainer gathers its
+weights), the buckets go out as they are: nothing to pack. From a mapping of tensors, bucket k is
+packed into slot k % 2 while bucket k-1 (the other slot) is still being broadcast; before
 a slot is reused, the broadcasts that last read it are waited for (each wait bounded by the group's
 timeout). Inside a bucket, chunk c is broadcast as soon as the tensors it holds are packed, so
 packing chunk c+1 overlaps sending chunk c. The update ends with a collective vote: ``send`` returns
@@ -15,10 +17,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
-from relayrl.weightsync.packing import BufferPair, check_device, pack_tensors, transfer_chunks
+from relayrl.weightsync.packing import BufferPair, PackStep, check_device, pack_plan
 from relayrl.weightsync.stats import SendStats
 
 
@@ -27,35 +30,60 @@ class WeightSender:
 
     def __init__(self, device: torch.device | str = "cpu", *, pin_memory: bool = False) -> None:
         self.buffers = BufferPair(device, pin_memory=pin_memory)
+        self._plan: tuple[tuple, list[list[PackStep]]] | None = None  # (layout, chunk, slots) -> its plan
 
     def send(
-        self, group: WeightBroadcastGroup, manifest: WeightManifest, tensors: Mapping[str, torch.Tensor]
+        self,
+        group: WeightBroadcastGroup,
+        manifest: WeightManifest,
+        tensors: Mapping[str, torch.Tensor] | WeightArena,
     ) -> SendStats:
-        """Broadcast every bucket of ``manifest`` from this rank; ``tensors`` maps name -> tensor.
+        """Broadcast every bucket of ``manifest`` from this rank; ``tensors`` maps name -> tensor, or is
+        an arena (sent in place when it fits the manifest and lives on the group's device).
 
         Checks ``tensors`` against the manifest before the first byte goes out (ValueError naming the
         tensor), so receivers never see a half-sent update because of a sender-side mistake.
         """
+        start = time.perf_counter()
+        if isinstance(tensors, WeightArena):
+            if tensors.fits(manifest) and tensors.device.type == group.device.type:
+                tensors.broadcast(group, group.rank)
+                return self._finish(group, manifest, start, peak_extra_bytes=0)
+            tensors = dict(tensors.views())
         manifest.validate_against([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
         check_device(self.buffers, group)
-        start = time.perf_counter()
-        self.buffers.prepare(manifest.buckets)
         in_flight: list[list[dist.Work]] = [[], []]  # per slot: the chunk broadcasts still reading it
-        for k, bucket in enumerate(manifest.buckets):
+        for k, steps in enumerate(self._plan_for(manifest, group.chunk_bytes)):
             for work in in_flight[k % 2]:
                 group.wait(work)
-            flat = self.buffers.slot(k, bucket.nbytes)
             in_flight[k % 2] = []
-            for chunk in transfer_chunks(manifest, bucket, group.chunk_bytes):
-                pack_tensors(flat, chunk.to_pack, tensors)
-                in_flight[k % 2].append(group.broadcast_async(flat[chunk.start : chunk.end], src=group.rank))
+            for step in steps:
+                if step.names:
+                    with torch.no_grad():  # one dispatch for the chunk's copies (FSDP2 packs the same way)
+                        torch._foreach_copy_(step.targets, [tensors[name] for name in step.names])
+                in_flight[k % 2].append(group.broadcast_async(step.piece, src=group.rank))
         for work in in_flight[0] + in_flight[1]:
             group.wait(work)
+        return self._finish(group, manifest, start, peak_extra_bytes=self.buffers.nbytes)
+
+    @staticmethod
+    def _finish(
+        group: WeightBroadcastGroup, manifest: WeightManifest, start: float, peak_extra_bytes: int
+    ) -> SendStats:
+        """The closing vote: WeightSyncError unless every receiver loaded every tensor."""
         if not group.all_ok(True):
             raise WeightSyncError(f"a receiver failed to load weights version {manifest.version}")
         return SendStats(
             seconds=time.perf_counter() - start,
             nbytes=manifest.total_bytes,
             buckets=len(manifest.buckets),
-            peak_extra_bytes=self.buffers.nbytes,
+            peak_extra_bytes=peak_extra_bytes,
         )
+
+    def _plan_for(self, manifest: WeightManifest, chunk_bytes: int) -> list[list[PackStep]]:
+        """The pack plan of this layout, built once and reused while layout, chunking and slots stay."""
+        self.buffers.prepare(manifest.buckets)
+        key = (manifest.layout_id, chunk_bytes, self.buffers.identity)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, pack_plan(manifest, self.buffers, chunk_bytes))
+        return self._plan[1]

@@ -16,12 +16,15 @@ import torch
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
+    LayoutCache,
+    ManifestBuilder,
+    WeightArena,
     WeightBroadcastGroup,
-    WeightManifest,
     WeightSender,
     WeightSyncError,
     WeightSyncTimeout,
     build_manifest,
+    receive_into,
     receive_weights,
     weights_checksum,
 )
@@ -57,6 +60,8 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
     torch.set_num_threads(1)
     params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=d) for n, s, d in SPECS}
     buffers = BufferPair("cpu")
+    layouts = LayoutCache()
+    arena: WeightArena | None = None
     group: WeightBroadcastGroup | None = None
 
     def load(views: list[tuple[str, torch.Tensor]]) -> None:
@@ -73,11 +78,17 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
                 "127.0.0.1", port, group_rank, world_size, name, timeout_s=5.0, chunk_bytes=CHUNK_BYTES
             )
             outbox.put(("ready", rank))
-        elif kind == "weights":
-            manifest = WeightManifest.from_proto(pb.WeightManifest.FromString(args[0]))
+        elif kind in ("weights", "in_place"):
+            manifest = layouts.resolve(pb.WeightManifest.FromString(args[0]))
             manifest.validate_against(SPECS)
             try:
-                stats = receive_weights(group, manifest, load, device="cpu", buffers=buffers)
+                if kind == "in_place":
+                    if arena is None or not arena.fits(manifest):
+                        arena = WeightArena.adopt(manifest, params)
+                    stats = receive_into(group, manifest, arena)
+                    assert all(params[name].data_ptr() == view.data_ptr() for name, view in arena.views())
+                else:
+                    stats = receive_weights(group, manifest, load, device="cpu", buffers=buffers)
             except WeightSyncError as exc:
                 group.close()
                 outbox.put(("error", rank, type(exc).__name__))
@@ -154,6 +165,35 @@ def test_two_receivers_get_bit_identical_weights_across_buckets(receivers_factor
             for kind, _rank, checksum, peak, buckets in replies:
                 assert (kind, checksum, buckets) == ("ok", expected, len(manifest.buckets))
                 assert peak <= two_buckets
+
+
+def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_compact_manifests(
+    receivers_factory: Any,
+) -> None:
+    """Receiver 1 holds its parameters in an arena (received in place, no staging), receiver 2 stages;
+    the sender sends from its own arena (nothing to pack) or packs from tensors. After the first update
+    the manifest travels compact (layout by id) and both resolve it from their LayoutCache."""
+    receivers = receivers_factory({1: None, 2: None})
+    sender, builder = WeightSender("cpu"), ManifestBuilder(bucket_bytes=BUCKET_BYTES)
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-4", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
+        receivers.join([1, 2], group)
+        for version, from_arena in ((1, True), (2, False), (3, True)):
+            tensors = make_tensors(seed=version)
+            manifest = builder.build(SPECS, version=version)
+            wire = manifest.to_proto(compact=version > 1)
+            assert (len(wire.tensors) == 0) == (version > 1)
+            receivers.tell([1], "in_place", wire.SerializeToString())
+            receivers.tell([2], "weights", wire.SerializeToString())
+            source: Any = tensors
+            if from_arena:
+                source = WeightArena(manifest)
+                source.load(tensors.items())
+            stats = sender.send(group, manifest, source)
+            assert (stats.peak_extra_bytes == 0) == from_arena
+            in_place, staged = receivers.replies(2)
+            expected = weights_checksum(tensors.items())
+            assert in_place[:3] == ("ok", 1, expected) and in_place[3] == 0  # no staging memory at all
+            assert staged[:3] == ("ok", 2, expected) and staged[3] > 0
 
 
 def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_works(

@@ -15,7 +15,11 @@ from relayrl.bench.weightsync import model_specs
 from relayrl.errors import FailedPrecondition
 from relayrl.weightsync import (
     BucketSpec,
+    LayoutCache,
+    ManifestBuilder,
     TensorSpec,
+    UnknownLayout,
+    WeightArena,
     WeightBroadcastGroup,
     WeightManifest,
     WeightSyncError,
@@ -292,3 +296,58 @@ def test_model_specs_are_transformer_shaped_and_sized(size_mib: int, tensors: in
     assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
     assert "model.layers.0.self_attn.k_proj.bias" in names and "model.layers.0.mlp.down_proj.weight" in names
     assert {dtype for _, _, dtype in specs} == {torch.bfloat16, torch.float32}
+
+
+def test_arena_adopts_live_parameters_without_changing_their_values(manifest: WeightManifest) -> None:
+    params = make_tensors(SPECS)
+    before = weights_checksum(params.items())
+    arena = WeightArena.adopt(manifest, params)
+    assert weights_checksum(params.items()) == before
+    for name, view in arena.views():  # every parameter now *is* its view: writes to the arena reach it
+        assert params[name].data_ptr() == view.data_ptr()
+    arena.buckets[manifest.tensors[0].bucket].zero_()
+    assert not params[manifest.tensors[0].name].any()
+    assert arena.fits(manifest.with_header(version=99)) and not arena.fits(build_manifest(SPECS[:3], version=7))
+    with pytest.raises(ValueError, match="bias: in the manifest but not expected"):
+        WeightArena.adopt(manifest, {k: v for k, v in params.items() if k != "bias"})
+
+
+def test_arena_point_swaps_parameters_between_two_arenas(manifest: WeightManifest) -> None:
+    params, incoming = make_tensors(SPECS, seed=1), make_tensors(SPECS, seed=2)
+    live, spare = WeightArena.adopt(manifest, params), WeightArena(manifest)
+    spare.load(incoming.items())
+    spare.point(params)
+    assert weights_checksum(params.items()) == weights_checksum(incoming.items())
+    assert all(params[name].data_ptr() == view.data_ptr() for name, view in spare.views())
+    assert live.nbytes == spare.nbytes == sum(b.nbytes for b in manifest.buckets)
+    with pytest.raises(ValueError, match="nope: not in"):
+        spare.load([("nope", torch.zeros(1))])
+
+
+def test_compact_manifest_resolves_from_the_layout_cache_only(manifest: WeightManifest) -> None:
+    cache = LayoutCache(capacity=1)
+    with pytest.raises(UnknownLayout):
+        cache.resolve(manifest.to_proto(compact=True))
+    assert cache.resolve(manifest.to_proto()) == manifest
+    update = manifest.with_header(version=8, checksum="abc")
+    wire = update.to_proto(compact=True)
+    assert not wire.tensors and not wire.buckets and wire.layout_id == manifest.layout_id
+    resolved = cache.resolve(wire)
+    assert (resolved.version, resolved.checksum, resolved.tensors) == (8, "abc", manifest.tensors)
+    other = build_manifest(SPECS[:3], version=1)
+    cache.resolve(other.to_proto())  # capacity 1: the first layout is forgotten
+    with pytest.raises(UnknownLayout):
+        cache.resolve(wire)
+    lying = other.to_proto()
+    lying.layout_id = manifest.layout_id
+    with pytest.raises(ValueError, match="layout_id"):
+        cache.resolve(lying)
+
+
+def test_manifest_builder_reuses_the_layout_until_the_specs_change() -> None:
+    builder = ManifestBuilder(bucket_bytes=512)
+    first, second = builder.build(SPECS, version=1), builder.build(SPECS, version=2, checksum="c")
+    assert first.tensors is second.tensors and (second.version, second.checksum) == (2, "c")
+    assert second.layout_id == first.layout_id == build_manifest(SPECS, version=5, bucket_bytes=512).layout_id
+    changed = builder.build([*SPECS[:-1], ("k", (4, 9), torch.bfloat16)], version=3)
+    assert changed.layout_id != first.layout_id

@@ -1,0 +1,115 @@
+"""Weights stored in a manifest's layout, so that an update is received in place (zero-copy).
+
+A ``WeightArena`` holds one flat uint8 tensor per bucket of a manifest; tensor ``spec`` is the view
+``buckets[spec.bucket][spec.offset : spec.offset + spec.nbytes]`` as its dtype and shape. Once an
+engine's parameters *are* these views (``point``), a broadcast of the manifest's buckets writes
+straight into the weights: no staging buffer, no unpack copy, no extra memory.
+
+``adopt`` moves live parameters into a new arena one bucket at a time (allocate the bucket, copy its
+tensors in, re-point them, let their old storage go), so the peak extra memory of the move is one
+bucket, not one model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.packing import tensor_view, transfer_chunks
+
+
+def same_layout(a: WeightManifest, b: WeightManifest) -> bool:
+    """True iff ``a`` and ``b`` place the same tensors at the same bytes (versions may differ)."""
+    return a.tensors == b.tensors and a.buckets == b.buckets
+
+
+class WeightArena:
+    """The buckets of ``manifest`` on ``device`` (pinned when asked, CPU only); ``nbytes``: memory held."""
+
+    def __init__(
+        self,
+        manifest: WeightManifest,
+        device: torch.device | str = "cpu",
+        *,
+        allocate: bool = True,
+        pin_memory: bool = False,
+    ) -> None:
+        self.manifest = manifest
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory and self.device.type == "cpu"
+        self.buckets: list[torch.Tensor] = []
+        self._by_name = {spec.name: spec for spec in manifest.tensors}
+        if allocate:
+            self.buckets = [self._new_bucket(b.nbytes) for b in manifest.buckets]
+
+    @classmethod
+    def adopt(
+        cls, manifest: WeightManifest, params: Mapping[str, torch.Tensor], device: torch.device | str = "cpu"
+    ) -> WeightArena:
+        """An arena holding the current values of ``params``, which now view it (see the module doc).
+
+        ``params`` must hold every tensor of the manifest with its shape and dtype (ValueError naming
+        the first that does not); their ``.data`` is replaced, so pass the live parameters.
+        """
+        manifest.validate_against([(name, tuple(p.shape), p.dtype) for name, p in params.items()])
+        arena = cls(manifest, device, allocate=False)
+        with torch.no_grad():
+            for bucket in manifest.buckets:
+                arena.buckets.append(arena._new_bucket(bucket.nbytes))
+                for spec in manifest.bucket_tensors(bucket.index):
+                    view = tensor_view(arena.buckets[-1], spec)
+                    view.copy_(params[spec.name])
+                    params[spec.name].data = view
+        return arena
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buckets)
+
+    def fits(self, manifest: WeightManifest) -> bool:
+        """Whether ``manifest``'s buckets can be received straight into this arena."""
+        return same_layout(self.manifest, manifest)
+
+    def view(self, name: str) -> torch.Tensor:
+        spec = self._by_name[name]
+        return tensor_view(self.buckets[spec.bucket], spec)
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) for every tensor, in manifest order."""
+        return [(spec.name, tensor_view(self.buckets[spec.bucket], spec)) for spec in self.manifest.tensors]
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (name, tensor) into its view (a ``LoadFn`` for transports that hand out tensors)."""
+        for name, tensor in named:
+            if name not in self._by_name:
+                raise ValueError(f"{name}: not in this arena's manifest")
+            self.view(name).copy_(tensor)
+
+    def point(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Make every parameter of the manifest view this arena (O(1) per tensor: ``.data`` swaps)."""
+        for name, view in self.views():
+            params[name].data = view
+
+    def broadcast(self, group: WeightBroadcastGroup, src: int, progress: Callable[[int], None] | None = None) -> None:
+        """Every bucket over ``group`` in place, chunk by chunk (``transfer_chunks``): rank ``src`` sends
+        its arena, the others receive into theirs. All chunks are posted at once (the backend runs them
+        in order); ``progress(bytes so far)`` is called as each completes."""
+        if self.device.type != group.device.type:
+            raise ValueError(f"device: arena on {self.device}, the weight group runs on {group.device}")
+        posted = [
+            (chunk.end - chunk.start, group.broadcast_async(flat[chunk.start : chunk.end], src=src))
+            for bucket, flat in zip(self.manifest.buckets, self.buckets)
+            for chunk in transfer_chunks(self.manifest, bucket, group.chunk_bytes)
+        ]
+        done = 0
+        for nbytes, work in posted:
+            group.wait(work)
+            done += nbytes
+            if progress is not None:
+                progress(done)
+
+    def _new_bucket(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
