@@ -2,10 +2,14 @@
 
 Atomic versions. ``pause`` mode: stop admitting Generate calls, abort the in-flight ones (their
 prompts come back as "abort" and the controller re-dispatches them), load, resume. ``shadow`` mode
-(hf engine): receive into a second copy while generation goes on, then swap the two copies
+(in-process engines): receive into a second copy while generation goes on, then swap the two copies
 between batches. Either way a batch is generated entirely by one version, and the version stamped
 on a completion is the version of the weights that produced it. A failed load leaves the worker
 "torn": it refuses Generate and reports version -1 until a later update succeeds.
+
+In-process engines keep their weights in a ``WeightArena`` with the manifest's layout (adopted at
+the first update, a bucket at a time), so a broadcast lands in place: in the live arena (pause) or
+in the spare one (shadow), with no staging buffer and no copy.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
 from relayrl.services.server import GrpcServer, guarded
 from relayrl.services.validate import check_init_weight_sync, check_length
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import latest_version, read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
-from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.manifest import LayoutCache, UnknownLayout, WeightManifest
 from relayrl.weightsync.packing import BufferPair
-from relayrl.weightsync.receiver import receive_weights
+from relayrl.weightsync.receiver import receive_into, receive_weights
+from relayrl.weightsync.stats import ReceiveStats
 
 log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
@@ -67,18 +73,18 @@ class TokenRate:
 FAULT_EXIT_DURING_LOAD = "RELAYRL_FAULT_EXIT_DURING_LOAD"
 
 
-def with_fault_injection(load_fn, worker_id: str, version: int):
+def fault_injection(worker_id: str, version: int):
     """Fault-injection hook for tests: with RELAYRL_FAULT_EXIT_DURING_LOAD=<worker id>@<version> in its
-    environment, that worker dies (exit 137, no cleanup) right after loading the first bucket of that version."""
+    environment, the returned progress callback makes that worker die (exit 137, no cleanup) as soon as
+    the first chunk of that version has arrived. None otherwise."""
     if os.environ.get(FAULT_EXIT_DURING_LOAD) != f"{worker_id}@{version}":
-        return load_fn
+        return None
 
-    def load_then_die(views):
-        load_fn(views)
+    def die(_received: object) -> None:
         log.error("fault injection: exiting in the middle of loading version %d", version)
         os._exit(137)
 
-    return load_then_die
+    return die
 
 
 class RolloutWorker:
@@ -100,7 +106,10 @@ class RolloutWorker:
         self._updating = False
         self._paused = False
         self._abort = threading.Event()
-        self._buffers = BufferPair("cpu")
+        self._buffers = BufferPair("cpu")  # staging, for weights that cannot be received in place
+        self._layouts = LayoutCache()
+        self._live: WeightArena | None = None  # the arena the engine's parameters view
+        self._spare: WeightArena | None = None  # shadow mode: where the next update lands
         self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
         # vllm / sglang: the engine's own GPU processes join the group and receive (docs/engines.md)
         self.engine_receives = bool(getattr(engine, "receives_weights_itself", False))
@@ -231,7 +240,11 @@ class RolloutWorker:
         """The manifest, refused before anything is paused or loaded when it cannot apply to this engine
         (so a bad request never leaves the worker torn)."""
         try:
-            manifest = WeightManifest.from_proto(msg)
+            manifest = self._layouts.resolve(msg)
+        except UnknownLayout:
+            raise FailedPrecondition(
+                f"manifest.layout_id: {msg.layout_id[:12]} was never sent to this worker; send the full manifest"
+            ) from None
         except ValueError as err:
             raise InvalidArgument("manifest", str(err)) from None
         shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
@@ -247,13 +260,19 @@ class RolloutWorker:
                 raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
         return manifest
 
-    def _receive(self, manifest: WeightManifest, load_fn):
-        load_fn = with_fault_injection(load_fn, self.worker_id, manifest.version)
+    def _receive(self, manifest: WeightManifest, target: WeightArena | None) -> ReceiveStats:
+        """Bring ``manifest``'s bytes into ``target`` (None: through ``engine.load_weights``)."""
+        die = fault_injection(self.worker_id, manifest.version)
+        load_fn = target.load if target is not None else self.engine.load_weights
+        if die is not None:
+            load_fn = _then(load_fn, die)
         try:
             if self.engine_receives:
                 return self.engine.receive_update(manifest)
             if manifest.transport == "filesystem":
                 return read_weights(manifest.path, manifest, load_fn)
+            if target is not None and target.device.type == self.group.device.type:
+                return receive_into(self.group, manifest, target, progress=die)
             return receive_weights(self.group, manifest, load_fn, buffers=self._buffers)
         except WeightSyncError:
             if self.group is not None:
@@ -261,7 +280,10 @@ class RolloutWorker:
                 self.group = None
             raise
 
-    def _update_paused(self, manifest: WeightManifest):
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(self.engine.named_weights())
+
+    def _update_paused(self, manifest: WeightManifest) -> ReceiveStats:
         with self._cond:
             self._updating = True
             self._abort.set()
@@ -269,7 +291,10 @@ class RolloutWorker:
                 self._cond.wait()
         try:
             self.state = "loading"
-            stats = self._receive(manifest, self.engine.load_weights)
+            if not self.engine_receives and (self._live is None or not self._live.fits(manifest)):
+                self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
+                self._live = WeightArena.adopt(manifest, self._params(), self._device())
+            stats = self._receive(manifest, self._live)
             self.version, self.state = manifest.version, "serving"
             return stats
         except Exception:
@@ -281,24 +306,22 @@ class RolloutWorker:
                 self._abort.clear()
                 self._cond.notify_all()
 
-    def _update_shadow(self, manifest: WeightManifest):
-        live = dict(self.engine.named_weights())
-        shadow = {name: torch.empty_like(t) for name, t in live.items()}
-
-        def load_into_shadow(views: list[tuple[str, torch.Tensor]]) -> None:
-            for name, view in views:
-                if name not in shadow or shadow[name].shape != view.shape:
-                    raise ValueError(f"{name}: not a weight of this engine or wrong shape")
-                shadow[name].copy_(view)
-
-        stats = self._receive(manifest, load_into_shadow)
-        with self._engine_lock:  # between batches: swap storages, O(1) per tensor
-            for name, tensor in live.items():
-                tensor.data, shadow[name] = shadow[name], tensor.data
+    def _update_shadow(self, manifest: WeightManifest) -> ReceiveStats:
+        """Receive into the spare arena (allocated when missing or of another layout), then swap it in:
+        the live arena becomes the spare of the next update (steady state: two arenas, no allocation)."""
+        if self._spare is None or not self._spare.fits(manifest):
+            self._spare = WeightArena(manifest, self._device())
+        stats = self._receive(manifest, self._spare)
+        with self._engine_lock:  # between batches: re-point the parameters, O(1) per tensor
+            self._spare.point(self._params())
+            self._live, self._spare = self._spare, self._live
             self.version = manifest.version
             if self.state == "torn":
                 self.state = "serving"
         return stats
+
+    def _device(self) -> torch.device:
+        return next(iter(self.engine.named_weights()))[1].device
 
     def pause(self) -> None:
         with self._cond:
@@ -323,6 +346,16 @@ class RolloutWorker:
             last_update_seconds=self.last_update_seconds,
             loaded=list(self.loaded),
         )
+
+
+def _then(load_fn, after):
+    """``load_fn`` followed by ``after(views)``."""
+
+    def both(views):
+        load_fn(views)
+        after(views)
+
+    return both
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
