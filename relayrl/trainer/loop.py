@@ -28,7 +28,7 @@ from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.step import train_on_batch
-from relayrl.trainer.sync import WeightPublisher
+from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
@@ -78,6 +78,15 @@ def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag) -> byte
 def save_checkpoint(backend, run_dir: Path, step: int, cursor: int) -> None:
     directory = run_dir / "checkpoints" / f"step_{step}"
     backend.save_checkpoint(directory, {"step": step, "policy_version": step, "data_cursor": cursor})
+
+
+def publish_weights(backend: FSDPBackend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
+    """Collective: every rank gathers the full weights; rank 0 (the one with a syncer) gathers them into
+    the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks)."""
+    if syncer is None:
+        backend.gather_weights(None)
+        return None
+    return syncer.publish(version, backend.weight_specs(), backend.gather_weights)
 
 
 def broadcast_bytes(payload: bytes | None) -> bytes:
@@ -150,9 +159,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         syncer.start()
 
     if checkpoint is not None:  # workers run newer (lost) or base weights: bring them to the checkpoint
-        weights = backend.full_weights()
+        sync = publish_weights(backend, syncer, start_step)
         if rank == 0:
-            sync = syncer.publish(start_step, weights)
             rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
             call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
 
@@ -173,9 +181,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
             norm_len=cfg.rollout.max_tokens,
         )  # fmt: skip
-        weights = backend.full_weights()
+        sync = publish_weights(backend, syncer, step)
         if rank == 0:
-            sync = syncer.publish(step, weights)
             step_seconds = time.perf_counter() - began
             report = controller_pb2.ReportStepRequest(
                 step=step,

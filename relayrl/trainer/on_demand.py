@@ -7,8 +7,9 @@ of the last step again when
 - a worker is behind and this trainer has not pushed the current version to it (it joined after a
   scale-up, at version 0, or restarted): to those workers only, so they serve from the next dispatch
   instead of idling until the next step's sync (the controller never hands them work before).
-Each push is reported with ReportWeightSync. Pushes and the loop's per-step publish share one lock.
-Cost: rank 0 keeps a reference to the last published weights (the gathered CPU state dict) between steps.
+Each push is reported with ReportWeightSync. Pushes and the loop's per-step gather + publish share one
+lock, so a push never reads a half-gathered arena. Cost: the publisher's arena (one CPU copy of the
+weights on rank 0, where each step's gather lands) is what pushes send between steps.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import torch
 
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
+from relayrl.weightsync.arena import WeightArena
+from relayrl.weightsync.manifest import Spec
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 60.0
@@ -40,7 +44,7 @@ class OnDemandSync:
         self.controller = controller
         self.interval_s = interval_s
         self.lock = threading.Lock()
-        self._weights: dict[str, torch.Tensor] | None = None
+        self._weights: WeightArena | None = None
         self._version = 0
         self._pushed: dict[str, int] = {}  # worker id -> the version this trainer last brought it to
         self._retry_at: dict[str, tuple[float, float]] = {}  # joiner that failed -> (next try, backoff)
@@ -54,11 +58,16 @@ class OnDemandSync:
         self._stop.set()
         self._thread.join(timeout=120)
 
-    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> SyncResult:
-        """The per-step publish (every live worker), remembered for later pushes."""
+    def publish(
+        self, version: int, specs: Sequence[Spec], gather: Callable[[Mapping[str, torch.Tensor]], None]
+    ) -> SyncResult:
+        """The per-step publish (every live worker): ``gather(views)`` fills the publisher's arena for
+        ``specs``, which is then sent and remembered for later pushes."""
         with self.lock:
-            result = self.publisher.publish(version, weights)
-            self._weights, self._version = weights, version
+            arena = self.publisher.arena_for(specs)
+            gather(dict(arena.views()))
+            result = self.publisher.publish(version, arena)
+            self._weights, self._version = arena, version
             self._remember(result)
         return result
 

@@ -1,8 +1,13 @@
 """Trainer rank 0's side of weight sync: group membership, one manifest per update, packed buckets.
 
+The step's weights are gathered into ``arena_for(specs)``: a ``WeightArena`` in the manifest's layout
+(CPU, pinned for NCCL), so on gloo the buckets go out as they are and on NCCL they are copied to the
+GPU chunk by chunk while the previous chunk is on the wire.
+
 Per update: ask the controller for the live workers; (re-)form the broadcast group when membership
-changed; send one UpdateWeights(manifest) per worker and broadcast the packed buckets while those
-calls are in flight. A worker that fails (dead, frozen, torn) is left out and the group is re-formed
+changed; send one UpdateWeights(manifest) per worker and broadcast the buckets while those calls are
+in flight. A worker that acknowledged this layout in the current group gets the compact manifest
+(the layout named by id). A worker that fails (dead, frozen, torn) is left out and the group is re-formed
 without it: the trainer carries on with the rest. Filesystem transport: write shards, then the RPCs.
 """
 
@@ -22,11 +27,12 @@ from relayrl.config import WeightSyncConfig
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.group import WeightBroadcastGroup, free_port
-from relayrl.weightsync.manifest import build_manifest
+from relayrl.weightsync.manifest import ManifestBuilder, Spec, WeightManifest
 from relayrl.weightsync.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,9 @@ class WeightPublisher:
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if cfg.backend == "auto" else cfg.backend
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.sender = WeightSender(self.device)
+        self.builder = ManifestBuilder(bucket_bytes=int(cfg.bucket_mib * (1 << 20)), transport=cfg.transport)
+        self._arena: WeightArena | None = None
+        self._layout_holders: set[str] = set()  # workers that hold the arena's layout (this group)
         self.group: WeightBroadcastGroup | None = None
         self.members: list[tuple[str, str]] = []  # (worker id, address) in group-rank order
         self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
@@ -63,6 +72,16 @@ class WeightPublisher:
         if self.group is not None:
             self.group.close()
         self.group, self.members = None, []
+        self._layout_holders.clear()
+
+    def arena_for(self, specs: list[Spec]) -> WeightArena:
+        """The arena the next update is gathered into (reused while the specs stay the same)."""
+        layout = self.builder.build(specs, version=0)
+        if self._arena is None or not self._arena.fits(layout):
+            self._arena = None  # free the old one first
+            self._arena = WeightArena(layout, "cpu", pin_memory=self.backend == "nccl")
+            self._layout_holders.clear()
+        return self._arena
 
     def _form_group(self, members: list[tuple[str, str]]) -> dict[str, str]:
         """Build the group rank 0 + members; returns the members that failed to join (id -> reason)."""
@@ -105,18 +124,16 @@ class WeightPublisher:
         self.group, self.members = group, members
         return {}
 
-    def publish(self, version: int, weights: dict[str, torch.Tensor], only: set[str] | None = None) -> SyncResult:
-        """Bring every live worker (or the workers in ``only``) to ``version``. Never raises for a worker's
-        failure; reports it."""
+    def publish(self, version: int, weights: WeightArena, only: set[str] | None = None) -> SyncResult:
+        """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
+        ``arena_for``). Never raises for a worker's failure; reports it."""
         start = time.perf_counter()
-        checksum = weights_checksum(weights.items())
-        specs = [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
-        manifest = dataclasses.replace(
-            build_manifest(
-                specs, version=version, bucket_bytes=int(self.cfg.bucket_mib * (1 << 20)), transport=self.cfg.transport
-            ),
+        checksum = weights_checksum(weights.views())
+        manifest = weights.manifest.with_header(
+            version=version,
             checksum=checksum,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
+            transport=self.cfg.transport,
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
@@ -138,7 +155,7 @@ class WeightPublisher:
             if not members:
                 break
             if self.cfg.transport == "filesystem":
-                write_weights(self.weights_dir, manifest, weights)
+                write_weights(self.weights_dir, manifest, dict(weights.views()))
                 outcome = self._update(members, manifest, None, weights)
             else:
                 if members != self.members or self.group is None:
@@ -156,13 +173,18 @@ class WeightPublisher:
             log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
         return SyncResult(version, time.perf_counter() - start, synced, failed, checksum, manifest.total_bytes)
 
-    def _update(self, members, manifest, group, weights) -> dict[str, str | None]:
+    def _update(
+        self, members: list[tuple[str, str]], manifest: WeightManifest, group, weights: WeightArena
+    ) -> dict[str, str | None]:
         """UpdateWeights on every member while (broadcast transport) the buckets go out."""
-        request = rollout_pb2.UpdateWeightsRequest(
-            manifest=manifest.to_proto(), group_name=group.group_name if group else ""
-        )
+        group_name = group.group_name if group else ""
+        full = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(), group_name=group_name)
+        compact = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(compact=True), group_name=group_name)
         futures = {
-            wid: self._stub(addr).UpdateWeights.future(request, timeout=self.cfg.timeout_s * 2) for wid, addr in members
+            wid: self._stub(addr).UpdateWeights.future(
+                compact if wid in self._layout_holders else full, timeout=self.cfg.timeout_s * 2
+            )
+            for wid, addr in members
         }
         send_error = None
         if group is not None:
@@ -180,6 +202,11 @@ class WeightPublisher:
                 outcome[wid] = f"{err.code().name}: {err.details()}"
         if send_error and all(reason is None for reason in outcome.values()):
             outcome = {wid: f"broadcast failed: {send_error}" for wid in outcome}
+        for wid, reason in outcome.items():
+            if reason is None:
+                self._layout_holders.add(wid)
+            else:
+                self._layout_holders.discard(wid)
         return outcome
 
     def _probe(self, broken: dict[str, str], addresses: dict[str, str]) -> dict[str, str]:

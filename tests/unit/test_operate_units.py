@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import grpc
+import torch
 
 from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.ops import commands, k8s
@@ -19,6 +20,7 @@ from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.sync import SyncResult
 from relayrl.trainer.trackers import StepTrackers, scalars
 from relayrl.v1 import controller_pb2
+from relayrl.weightsync import WeightArena, build_manifest
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -172,6 +174,9 @@ class FakePublisher:
         self.calls: list[tuple[int, set | None]] = []
         self.closed = 0
 
+    def arena_for(self, specs):
+        return WeightArena(build_manifest(specs, version=0))
+
     def publish(self, version, weights, only=None):
         self.calls.append((version, only))
         return SyncResult(version, 0.01, sorted(only or {"w0", "w1"}), {}, "sum", 8)
@@ -198,7 +203,9 @@ def test_on_demand_pushes_joiners_once_and_answers_operator_requests():
     stub.GetWeightSyncPlan.return_value = plan({"w0": 0})
     assert syncer.poll_once() is None  # no request, no joiner at version 0
 
-    syncer.publish(3, {"w": object()})
+    gathered = []
+    syncer.publish(3, [("w", (2,), torch.float32)], gathered.append)
+    assert list(gathered[0]) == ["w"]  # the step's weights were gathered into the publisher's arena
     stub.GetWeightSyncPlan.return_value = plan({"w0": 2, "w1": 3, "new": 0})  # the controller lags for w0
     pushed = syncer.poll_once()
     assert publisher.calls[-1] == (3, {"new"}) and pushed.synced == ["new"]

@@ -6,6 +6,7 @@ Contract: every method is called by every rank (they hold collectives), except w
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import ModelConfig, TrainerConfig
@@ -71,10 +73,21 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on CPU, on rank 0 only (other ranks get {}); collective."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {name: state[name] for name in self.weight_names if name in state}
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, full shape, dtype) of every weight the rollout engines load, in ``weight_names`` order."""
+        params = dict(self.model.named_parameters())
+        return [(name, tuple(params[name].shape), params[name].dtype) for name in self.weight_names]
+
+    @torch.no_grad()
+    def gather_weights(self, into: Mapping[str, torch.Tensor] | None) -> None:
+        """Collective: each weight is all-gathered in turn (one full tensor alive at a time) and rank 0
+        copies it into ``into[name]`` (other ranks pass None): the gather writes where the sync reads."""
+        params = dict(self.model.named_parameters())
+        for name in self.weight_names:
+            param = params[name]
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if into is not None:
+                into[name].copy_(full)
 
     def save_checkpoint(self, directory: Path, trainer_state: dict) -> None:
         """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0)."""
