@@ -4,9 +4,15 @@ For every (model size, receiver count) the receivers run as separate OS processe
 model-shaped set of parameters; the sender (this process) plays trainer rank 0. Methods, each timed
 end to end from the sender, the median of ``--repeat`` runs, and verified by checksum:
 
-- ``packed``: the manifest over a control message (receivers parse + validate it and answer), then
-  ``WeightSender.send`` (packed buckets, double-buffered, ending in a collective vote) while the
-  receivers run ``receive_weights`` copying the views into their parameters.
+- ``packed``: relayrl as it runs: the manifest over a control message (receivers resolve + validate
+  it and answer; after the first update it travels compact, naming its layout by id), then
+  ``WeightSender.send`` from the sender's ``WeightArena`` (where the trainer gathers its weights each
+  step: the gather is the pack) while the receivers run ``receive_into``: their parameters live in
+  an arena too (adopted on the first update, as the hf engine does), so the bytes land in place.
+  Ends in a collective vote.
+- ``copying``: relayrl's other path, a copy at each end: the sender packs from separate tensors into
+  two staging buffers (double-buffered, chunk-pipelined), the receivers take it the way vLLM / SGLang
+  workers must: ``receive_weights`` into two staging buffers, each view copied into its parameter.
 - ``raw``: the limit: one broadcast of one flat buffer of the same bytes on the same group (+ the vote).
 - ``per_tensor``: what TRL / OpenRLHF do: per tensor a control round trip to every receiver (name,
   dtype, shape; each acknowledges), then one broadcast of that tensor, which the receiver allocates,
@@ -18,6 +24,9 @@ Control messages are unary gRPC calls by default (``--control grpc``: what a rel
 would use; TRL uses HTTP, OpenRLHF Ray calls, both slower) or, with ``--control socket``, frames on a
 kept-open TCP connection: the cheapest real round trip there is, the per-tensor baseline's best case.
 Either way the packed path pays the same per message, once per update.
+
+``per_tensor_vs_raw`` is the ceiling of any speed-up over per-tensor on the link measured: even the
+raw single-buffer broadcast is only that much faster than per-tensor.
 """
 
 from __future__ import annotations
@@ -48,11 +57,15 @@ import torch
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
+    LayoutCache,
+    ManifestBuilder,
+    WeightArena,
     WeightBroadcastGroup,
     WeightManifest,
     WeightSender,
     build_manifest,
     read_weights,
+    receive_into,
     receive_weights,
     weights_checksum,
     write_weights,
@@ -243,9 +256,11 @@ class _Receiver:
         self.params: dict[str, torch.Tensor] = {}
         self.specs: list[Spec] = []
         self.buffers = BufferPair("cpu")
+        self.arena: WeightArena | None = None
+        self.layouts = LayoutCache()
         self.raw: torch.Tensor | None = None
         self.group: WeightBroadcastGroup | None = None
-        self.last_packed: dict[str, Any] = {}
+        self.last: dict[str, dict[str, Any]] = {}
 
     def load(self, views: list[tuple[str, torch.Tensor]]) -> None:
         """What an engine does with received tensors: copy each into its parameter, in place."""
@@ -259,7 +274,8 @@ class _Receiver:
         self.reply({"ok": True})
 
     def on_model(self, h: dict[str, Any], _: bytes) -> None:
-        self.params, self.buffers, self.raw = {}, BufferPair("cpu"), None
+        self.params, self.buffers, self.arena, self.raw = {}, BufferPair("cpu"), None, None
+        self.layouts = LayoutCache()
         self.specs = _specs_from_json(h["specs"])
         self.params = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in self.specs}
         self.reply({"ok": True})
@@ -274,15 +290,32 @@ class _Receiver:
         self.reply({"ok": True, "checksum": checksum})
 
     def on_packed(self, _h: dict[str, Any], payload: bytes) -> None:
-        manifest = WeightManifest.from_proto(pb.WeightManifest.FromString(payload))
-        manifest.validate_against(self.specs)
-        self.reply({"ok": True})
+        manifest = self._manifest(payload)
+        rss_before, adopt_extra = _rss_bytes(), 0
+        if self.arena is None or not self.arena.fits(manifest):  # first update: move params in, a bucket at a time
+            self.arena = WeightArena.adopt(manifest, self.params)
+            adopt_extra = max(b.nbytes for b in manifest.buckets)
+        stats = receive_into(self.group, manifest, self.arena)
+        self._remember("packed", stats.peak_extra_bytes + adopt_extra, rss_before)
+
+    def on_copying(self, _h: dict[str, Any], payload: bytes) -> None:
+        manifest = self._manifest(payload)
         rss_before = _rss_bytes()
         stats = receive_weights(self.group, manifest, self.load, device="cpu", buffers=self.buffers)
-        self.last_packed = {"peak_extra": stats.peak_extra_bytes, "rss_growth": _rss_bytes() - rss_before}
+        self._remember("copying", stats.peak_extra_bytes, rss_before)
 
-    def on_stats(self, _h: dict[str, Any], _: bytes) -> None:
-        self.reply({"ok": True, **self.last_packed})
+    def _manifest(self, payload: bytes) -> WeightManifest:
+        """Resolve and check the manifest, then answer: the sender starts sending on that answer."""
+        manifest = self.layouts.resolve(pb.WeightManifest.FromString(payload))
+        manifest.validate_against(self.specs)
+        self.reply({"ok": True})
+        return manifest
+
+    def _remember(self, method: str, peak_extra: int, rss_before: int) -> None:
+        self.last[method] = {"peak_extra": peak_extra, "rss_growth": _rss_bytes() - rss_before}
+
+    def on_stats(self, h: dict[str, Any], _: bytes) -> None:
+        self.reply({"ok": True, **self.last[h["of"]]})
 
     def on_raw(self, h: dict[str, Any], _: bytes) -> None:
         if self.raw is None or self.raw.numel() != h["nbytes"]:
@@ -390,21 +423,27 @@ class _Cell:
     specs: list[Spec]
     tensors: dict[str, torch.Tensor]
     manifest: WeightManifest
+    arena: WeightArena  # the trainer's gathered weights, in the manifest's layout
+    builder: ManifestBuilder
     sender: WeightSender
     tmp_dir: str
     bucket_bytes: int
     version: int = 0
+    layout_sent: bool = False  # receivers hold the layout: later manifests travel compact
 
 
-def _run_packed(cell: _Cell) -> dict[str, Any]:
-    """Manifest built, serialised and sent to every receiver (each validates and answers), then the send."""
+def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
+    """Manifest built, serialised and sent to every receiver (each validates and answers), then the send:
+    "packed" from the sender's arena into the receivers' arenas, "copying" packed from the tensors and
+    received through staging buffers."""
     cell.version += 1
     start = time.perf_counter()
-    manifest = build_manifest(cell.specs, version=cell.version, bucket_bytes=cell.bucket_bytes)
-    cell.fleet.call({"op": "packed"}, manifest.to_proto().SerializeToString())
-    cell.sender.send(cell.group, manifest, cell.tensors)
+    manifest = cell.builder.build(cell.specs, version=cell.version)
+    cell.fleet.call({"op": method}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
+    cell.layout_sent = True
+    cell.sender.send(cell.group, manifest, cell.arena if method == "packed" else cell.tensors)
     seconds = time.perf_counter() - start
-    replies = cell.fleet.call({"op": "stats"})
+    replies = cell.fleet.call({"op": "stats", "of": method})
     return {
         "seconds": seconds,
         "peak_extra": max(r["peak_extra"] for r in replies),
@@ -446,7 +485,8 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
     flat = torch.randint(0, 256, (cell.manifest.total_bytes,), dtype=torch.uint8)
     expected = {"params": weights_checksum(cell.tensors.items()), "raw": _sha256(flat)}
     runners: dict[str, Callable[[], dict[str, Any]]] = {
-        "packed": lambda: _run_packed(cell),
+        "packed": lambda: _run_packed(cell, "packed"),
+        "copying": lambda: _run_packed(cell, "copying"),
         "raw": lambda: _run_raw(cell, flat),
         "per_tensor": lambda: _run_per_tensor(cell),
         "disk": lambda: _run_disk(cell),
@@ -474,11 +514,10 @@ def _sha256(t: torch.Tensor) -> str:
 
 
 def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str, bool]) -> dict[str, Any]:
-    """Medians of the timed rounds (runs[m][1:]); receiver memory from the warm-up packed run, the
-    one that first touched the staging buffers."""
+    """Medians of the timed rounds (runs[m][1:]); receiver memory from the warm-up runs, the ones that
+    adopted the arena and first touched the staging buffers."""
     nbytes = cell.manifest.total_bytes
     seconds = {m: statistics.median(r["seconds"] for r in timed[1:]) for m, timed in runs.items()}
-    first_packed = runs["packed"][0]
     row: dict[str, Any] = {
         "size_mib": round(nbytes / MIB, 1),
         "tensors": len(cell.specs),
@@ -490,10 +529,14 @@ def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str,
     row |= {f"{m}_gbps": round(nbytes / s / 1e9, 3) for m, s in seconds.items()}
     row |= {
         "packed_vs_raw": round(seconds["raw"] / seconds["packed"], 3),
+        "copying_vs_raw": round(seconds["raw"] / seconds["copying"], 3),
         "speedup_vs_per_tensor": round(seconds["per_tensor"] / seconds["packed"], 2),
+        "per_tensor_vs_raw": round(seconds["per_tensor"] / seconds["raw"], 2),
         "speedup_vs_disk": round(seconds["disk"] / seconds["packed"], 2),
-        "receiver_peak_extra_mib": round(first_packed["peak_extra"] / MIB, 1),
-        "receiver_rss_growth_mib": round(first_packed["rss_growth"] / MIB, 1),
+        "receiver_peak_extra_mib": round(runs["packed"][0]["peak_extra"] / MIB, 1),
+        "receiver_rss_growth_mib": round(runs["packed"][0]["rss_growth"] / MIB, 1),
+        "copying_peak_extra_mib": round(runs["copying"][0]["peak_extra"] / MIB, 1),
+        "copying_rss_growth_mib": round(runs["copying"][0]["rss_growth"] / MIB, 1),
         "verified": all(verified.values()),
     }
     return row
@@ -525,12 +568,18 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                 log(f"  {size} MiB, {len(specs)} tensors, {n_receivers} receiver(s)")
                 fleet.call({"op": "model", "specs": _specs_to_json(specs)})
                 with tempfile.TemporaryDirectory(prefix="relayrl-bench-ws-", dir=args.tmp_dir) as tmp_dir:
+                    tensors = random_tensors(specs, seed=size)
+                    manifest = build_manifest(specs, version=0, bucket_bytes=args.bucket_mib * MIB)
+                    arena = WeightArena(manifest)
+                    arena.load(tensors.items())  # the trainer's per-step gather writes here (untimed)
                     cell = _Cell(
                         fleet=fleet,
                         group=group,
                         specs=specs,
-                        tensors=random_tensors(specs, seed=size),
-                        manifest=build_manifest(specs, version=0, bucket_bytes=args.bucket_mib * MIB),
+                        tensors=tensors,
+                        manifest=manifest,
+                        arena=arena,
+                        builder=ManifestBuilder(bucket_bytes=args.bucket_mib * MIB),
                         sender=WeightSender("cpu"),
                         tmp_dir=tmp_dir,
                         bucket_bytes=args.bucket_mib * MIB,
@@ -544,16 +593,19 @@ COLUMNS = [
     ("tensors", "tensors", "{}"),
     ("receivers", "recv", "{}"),
     ("packed_s", "packed s", "{:.3f}"),
+    ("copying_s", "copying s", "{:.3f}"),
     ("raw_s", "raw s", "{:.3f}"),
     ("per_tensor_s", "per-tensor s", "{:.3f}"),
     ("disk_s", "disk s", "{:.3f}"),
     ("packed_gbps", "packed GB/s", "{:.2f}"),
     ("raw_gbps", "raw GB/s", "{:.2f}"),
     ("packed_vs_raw", "packed/raw", "{:.2f}"),
+    ("copying_vs_raw", "copying/raw", "{:.2f}"),
     ("speedup_vs_per_tensor", "x per-tensor", "{:.1f}"),
+    ("per_tensor_vs_raw", "ceiling", "{:.1f}"),
     ("speedup_vs_disk", "x disk", "{:.1f}"),
-    ("receiver_peak_extra_mib", "peak extra MiB", "{:.0f}"),
-    ("receiver_rss_growth_mib", "RSS+ MiB", "{:.0f}"),
+    ("receiver_peak_extra_mib", "extra MiB", "{:.0f}"),
+    ("copying_peak_extra_mib", "copying extra MiB", "{:.0f}"),
     ("verified", "ok", "{}"),
 ]
 
