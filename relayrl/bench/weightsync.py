@@ -5,8 +5,8 @@ model-shaped set of parameters; the sender (this process) plays trainer rank 0. 
 end to end from the sender, the median of ``--repeat`` runs, and verified by checksum:
 
 - ``packed``: relayrl as it runs: the manifest over a control message (receivers resolve + validate
-  it and answer; after the first update it travels compact, naming its layout by id), then
-  ``WeightSender.send`` from the sender's ``WeightArena`` (where the trainer gathers its weights each
+  it and answer; after the first update it travels compact, naming its layout by id) and, while it
+  is in flight, ``WeightSender.send`` from the sender's ``WeightArena`` (where the trainer gathers its weights each
   step: the gather is the pack) while the receivers run ``receive_into``: their parameters live in
   an arena too (adopted on the first update, as the hf engine does), so the bytes land in place.
   Ends in a collective vote.
@@ -305,14 +305,14 @@ class _Receiver:
         self._remember("copying", stats.peak_extra_bytes, rss_before)
 
     def _manifest(self, payload: bytes) -> WeightManifest:
-        """Resolve and check the manifest, then answer: the sender starts sending on that answer."""
         manifest = self.layouts.resolve(pb.WeightManifest.FromString(payload))
         manifest.validate_against(self.specs)
-        self.reply({"ok": True})
         return manifest
 
     def _remember(self, method: str, peak_extra: int, rss_before: int) -> None:
+        """Answer once the update is in (as UpdateWeights does), keeping its memory figures for ``stats``."""
         self.last[method] = {"peak_extra": peak_extra, "rss_growth": _rss_bytes() - rss_before}
+        self.reply({"ok": True})
 
     def on_stats(self, h: dict[str, Any], _: bytes) -> None:
         self.reply({"ok": True, **self.last[h["of"]]})
@@ -397,8 +397,15 @@ class _Fleet:
     def call(self, header: dict[str, Any], payload: bytes = b"") -> list[dict[str, Any]]:
         """Send one request to every receiver at once, then wait for every reply (RuntimeError with
         the first failure's message)."""
+        self.start(header, payload)
+        return self.results()
+
+    def start(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        """Send one request to every receiver at once; ``results`` collects the replies."""
         for control in self.controls:
             control.start(header, payload)
+
+    def results(self) -> list[dict[str, Any]]:
         replies = [control.result() for control in self.controls]
         for reply in replies:
             if not reply.get("ok"):
@@ -433,15 +440,17 @@ class _Cell:
 
 
 def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
-    """Manifest built, serialised and sent to every receiver (each validates and answers), then the send:
-    "packed" from the sender's arena into the receivers' arenas, "copying" packed from the tensors and
-    received through staging buffers."""
+    """Manifest built, serialised and sent to every receiver, and the send started at once (as the
+    trainer's UpdateWeights calls are in flight while it broadcasts); done when every receiver has
+    answered. "packed": from the sender's arena into the receivers' arenas; "copying": packed from
+    the tensors and received through staging buffers."""
     cell.version += 1
     start = time.perf_counter()
     manifest = cell.builder.build(cell.specs, version=cell.version)
-    cell.fleet.call({"op": method}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
+    cell.fleet.start({"op": method}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
     cell.layout_sent = True
     cell.sender.send(cell.group, manifest, cell.arena if method == "packed" else cell.tensors)
+    cell.fleet.results()
     seconds = time.perf_counter() - start
     replies = cell.fleet.call({"op": "stats", "of": method})
     return {

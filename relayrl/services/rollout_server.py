@@ -108,6 +108,7 @@ class RolloutWorker:
         self._abort = threading.Event()
         self._buffers = BufferPair("cpu")  # staging, for weights that cannot be received in place
         self._layouts = LayoutCache()
+        self._checked_layout = ""  # id of the last layout found to match the engine's weights
         self._live: WeightArena | None = None  # the arena the engine's parameters view
         self._spare: WeightArena | None = None  # shadow mode: where the next update lands
         self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
@@ -247,10 +248,12 @@ class RolloutWorker:
             ) from None
         except ValueError as err:
             raise InvalidArgument("manifest", str(err)) from None
-        shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
-        for spec in manifest.tensors:
-            if shapes.get(spec.name) != spec.shape:
-                raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
+        if manifest.layout_id != self._checked_layout:  # a layout is checked against the engine once
+            shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
+            for spec in manifest.tensors:
+                if shapes.get(spec.name) != spec.shape:
+                    raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
+            self._checked_layout = manifest.layout_id
         if manifest.transport == "filesystem":
             try:
                 published = latest_version(manifest.path) if manifest.path else None

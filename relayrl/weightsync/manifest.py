@@ -11,7 +11,7 @@ manifest may travel compact, naming its layout by id, to a receiver that keeps a
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -130,9 +130,13 @@ class WeightManifest:
     def with_header(
         self, *, version: int, checksum: str = "", path: str = "", transport: str = "broadcast"
     ) -> WeightManifest:
-        """This layout for another update (``dataclasses.replace``, keeping the computed ``layout_id``)."""
-        manifest = dataclasses.replace(self, version=version, checksum=checksum, path=path, transport=transport)
-        manifest.__dict__["layout_id"] = self.layout_id  # cached_property storage: same tensors, same id
+        """This layout for another update: a shallow copy with a new header (the layout, already checked,
+        is shared with this manifest, and so is its computed ``layout_id``)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: {transport!r} is not one of {TRANSPORTS}")
+        manifest = copy.copy(self)
+        for name, value in (("version", version), ("checksum", checksum), ("path", path), ("transport", transport)):
+            object.__setattr__(manifest, name, value)
         return manifest
 
     def to_proto(self, *, compact: bool = False) -> pb.WeightManifest:
