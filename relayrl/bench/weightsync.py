@@ -637,7 +637,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--receivers", type=_ints, default=[1, 2, 3], help="receiver counts")
     parser.add_argument("--tensors", type=int, default=1000, help="at least this many tensors")
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket size of the packed path")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per method; the median is reported")
     parser.add_argument(
         "--control", choices=["grpc", "socket"], default="grpc", help="transport of the control messages"
     )

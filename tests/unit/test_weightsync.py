@@ -257,6 +257,9 @@ def test_checksum_is_order_free_and_sensitive_to_every_field() -> None:
     tensors = make_tensors(SPECS)
     base = weights_checksum(tensors.items())
     assert base == weights_checksum(reversed(list(tensors.items())))
+    assert base == weights_checksum(tensors.items(), threads=1) == weights_checksum(tensors.items(), threads=5)
+    strided = tensors["q"].t().contiguous().t()  # same values, non-contiguous: hashed by content
+    assert not strided.is_contiguous() and base == weights_checksum({**tensors, "q": strided}.items())
     assert len(base) == 64
     flipped = dict(tensors)
     flipped["embed"] = tensors["embed"].clone()
