@@ -57,10 +57,12 @@ class ShutdownFlag:
         self.requested = True
 
 
-def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag) -> bytes:
-    """The serialized batch for ``step``, or b"" once a shutdown was requested."""
+def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_every_s: float = 30.0) -> bytes:
+    """The serialized batch for ``step``, or b"" once a shutdown was requested. While it waits, a
+    warning every ``warn_every_s`` says why (a wait is never silent)."""
     request = controller_pb2.PullBatchRequest(step=step, timeout_s=2)
     deadline = time.monotonic() + deadline_s
+    warn_at = time.monotonic() + warn_every_s
     while not stop.requested:
         try:
             return stub.PullBatch(request, timeout=30).SerializeToString()
@@ -69,8 +71,15 @@ def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag) -> byte
                 raise RuntimeError(f"PullBatch(step={step}) failed: {err.code().name}: {err.details()}") from None
             if (err.details() or "").startswith(PAUSED_DETAIL):  # an operator's pause is not a stall
                 deadline = time.monotonic() + deadline_s
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"no batch for step {step} within {deadline_s:.0f}s") from None
+            if now > warn_at:
+                log.warning(
+                    "no batch for step %d yet (%s: %s); waiting up to %.0fs more",
+                    step, err.code().name, err.details(), deadline - now,
+                )  # fmt: skip
+                warn_at = now + warn_every_s
             time.sleep(0.2)
     return b""
 

@@ -16,6 +16,7 @@ from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.ops import commands, k8s
 from relayrl.ops.parser import add_operator_commands
 from relayrl.ops.scaler import LocalScaler
+from relayrl.trainer.loop import pull_or_stop
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.sync import SyncResult
 from relayrl.trainer.trackers import StepTrackers, scalars
@@ -285,3 +286,21 @@ def test_help_lists_every_operator_command():
     result = subprocess.run([sys.executable, "-m", "relayrl.cli", "--help"], capture_output=True, text=True, timeout=60)
     for name in ("submit", "status", "weights", "pause", "resume", "drain", "scale"):
         assert name in result.stdout
+
+
+class Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "controller restarting"
+
+
+def test_a_trainer_waiting_for_a_batch_says_why_then_gets_it(caplog):
+    stub = mock.MagicMock()
+    batch = controller_pb2.Batch(batch_id="b4")
+    stub.PullBatch.side_effect = [Unavailable(), Unavailable(), batch]
+    with caplog.at_level("WARNING", logger="relayrl.trainer.loop"):
+        payload = pull_or_stop(stub, 4, deadline_s=60, stop=SimpleNamespace(requested=False), warn_every_s=0)
+    assert controller_pb2.Batch.FromString(payload).batch_id == "b4"
+    assert "no batch for step 4 yet (UNAVAILABLE: controller restarting)" in caplog.text
