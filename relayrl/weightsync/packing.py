@@ -49,9 +49,12 @@ def transfer_chunks(manifest: WeightManifest, bucket: BucketSpec, chunk_bytes: i
 
 
 class PackStep(NamedTuple):
-    """One chunk on the sender: copy ``sources`` (by name) into ``targets`` (views in a staging slot),
-    then broadcast ``piece`` (the chunk's bytes of that slot)."""
+    """One chunk on the sender: bytes [start, end) of its bucket, staged in ``piece`` (that range of a
+    staging slot) and then broadcast; ``names`` / ``targets``: its tensors to pack and their views in
+    the slot (each tensor in the step of the chunk where it starts)."""
 
+    start: int
+    end: int
     piece: torch.Tensor
     names: list[str]
     targets: list[torch.Tensor]
@@ -68,6 +71,8 @@ def pack_plan(manifest: WeightManifest, buffers: BufferPair, chunk_bytes: int) -
         plan.append(
             [
                 PackStep(
+                    chunk.start,
+                    chunk.end,
                     flat[chunk.start : chunk.end],
                     [spec.name for spec in chunk.to_pack],
                     [tensor_view(flat, spec) for spec in chunk.to_pack],

@@ -1,12 +1,14 @@
 """Trainer rank 0 side of a weight update: pack and broadcast the manifest's buckets, double-buffered.
 
 From a ``WeightArena`` with the manifest's layout on the group's device (where the trainer gathers its
-weights), the buckets go out as they are: nothing to pack. From a mapping of tensors, bucket k is
-packed into slot k % 2 while bucket k-1 (the other slot) is still being broadcast; before
-a slot is reused, the broadcasts that last read it are waited for (each wait bounded by the group's
-timeout). Inside a bucket, chunk c is broadcast as soon as the tensors it holds are packed, so
-packing chunk c+1 overlaps sending chunk c. The update ends with a collective vote: ``send`` returns
-only once every receiver has loaded every tensor, and raises WeightSyncError if any failed to.
+weights), the buckets go out as they are: nothing to pack. Otherwise bucket k is staged into slot
+k % 2 while bucket k-1 (the other slot) is still being broadcast; before a slot is reused, the
+broadcasts that last read it are waited for (each wait bounded by the group's timeout). Inside a
+bucket, chunk c is broadcast as soon as it is staged, so staging chunk c+1 overlaps sending chunk c.
+Staging a chunk is one copy from an arena elsewhere (a pinned CPU arena feeding NCCL: one
+host-to-device copy per chunk), or one ``_foreach_copy_`` of its tensors from a mapping. The update
+ends with a collective vote: ``send`` returns only once every receiver has loaded every tensor, and
+raises WeightSyncError if any failed to.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ class WeightSender:
         tensor), so receivers never see a half-sent update because of a sender-side mistake.
         """
         start = time.perf_counter()
-        if isinstance(tensors, WeightArena):
-            if tensors.fits(manifest) and tensors.device.type == group.device.type:
-                tensors.broadcast(group, group.rank)
-                return self._finish(group, manifest, start, peak_extra_bytes=0)
-            tensors = dict(tensors.views())
-        manifest.validate_against([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
+        arena = tensors if isinstance(tensors, WeightArena) and tensors.fits(manifest) else None
+        if arena is not None and arena.device.type == group.device.type:
+            arena.broadcast(group, group.rank)
+            return self._finish(group, manifest, start, peak_extra_bytes=0)
+        if arena is None:
+            tensors = dict(tensors.views()) if isinstance(tensors, WeightArena) else tensors
+            manifest.validate_against([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
         check_device(self.buffers, group)
         in_flight: list[list[dist.Work]] = [[], []]  # per slot: the chunk broadcasts still reading it
         for k, steps in enumerate(self._plan_for(manifest, group.chunk_bytes)):
@@ -58,8 +61,10 @@ class WeightSender:
                 group.wait(work)
             in_flight[k % 2] = []
             for step in steps:
-                if step.names:
-                    with torch.no_grad():  # one dispatch for the chunk's copies (FSDP2 packs the same way)
+                with torch.no_grad():
+                    if arena is not None:
+                        step.piece.copy_(arena.buckets[k][step.start : step.end], non_blocking=True)
+                    elif step.names:  # one dispatch for the chunk's copies (FSDP2 packs the same way)
                         torch._foreach_copy_(step.targets, [tensors[name] for name in step.names])
                 in_flight[k % 2].append(group.broadcast_async(step.piece, src=group.rank))
         for work in in_flight[0] + in_flight[1]:

@@ -171,13 +171,14 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
     receivers_factory: Any,
 ) -> None:
     """Receiver 1 holds its parameters in an arena (received in place, no staging), receiver 2 stages;
-    the sender sends from its own arena (nothing to pack) or packs from tensors. After the first update
-    the manifest travels compact (layout by id) and both resolve it from their LayoutCache."""
+    the sender sends from its own arena (nothing to pack), packs from tensors, or stages an arena that
+    lives off the group's device chunk by chunk (as a pinned CPU arena feeds NCCL). After the first
+    update the manifest travels compact (layout by id) and both resolve it from their LayoutCache."""
     receivers = receivers_factory({1: None, 2: None})
     sender, builder = WeightSender("cpu"), ManifestBuilder(bucket_bytes=BUCKET_BYTES)
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-4", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
         receivers.join([1, 2], group)
-        for version, from_arena in ((1, True), (2, False), (3, True)):
+        for version, source_kind in ((1, "arena"), (2, "tensors"), (3, "arena"), (4, "arena elsewhere")):
             tensors = make_tensors(seed=version)
             manifest = builder.build(SPECS, version=version)
             wire = manifest.to_proto(compact=version > 1)
@@ -185,11 +186,13 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
             receivers.tell([1], "in_place", wire.SerializeToString())
             receivers.tell([2], "weights", wire.SerializeToString())
             source: Any = tensors
-            if from_arena:
+            if source_kind != "tensors":
                 source = WeightArena(manifest)
                 source.load(tensors.items())
+            if source_kind == "arena elsewhere":
+                source.device = torch.device("meta")  # not the group's device: staged a chunk at a time
             stats = sender.send(group, manifest, source)
-            assert (stats.peak_extra_bytes == 0) == from_arena
+            assert (stats.peak_extra_bytes == 0) == (source_kind == "arena")
             in_place, staged = receivers.replies(2)
             expected = weights_checksum(tensors.items())
             assert in_place[:3] == ("ok", 1, expected) and in_place[3] == 0  # no staging memory at all
