@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from relayrl.rollout.sampling import MIN_TEMPERATURE
 
 
 class ConfigError(ValueError):
@@ -65,7 +67,7 @@ class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     workers: int = Field(2, ge=1)  # how many `relayrl up` starts
     n: int = Field(8, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE, checked below
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(16, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -73,6 +75,13 @@ class RolloutConfig(Section):
     threads: int = Field(1, ge=1)  # torch intra-op threads per worker process
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sane(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
+        return value
 
 
 class RewardConfig(Section):

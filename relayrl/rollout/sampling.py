@@ -3,7 +3,9 @@
 The server validates every request before it reaches an engine, so engines can trust their input.
 Proto3 has no "unset" for scalars: a client that leaves ``n``, ``top_p`` or ``max_tokens`` at 0 is refused
 with INVALID_ARGUMENT naming the field; clients must set them (``top_p=1`` disables nucleus sampling).
-``temperature=0`` is meaningful: greedy decoding.
+``temperature=0`` is meaningful: greedy decoding. A temperature in (0, MIN_TEMPERATURE) is refused:
+logits / temperature overflows there (vLLM clamps such values to the same bound; relayrl refuses
+them, because a clamped temperature would no longer be the one the trainer scores logprobs at).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 from relayrl.errors import InvalidArgument, ResourceExhausted
 from relayrl.v1 import common_pb2
+
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,10 @@ def _validate_params(params: SamplingParams, *, vocab_size: int, limits: Generat
         raise InvalidArgument("params.n", f"must be >= 1, got {params.n}")
     if params.n > limits.max_n:
         raise ResourceExhausted("params.n", limits.max_n, params.n)
-    if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise InvalidArgument("params.temperature", f"must be finite and >= 0 (0 = greedy), got {params.temperature}")
+    if not math.isfinite(params.temperature) or not (params.temperature == 0 or params.temperature >= MIN_TEMPERATURE):
+        raise InvalidArgument(
+            "params.temperature", f"must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, got {params.temperature}"
+        )
     if not 0 < params.top_p <= 1:  # also refuses NaN
         raise InvalidArgument("params.top_p", f"must be in (0, 1] (1 disables top-p), got {params.top_p}")
     if params.max_tokens <= 0:

@@ -53,6 +53,7 @@ def test_unknown_and_missing_keys_name_the_path(raw, expected) -> None:
     [
         ({"rollout": {"n": "many"}}, "rollout.n", "integer"),
         ({"rollout": {"temperature": -1}}, "rollout.temperature", "greater than or equal to 0"),
+        ({"rollout": {"temperature": 1e-3}}, "rollout.temperature", "must be 0 (greedy) or >= 0.01"),
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
         ({"rollout": {"engine": "tgi"}}, "rollout.engine", "'hf', 'vllm' or 'sglang'"),
         ({"controller": {"port": 70000}}, "controller.port", "less than or equal to 65535"),

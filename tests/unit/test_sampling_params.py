@@ -52,6 +52,8 @@ def test_valid_request_passes() -> None:
         (PROMPTS, {"temperature": -0.1}, "params.temperature", []),
         (PROMPTS, {"temperature": math.nan}, "params.temperature", []),
         (PROMPTS, {"temperature": math.inf}, "params.temperature", []),
+        (PROMPTS, {"temperature": 1.401298464324817e-45}, "params.temperature", []),  # found by the fuzzer
+        (PROMPTS, {"temperature": 0.009}, "params.temperature", []),
         (PROMPTS, {"top_p": 0.0}, "params.top_p", []),
         (PROMPTS, {"top_p": 1.5}, "params.top_p", []),
         (PROMPTS, {"top_p": math.nan}, "params.top_p", []),
