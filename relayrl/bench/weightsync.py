@@ -115,8 +115,14 @@ def model_specs(size_mib: int, n_tensors: int = 1000) -> list[Spec]:
 
 
 def random_tensors(specs: Sequence[Spec], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded values for ``specs``: normal for floating dtypes, uniform in [0, 2**31) for integer ones."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, dtype=dtype, generator=gen) for name, shape, dtype in specs}
+    return {
+        name: torch.randn(shape, dtype=dtype, generator=gen)
+        if dtype.is_floating_point
+        else torch.randint(0, 2**31, shape, dtype=dtype, generator=gen)
+        for name, shape, dtype in specs
+    }
 
 
 def _specs_to_json(specs: Sequence[Spec]) -> list[list[Any]]:

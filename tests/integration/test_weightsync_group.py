@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from relayrl.bench.weightsync import random_tensors
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
@@ -40,17 +41,6 @@ SPECS = [
     ("big", (700, 1024), torch.bfloat16),  # 1.37 MiB: a bucket of its own
     ("position_ids", (1000,), torch.int64),
 ]
-
-
-def make_tensors(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape, dtype in SPECS:
-        if dtype.is_floating_point:
-            out[name] = torch.randn(shape, generator=gen).to(dtype)
-        else:
-            out[name] = torch.randint(0, 2**40, shape, generator=gen, dtype=dtype)
-    return out
 
 
 def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) -> None:
@@ -153,7 +143,7 @@ def test_two_receivers_get_bit_identical_weights_across_buckets(receivers_factor
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-1", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
         receivers.join([1, 2], group)
         for version in (1, 2):  # the second update reuses every buffer
-            tensors = make_tensors(seed=version)
+            tensors = random_tensors(SPECS, seed=version)
             manifest = build_manifest(SPECS, version=version, bucket_bytes=BUCKET_BYTES)
             assert len(manifest.buckets) >= 4
             receivers.tell([1, 2], "weights", manifest.to_proto().SerializeToString())
@@ -179,7 +169,7 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-4", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
         receivers.join([1, 2], group)
         for version, source_kind in ((1, "arena"), (2, "tensors"), (3, "arena"), (4, "arena elsewhere")):
-            tensors = make_tensors(seed=version)
+            tensors = random_tensors(SPECS, seed=version)
             manifest = builder.build(SPECS, version=version)
             wire = manifest.to_proto(compact=version > 1)
             assert (len(wire.tensors) == 0) == (version > 1)
@@ -204,7 +194,7 @@ def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_work
 ) -> None:
     receivers = receivers_factory({1: None, 2: signal.SIGKILL})  # rank 2 dies inside load_fn
     manifest = build_manifest(SPECS, version=1, bucket_bytes=BUCKET_BYTES)
-    tensors = make_tensors(seed=1)
+    tensors = random_tensors(SPECS, seed=1)
     group = WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-2", timeout_s=5.0, chunk_bytes=CHUNK_BYTES)
     receivers.join([1, 2], group)
     receivers.tell([1, 2], "weights", manifest.to_proto().SerializeToString())
@@ -221,7 +211,7 @@ def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_work
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 2, "ws-it-2-gen2", timeout_s=5.0, chunk_bytes=CHUNK_BYTES) as group2:
         receivers.join([1], group2)
         manifest2 = build_manifest(SPECS, version=2, bucket_bytes=BUCKET_BYTES)
-        tensors2 = make_tensors(seed=2)
+        tensors2 = random_tensors(SPECS, seed=2)
         receivers.tell([1], "weights", manifest2.to_proto().SerializeToString())
         WeightSender("cpu").send(group2, manifest2, tensors2)
         kind, _rank, checksum, *_ = receivers.replies(1)[0]
@@ -236,6 +226,6 @@ def test_hanging_receiver_times_out_the_send(receivers_factory: Any) -> None:
         receivers.tell([1], "weights", manifest.to_proto().SerializeToString())
         start = time.monotonic()
         with pytest.raises(WeightSyncTimeout):
-            WeightSender("cpu").send(group, manifest, make_tensors(seed=1))
+            WeightSender("cpu").send(group, manifest, random_tensors(SPECS, seed=1))
         assert time.monotonic() - start < 2.0 + 2.0
     receivers.procs[1].kill()  # SIGKILL ends a stopped process too

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_testing import sharp_tiny_model
 from transformers import AutoModelForCausalLM
 
-from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.engine import ENGINES, EngineCompletion, create_engine
 from relayrl.rollout.hf import HFEngine, top_p_filter
 from relayrl.rollout.sampling import SamplingParams
@@ -23,14 +23,7 @@ EOS = 1
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with its matrices scaled x4: at init its attention is nearly uniform, which would let
     mistakes in masks or positions hide below the tolerance."""
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.ndim == 2:
-                weight.mul_(4.0)
-    model.save_pretrained(path)
-    return path
+    return sharp_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

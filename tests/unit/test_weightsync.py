@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.bench.weightsync import model_specs
+from relayrl.bench.weightsync import model_specs, random_tensors
 from relayrl.errors import FailedPrecondition
 from relayrl.weightsync import (
     BucketSpec,
@@ -44,17 +44,6 @@ SPECS = [
     ("bias", (5,), torch.float32),  # 20 B
     ("k", (4, 8), torch.bfloat16),  # 64 B
 ]
-
-
-def make_tensors(specs: list[tuple[str, tuple[int, ...], torch.dtype]], seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape, dtype in specs:
-        if dtype.is_floating_point:
-            out[name] = torch.randn(shape, generator=gen).to(dtype)
-        else:
-            out[name] = torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=dtype)
-    return out
 
 
 @pytest.fixture
@@ -144,7 +133,7 @@ def test_overlap_and_unknown_dtype_are_rejected() -> None:
 
 
 def test_pack_unpack_round_trip_returns_views(manifest: WeightManifest) -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     for bucket in manifest.buckets:
         out = torch.full((bucket.nbytes + 64,), 0xAB, dtype=torch.uint8)
         flat = pack_bucket(bucket, tensors, manifest, out)
@@ -164,7 +153,7 @@ def test_pack_unpack_round_trip_returns_views(manifest: WeightManifest) -> None:
 
 
 def test_pack_accepts_non_contiguous_sources_and_rejects_mismatches(manifest: WeightManifest) -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     tensors["q"] = tensors["q"].t().contiguous().t()  # same values, transposed strides
     bucket = manifest.buckets[0]
     out = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -203,7 +192,7 @@ def _collect(into: dict[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.T
 
 
 def test_filesystem_round_trip_is_bit_identical(tmp_path: Path, manifest: WeightManifest) -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     tensors["tied"] = tensors["embed"]  # shares storage: safetensors would refuse it uncopied
     m = build_manifest([*SPECS, ("tied", (10, 8), torch.bfloat16)], version=7, bucket_bytes=512)
     assert latest_version(tmp_path) is None
@@ -217,7 +206,7 @@ def test_filesystem_round_trip_is_bit_identical(tmp_path: Path, manifest: Weight
 
 
 def test_filesystem_version_check_and_pruning(tmp_path: Path, manifest: WeightManifest) -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     for version in (1, 2, 3):
         write_weights(tmp_path, dataclasses.replace(manifest, version=version), tensors, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "v0000000002", "v0000000003"]
@@ -234,7 +223,7 @@ def test_filesystem_version_check_and_pruning(tmp_path: Path, manifest: WeightMa
 def test_marker_is_replaced_atomically(
     tmp_path: Path, manifest: WeightManifest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     write_weights(tmp_path, dataclasses.replace(manifest, version=1), tensors)
     real_replace = os.replace
 
@@ -254,7 +243,7 @@ def test_marker_is_replaced_atomically(
 
 
 def test_checksum_is_order_free_and_sensitive_to_every_field() -> None:
-    tensors = make_tensors(SPECS)
+    tensors = random_tensors(SPECS)
     base = weights_checksum(tensors.items())
     assert base == weights_checksum(reversed(list(tensors.items())))
     assert base == weights_checksum(tensors.items(), threads=1) == weights_checksum(tensors.items(), threads=5)
@@ -302,7 +291,7 @@ def test_model_specs_are_transformer_shaped_and_sized(size_mib: int, tensors: in
 
 
 def test_arena_adopts_live_parameters_without_changing_their_values(manifest: WeightManifest) -> None:
-    params = make_tensors(SPECS)
+    params = random_tensors(SPECS)
     before = weights_checksum(params.items())
     arena = WeightArena.adopt(manifest, params)
     assert weights_checksum(params.items()) == before
@@ -316,7 +305,7 @@ def test_arena_adopts_live_parameters_without_changing_their_values(manifest: We
 
 
 def test_arena_point_swaps_parameters_between_two_arenas(manifest: WeightManifest) -> None:
-    params, incoming = make_tensors(SPECS, seed=1), make_tensors(SPECS, seed=2)
+    params, incoming = random_tensors(SPECS, seed=1), random_tensors(SPECS, seed=2)
     live, spare = WeightArena.adopt(manifest, params), WeightArena(manifest)
     spare.load(incoming.items())
     spare.point(params)
