@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from relayrl.rollout.sampling import MIN_TEMPERATURE
+from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
 
 
 class ConfigError(ValueError):
@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     @field_validator("temperature")
     @classmethod
     def _greedy_or_sane(cls, value: float) -> float:
-        if 0 < value < MIN_TEMPERATURE:
+        if not temperature_ok(value):
             raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
 

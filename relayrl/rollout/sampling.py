@@ -20,6 +20,11 @@ from relayrl.v1 import common_pb2
 MIN_TEMPERATURE = 1e-2
 
 
+def temperature_ok(temperature: float) -> bool:
+    """0 (greedy) or a finite value >= MIN_TEMPERATURE."""
+    return temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample: ``n`` responses per prompt, each at most ``max_tokens`` long.
@@ -96,7 +101,7 @@ def _validate_params(params: SamplingParams, *, vocab_size: int, limits: Generat
         raise InvalidArgument("params.n", f"must be >= 1, got {params.n}")
     if params.n > limits.max_n:
         raise ResourceExhausted("params.n", limits.max_n, params.n)
-    if not math.isfinite(params.temperature) or not (params.temperature == 0 or params.temperature >= MIN_TEMPERATURE):
+    if not temperature_ok(params.temperature):
         raise InvalidArgument(
             "params.temperature", f"must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, got {params.temperature}"
         )
