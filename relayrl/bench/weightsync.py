@@ -63,7 +63,6 @@ from relayrl.weightsync import (
     WeightBroadcastGroup,
     WeightManifest,
     WeightSender,
-    build_manifest,
     read_weights,
     receive_into,
     receive_weights,
@@ -440,7 +439,6 @@ class _Cell:
     builder: ManifestBuilder
     sender: WeightSender
     tmp_dir: str
-    bucket_bytes: int
     version: int = 0
     layout_sent: bool = False  # receivers hold the layout: later manifests travel compact
 
@@ -486,7 +484,7 @@ def _run_per_tensor(cell: _Cell) -> dict[str, Any]:
 def _run_disk(cell: _Cell) -> dict[str, Any]:
     cell.version += 1
     start = time.perf_counter()
-    manifest = build_manifest(cell.specs, version=cell.version, bucket_bytes=cell.bucket_bytes)
+    manifest = cell.builder.build(cell.specs, version=cell.version)
     write_weights(cell.tmp_dir, manifest, cell.tensors, keep=1)
     cell.fleet.call({"op": "disk", "root": cell.tmp_dir}, manifest.to_proto().SerializeToString())
     return {"seconds": time.perf_counter() - start}
@@ -584,7 +582,8 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                 fleet.call({"op": "model", "specs": _specs_to_json(specs)})
                 with tempfile.TemporaryDirectory(prefix="relayrl-bench-ws-", dir=args.tmp_dir) as tmp_dir:
                     tensors = random_tensors(specs, seed=size)
-                    manifest = build_manifest(specs, version=0, bucket_bytes=args.bucket_mib * MIB)
+                    builder = ManifestBuilder(bucket_bytes=args.bucket_mib * MIB)
+                    manifest = builder.build(specs, version=0)
                     arena = WeightArena(manifest)
                     arena.load(tensors.items())  # the trainer's per-step gather writes here (untimed)
                     cell = _Cell(
@@ -594,10 +593,9 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                         tensors=tensors,
                         manifest=manifest,
                         arena=arena,
-                        builder=ManifestBuilder(bucket_bytes=args.bucket_mib * MIB),
+                        builder=builder,
                         sender=WeightSender("cpu"),
                         tmp_dir=tmp_dir,
-                        bucket_bytes=args.bucket_mib * MIB,
                     )
                     rows.append(_measure_cell(cell, args.repeat, log))
     return rows
