@@ -36,7 +36,7 @@ from relayrl.rollout.external import GroupArgs
 from relayrl.rollout.fakes import fake_sglang
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
-from relayrl.services.rollout_server import RolloutWorker
+from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights

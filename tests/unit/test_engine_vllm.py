@@ -35,7 +35,7 @@ from relayrl.rollout.external import GroupArgs
 from relayrl.rollout.fakes import fake_vllm
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
-from relayrl.services.rollout_server import RolloutWorker
+from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.group import WeightBroadcastGroup

@@ -1,0 +1,354 @@
+"""A rollout worker's logic: one engine, versioned weights, admission control (no gRPC here).
+
+Atomic versions. ``pause`` mode: stop admitting Generate calls, abort the in-flight ones (their
+prompts come back as "abort" and the controller re-dispatches them), load, resume. ``shadow`` mode
+(in-process engines): receive into a second copy while generation goes on, then swap the two copies
+between batches. Either way a batch is generated entirely by one version, and the version stamped
+on a completion is the version of the weights that produced it. A failed load leaves the worker
+"torn": it refuses Generate and reports version -1 until a later update succeeds.
+
+In-process engines keep their weights in a ``WeightArena`` with the manifest's layout (adopted at
+the first update, a bucket at a time), so a broadcast lands in place: in the live arena (pause) or
+in the spare one (shadow), with no staging buffer and no copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+
+import torch
+
+from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
+from relayrl.rollout.engine import InferenceEngine
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
+from relayrl.v1 import common_pb2, rollout_pb2
+from relayrl.weightsync.arena import WeightArena
+from relayrl.weightsync.checksum import weights_checksum
+from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.filesystem import latest_version, read_weights
+from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.weightsync.manifest import LayoutCache, UnknownLayout, WeightManifest
+from relayrl.weightsync.packing import BufferPair
+from relayrl.weightsync.receiver import receive_into, receive_weights
+from relayrl.weightsync.stats import ReceiveStats
+
+log = logging.getLogger(__name__)
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+TORN_VERSION = -1
+
+
+class TokenRate:
+    """Generated tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, tokens: int) -> None:
+        now = time.monotonic()
+        self._events.append((now, tokens))
+        self.total += tokens
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
+
+    def rate(self) -> float:
+        if not self._events:
+            return 0.0
+        span = max(time.monotonic() - self._events[0][0], 1e-3)
+        return sum(n for _, n in self._events) / span
+
+
+FAULT_EXIT_DURING_LOAD = "RELAYRL_FAULT_EXIT_DURING_LOAD"
+
+
+def fault_injection(worker_id: str, version: int):
+    """Fault-injection hook for tests: with RELAYRL_FAULT_EXIT_DURING_LOAD=<worker id>@<version> in its
+    environment, the returned progress callback makes that worker die (exit 137, no cleanup) as soon as
+    the first chunk of that version has arrived. None otherwise."""
+    if os.environ.get(FAULT_EXIT_DURING_LOAD) != f"{worker_id}@{version}":
+        return None
+
+    def die(_received: object) -> None:
+        log.error("fault injection: exiting in the middle of loading version %d", version)
+        os._exit(137)
+
+    return die
+
+
+class RolloutWorker:
+    """Engine + version + admission control. Thread-safe; the servicer is a thin layer over it."""
+
+    def __init__(self, engine: InferenceEngine, worker_id: str, *, mode: str, limits: GenerationLimits) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.mode = mode
+        self.limits = limits
+        self.version = 0
+        self.state = "serving"
+        self.group: WeightBroadcastGroup | None = None
+        self.last_update_seconds = 0.0
+        self.rate = TokenRate()
+        self._cond = threading.Condition()
+        self._engine_lock = threading.Lock()  # one batch at a time through the engine
+        self._active = 0
+        self._updating = False
+        self._paused = False
+        self._abort = threading.Event()
+        self._buffers = BufferPair("cpu")  # staging, for weights that cannot be received in place
+        self._layouts = LayoutCache()
+        self._checked_layout = ""  # id of the last layout found to match the engine's weights
+        self._live: WeightArena | None = None  # the arena the engine's parameters view
+        self._spare: WeightArena | None = None  # shadow mode: where the next update lands
+        self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
+        # vllm / sglang: the engine's own GPU processes join the group and receive (docs/engines.md)
+        self.engine_receives = bool(getattr(engine, "receives_weights_itself", False))
+        if self.engine_receives and mode != "pause":
+            raise ValueError(f"weight_sync.mode: the {engine.name} engine supports 'pause' only, got {mode!r}")
+
+    @property
+    def reported_version(self) -> int:
+        return TORN_VERSION if self.state == "torn" else self.version
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, request: rollout_pb2.GenerateRequest, is_active) -> iter:
+        prompts = [list(p.token_ids) for p in request.prompts]
+        params = SamplingParams.from_proto(request.params)
+        validate_request(
+            prompts,
+            params,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            limits=self.limits,
+        )
+        with self._cond:
+            if self._paused or self.state in ("draining", "torn"):
+                raise Unavailable(f"worker {self.worker_id} is {self.state if not self._paused else 'paused'}")
+            while self._updating and self.mode == "pause":
+                self._cond.wait()
+            if request.min_policy_version > self.version:
+                raise FailedPrecondition(
+                    f"min_policy_version: worker has version {self.version} < {request.min_policy_version}"
+                )
+            self._active += 1
+        try:
+            with self._engine_lock:
+                version = self.reported_version  # fixed for the batch: updates swap only between batches
+                if version < request.min_policy_version:
+                    raise FailedPrecondition(f"min_policy_version: worker has version {version}")
+                should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
+                for c in self.engine.generate(prompts, params, should_abort=should_abort):
+                    self.rate.add(len(c.token_ids))
+                    yield common_pb2.Completion(
+                        prompt_id=request.prompts[c.prompt_index].prompt_id,
+                        sample_index=c.sample_index,
+                        token_ids=c.token_ids,
+                        logprobs=c.logprobs,
+                        finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
+                        policy_version=version,
+                        worker_id=self.worker_id,
+                    )
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    # -- weights -----------------------------------------------------------------------------------
+    def init_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> None:
+        if not 1 <= request.rank < request.world_size:
+            raise InvalidArgument("rank", f"{request.rank} is not in [1, {request.world_size})")
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.engine_receives:
+            self._init_engine_weight_sync(request)
+            return
+        device = "cuda" if request.backend == "nccl" else "cpu"
+        self.group = WeightBroadcastGroup(
+            request.master_address,
+            request.master_port,
+            request.rank,
+            request.world_size,
+            group_name=request.group_name,
+            backend=request.backend or "gloo",
+            timeout_s=request.timeout_s or 60.0,
+            device=device,
+        )
+
+    def _init_engine_weight_sync(self, request: rollout_pb2.InitWeightSyncRequest) -> None:
+        """The engine's processes join as ranks request.rank .. + weight_sync_ranks - 1; the trainer assigns one
+        rank per worker, so only single-rank engines can (tensor-parallel ones: the filesystem transport)."""
+        from relayrl.rollout.external import GroupArgs
+
+        if self.engine.weight_sync_ranks != 1:
+            raise FailedPrecondition(
+                f"rank: this {self.engine.name} engine spans {self.engine.weight_sync_ranks} group ranks "
+                "(tensor/pipeline parallel) but the trainer assigns one per worker; use the filesystem transport"
+            )
+        self.group = self.engine.init_weight_sync(
+            GroupArgs(
+                master_address=request.master_address,
+                master_port=request.master_port,
+                rank_offset=request.rank,
+                world_size=request.world_size,
+                group_name=request.group_name,
+                backend=request.backend or "gloo",
+                timeout_s=request.timeout_s or 60.0,
+            )
+        )
+
+    def _checksum(self) -> str:
+        """sha256 of the loaded weights; an engine that receives them itself hashes what it loaded."""
+        if self.engine_receives:
+            return self.engine.loaded_checksum()
+        return weights_checksum(self.engine.named_weights())
+
+    def update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        manifest = self._checked_manifest(request.manifest)
+        if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
+            raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
+        start = time.perf_counter()
+        stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
+        checksum = self._checksum()
+        if manifest.checksum and checksum != manifest.checksum:
+            self.state = "torn"
+            raise FailedPrecondition(f"checksum: loaded weights {checksum[:12]} != manifest {manifest.checksum[:12]}")
+        self.last_update_seconds = time.perf_counter() - start
+        self.loaded.append(
+            rollout_pb2.LoadedVersion(
+                policy_version=self.version, checksum=checksum, load_seconds=self.last_update_seconds
+            )
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            policy_version=self.version,
+            checksum=checksum,
+            load_seconds=self.last_update_seconds,
+            peak_extra_bytes=stats.peak_extra_bytes,
+        )
+
+    def _checked_manifest(self, msg: common_pb2.WeightManifest) -> WeightManifest:
+        """The manifest, refused before anything is paused or loaded when it cannot apply to this engine
+        (so a bad request never leaves the worker torn)."""
+        try:
+            manifest = self._layouts.resolve(msg)
+        except UnknownLayout:
+            raise FailedPrecondition(
+                f"manifest.layout_id: {msg.layout_id[:12]} was never sent to this worker; send the full manifest"
+            ) from None
+        except ValueError as err:
+            raise InvalidArgument("manifest", str(err)) from None
+        if manifest.layout_id != self._checked_layout:  # a layout is checked against the engine once
+            shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
+            for spec in manifest.tensors:
+                if shapes.get(spec.name) != spec.shape:
+                    raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
+            self._checked_layout = manifest.layout_id
+        if manifest.transport == "filesystem":
+            try:
+                published = latest_version(manifest.path) if manifest.path else None
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise FailedPrecondition(f"manifest.path: cannot read its LATEST marker: {err}") from None
+            if published != manifest.version:
+                raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
+        return manifest
+
+    def _receive(self, manifest: WeightManifest, target: WeightArena | None) -> ReceiveStats:
+        """Bring ``manifest``'s bytes into ``target`` (None: through ``engine.load_weights``)."""
+        die = fault_injection(self.worker_id, manifest.version)
+        load_fn = target.load if target is not None else self.engine.load_weights
+        if die is not None:
+            load_fn = _then(load_fn, die)
+        try:
+            if self.engine_receives:
+                return self.engine.receive_update(manifest)
+            if manifest.transport == "filesystem":
+                return read_weights(manifest.path, manifest, load_fn)
+            if target is not None and target.device.type == self.group.device.type:
+                return receive_into(self.group, manifest, target, progress=die)
+            return receive_weights(self.group, manifest, load_fn, buffers=self._buffers)
+        except WeightSyncError:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            raise
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(self.engine.named_weights())
+
+    def _update_paused(self, manifest: WeightManifest) -> ReceiveStats:
+        with self._cond:
+            self._updating = True
+            self._abort.set()
+            while self._active:
+                self._cond.wait()
+        try:
+            self.state = "loading"
+            if not self.engine_receives and (self._live is None or not self._live.fits(manifest)):
+                self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
+                self._live = WeightArena.adopt(manifest, self._params(), self._device())
+            stats = self._receive(manifest, self._live)
+            self.version, self.state = manifest.version, "serving"
+            return stats
+        except Exception:
+            self.state = "torn"
+            raise
+        finally:
+            with self._cond:
+                self._updating = False
+                self._abort.clear()
+                self._cond.notify_all()
+
+    def _update_shadow(self, manifest: WeightManifest) -> ReceiveStats:
+        """Receive into the spare arena (allocated when missing or of another layout), then swap it in:
+        the live arena becomes the spare of the next update (steady state: two arenas, no allocation)."""
+        if self._spare is None or not self._spare.fits(manifest):
+            self._spare = WeightArena(manifest, self._device())
+        stats = self._receive(manifest, self._spare)
+        with self._engine_lock:  # between batches: re-point the parameters, O(1) per tensor
+            self._spare.point(self._params())
+            self._live, self._spare = self._spare, self._live
+            self.version = manifest.version
+            if self.state == "torn":
+                self.state = "serving"
+        return stats
+
+    def _device(self) -> torch.device:
+        return next(iter(self.engine.named_weights()))[1].device
+
+    def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def stats(self, with_checksum: bool) -> rollout_pb2.StatsResponse:
+        return rollout_pb2.StatsResponse(
+            worker_id=self.worker_id,
+            engine=self.engine.name,
+            state="paused" if self._paused else self.state,
+            policy_version=self.reported_version,
+            active_requests=self._active,
+            generated_tokens=self.rate.total,
+            tokens_per_second=self.rate.rate(),
+            weights_checksum=self._checksum() if with_checksum else "",
+            weight_sync_group=self.group.group_name if self.group else "",
+            last_update_seconds=self.last_update_seconds,
+            loaded=list(self.loaded),
+        )
+
+
+def _then(load_fn, after):
+    """``load_fn`` followed by ``after(views)``."""
+
+    def both(views):
+        load_fn(views)
+        after(views)
+
+    return both
