@@ -71,6 +71,8 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(16, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: int = Field(0, ge=0)  # EOS/stop tokens masked until this many tokens (vLLM's min_tokens)
+    ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)
     threads: int = Field(1, ge=1)  # torch intra-op threads per worker process
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
@@ -224,6 +226,10 @@ class RelayConfig(Section):
             raise ValueError(
                 f"controller.reward.overlong_buffer ({self.controller.reward.overlong_buffer}) must be smaller "
                 f"than rollout.max_tokens ({self.rollout.max_tokens})"
+            )
+        if self.rollout.min_tokens > self.rollout.max_tokens:
+            raise ValueError(
+                f"rollout.min_tokens ({self.rollout.min_tokens}) exceeds rollout.max_tokens ({self.rollout.max_tokens})"
             )
         if self.rollout.n > self.rollout.limits.max_n:
             raise ValueError(f"rollout.n ({self.rollout.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")

@@ -80,6 +80,8 @@ class Controller:
             top_p=cfg.rollout.top_p,
             max_tokens=cfg.rollout.max_tokens,
             stop_token_ids=tuple(cfg.rollout.stop_token_ids),
+            min_tokens=cfg.rollout.min_tokens,
+            ignore_eos=cfg.rollout.ignore_eos,
         )
         self.state = "running"
         self.error = ""

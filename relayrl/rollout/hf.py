@@ -109,12 +109,15 @@ class HFEngine(InferenceEngine):
     ) -> Iterator[EngineCompletion]:
         """Decode all rows of one chunk step by step, yielding each as it finishes."""
         logits, state = self._prefill(prompts, rows)
-        stop_ids = self.eos_token_ids | set(params.stop_token_ids)
+        stop_ids = stop_token_set(self.eos_token_ids, params)
+        held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
         for step in range(params.max_tokens):
             if abort():
                 yield from (row.finish("abort") for row in rows)
                 return
-            tokens, logprobs = sample_step(logits, params, generator)
+            tokens, logprobs = sample_step(
+                logits, params, generator, banned=held_back if step < params.min_tokens else None
+            )
             keep = []
             for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
                 row.token_ids.append(token)
@@ -230,18 +233,25 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def stop_token_set(eos_token_ids: frozenset[int], params: SamplingParams) -> frozenset[int]:
+    """The tokens that end a response: the stop tokens, and EOS unless ``params.ignore_eos``."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+
+
 def sample_step(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, banned: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from logits [B, V]: (tokens [B] int64, their logprobs [B] float32).
 
     temperature 0: argmax, logprob at temperature 1. Otherwise sample from softmax(logits / T) restricted to
-    the top-p nucleus; the logprob is that of the full softmax(logits / T) (before top-p).
+    the top-p nucleus; the logprob is that of the full softmax(logits / T) (before top-p). ``banned`` token
+    ids (``min_tokens`` not reached yet) cannot be picked; logprobs stay those of the unmasked logits.
     """
+    scores = logits if banned is None else logits.index_fill(-1, banned, float("-inf"))
     if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = scores.argmax(dim=-1)
         return tokens, logprobs_from_logits(logits, tokens, 1.0)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = torch.softmax(scores.float() / params.temperature, dim=-1)
     tokens = torch.multinomial(top_p_filter(probs, params.top_p), 1, generator=generator).squeeze(-1)
     return tokens, logprobs_from_logits(logits, tokens, params.temperature)
 

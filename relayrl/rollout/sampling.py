@@ -32,6 +32,9 @@ class SamplingParams:
     ``temperature`` 0 means greedy; logprobs are those of softmax(logits / temperature) before top-p
     (at temperature 1 when greedy). ``stop_token_ids`` end a response in addition to the EOS tokens and are
     included in it. ``seed`` makes a request reproducible; None draws from the engine's own generator.
+    vLLM's two equal-work knobs: ``min_tokens`` masks EOS and the stop tokens until that many tokens are out
+    (the logprob reported stays that of the unmasked softmax, vLLM's default raw log-probs), and ``ignore_eos``
+    lets EOS be sampled without ending the response (stop tokens still end it).
     """
 
     n: int = 1
@@ -40,6 +43,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -51,6 +56,8 @@ class SamplingParams:
             max_tokens=msg.max_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             seed=msg.seed if msg.HasField("seed") else None,
+            min_tokens=msg.min_tokens,
+            ignore_eos=msg.ignore_eos,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -62,6 +69,8 @@ class SamplingParams:
             max_tokens=self.max_tokens,
             stop_token_ids=list(self.stop_token_ids),
             seed=self.seed,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -85,7 +94,7 @@ def validate_request(
     """Raise ``InvalidArgument`` (field path + reason) or ``ResourceExhausted`` for the first problem found.
 
     Fields: ``prompts``, ``prompts[i].token_ids``, ``params.n``, ``params.temperature``, ``params.top_p``,
-    ``params.max_tokens``, ``params.stop_token_ids``. Returns None when the request is valid.
+    ``params.max_tokens``, ``params.min_tokens``, ``params.stop_token_ids``. Returns None when the request is valid.
     """
     _validate_params(params, vocab_size=vocab_size, limits=limits)
     if not prompts:
@@ -111,6 +120,10 @@ def _validate_params(params: SamplingParams, *, vocab_size: int, limits: Generat
         raise InvalidArgument("params.max_tokens", f"must be >= 1, got {params.max_tokens}")
     if params.max_tokens > limits.max_tokens:
         raise ResourceExhausted("params.max_tokens", limits.max_tokens, params.max_tokens)
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise InvalidArgument(
+            "params.min_tokens", f"must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}"
+        )
     bad = _first_outside_vocab(params.stop_token_ids, vocab_size)
     if bad is not None:
         raise InvalidArgument("params.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")

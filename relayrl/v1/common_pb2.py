@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17relayrl/v1/common.proto\x12\nrelayrl.v1\"\x87\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xc4\x01\n\nCompletion\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.relayrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t\"h\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\":\n\nBucketSpec\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\xb9\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.relayrl.v1.TensorSpec\x12\'\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x16.relayrl.v1.BucketSpec\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x11\n\tlayout_id\x18\x07 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17relayrl/v1/common.proto\x12\nrelayrl.v1\"\xaf\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xc4\x01\n\nCompletion\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.relayrl.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t\"h\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\":\n\nBucketSpec\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\xb9\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.relayrl.v1.TensorSpec\x12\'\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x16.relayrl.v1.BucketSpec\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\x12\x11\n\tlayout_id\x18\x07 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'relayrl.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=730
-  _globals['_FINISHREASON']._serialized_end=850
+  _globals['_FINISHREASON']._serialized_start=770
+  _globals['_FINISHREASON']._serialized_end=890
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=175
-  _globals['_COMPLETION']._serialized_start=178
-  _globals['_COMPLETION']._serialized_end=374
-  _globals['_TENSORSPEC']._serialized_start=376
-  _globals['_TENSORSPEC']._serialized_end=480
-  _globals['_BUCKETSPEC']._serialized_start=482
-  _globals['_BUCKETSPEC']._serialized_end=540
-  _globals['_WEIGHTMANIFEST']._serialized_start=543
-  _globals['_WEIGHTMANIFEST']._serialized_end=728
+  _globals['_SAMPLINGPARAMS']._serialized_end=215
+  _globals['_COMPLETION']._serialized_start=218
+  _globals['_COMPLETION']._serialized_end=414
+  _globals['_TENSORSPEC']._serialized_start=416
+  _globals['_TENSORSPEC']._serialized_end=520
+  _globals['_BUCKETSPEC']._serialized_start=522
+  _globals['_BUCKETSPEC']._serialized_end=580
+  _globals['_WEIGHTMANIFEST']._serialized_start=583
+  _globals['_WEIGHTMANIFEST']._serialized_end=768
 # @@protoc_insertion_point(module_scope)
