@@ -100,6 +100,9 @@ class ControllerConfig(Section):
     train_batch_groups: int = Field(16, ge=1)  # groups (prompts x n samples) per trainer step
     dynamic_sampling: bool = True
     max_gen_batches: int = Field(8, ge=1)
+    # after max_gen_batches rounds without a full batch: train on the informative groups found ("partial"),
+    # or end the run ("fail"); partial still fails when too few groups for the mini-batches were kept
+    on_exhausted: Literal["partial", "fail"] = "partial"
     max_staleness: int = Field(0, ge=0)  # trajectories older than current - K are not trained
     worker_timeout_s: float = Field(30.0, gt=0)  # no heartbeat for this long: the worker is dropped
     generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call

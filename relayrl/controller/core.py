@@ -258,14 +258,21 @@ class Controller:
                 self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
             return None
         except DynamicSamplingExhausted as err:
-            leftover = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
-            self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
-            raise err
-        kept = filler.take()
+            if ccfg.on_exhausted == "fail" or len(filler.kept) < self._min_partial_groups():
+                leftover = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
+                self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
+                raise err
+            log.warning("%s Step %d trains on the %d groups kept (on_exhausted: partial).", err, step, err.kept)
+        kept = filler.take(partial=True)
         self.ledger.mark([g.record.prompt_id for g in filler.surplus], FILTERED, "surplus beyond the batch", step)
         batch = self._batch_message(step, kept, all_groups, filler, stale, failed, time.monotonic() - start)
         batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
         return batch
+
+    def _min_partial_groups(self) -> int:
+        """Fewest groups a partial batch may hold: one per mini-batch, and a row for every trainer rank in each."""
+        tcfg = self.cfg.trainer
+        return max(tcfg.mini_batches, -(-tcfg.mini_batches * tcfg.nproc // self.cfg.rollout.n))
 
     def _batch_message(self, step, kept, all_groups, filler, stale, failed, seconds) -> controller_pb2.Batch:
         samples = [

@@ -474,6 +474,7 @@ def test_group_filler_raises_clear_message_when_exhausted() -> None:
     assert "max_gen_batches" in msg and "generation batch" in msg and "reward function" in msg
     with pytest.raises(DynamicSamplingExhausted):
         filler.check_exhausted()
+    assert filler.take(partial=True) == [2]  # controller.on_exhausted: partial trains on what was kept
 
 
 def test_group_filler_disabled_keeps_everything() -> None:

@@ -130,9 +130,10 @@ class GroupFiller(Generic[G]):
                 dropped=self._dropped,
             )
 
-    def take(self) -> list[G]:
-        """Return exactly ``target_groups`` kept groups (the first ones); the rest goes to ``surplus``."""
-        if not self.is_full:
+    def take(self, *, partial: bool = False) -> list[G]:
+        """Return exactly ``target_groups`` kept groups (the first ones); the rest goes to ``surplus``.
+        ``partial``: an exhausted filler hands out the fewer groups it kept instead of raising."""
+        if not self.is_full and not partial:
             raise RuntimeError(
                 f"take: only {len(self._kept)} of {self.target_groups} target groups are kept; "
                 "add more generation batches first"
