@@ -1,28 +1,31 @@
-"""The embedded engine: a Hugging Face causal LM with batched sampling over a KV cache (runs on CPU).
+"""The embedded engine: a Hugging Face causal LM with continuously batched sampling over a KV cache (CPU or GPU).
 
 Decoding is written here rather than through ``model.generate`` so that each token's logprob is computed
 exactly as the trainer computes it (``logprobs_from_logits`` on the raw logits), rows finish independently
 and are yielded at once, and weights can be swapped in place between calls.
 
-Per chunk of at most ``max_batch_size`` rows (prompt x sample): each distinct prompt is prefilled once
-(left-padded, position ids = cumsum(mask) - 1) and its KV cache rows are repeated for its samples; then one
-token per step is fed with the cache, the attention mask grown by one column and the positions by one.
-Finished rows are dropped from the batch (and the cache) at once.
+Concurrent ``generate`` calls share decode steps (``relayrl.rollout.batcher``): each joining prompt is
+prefilled once (left-padded, position ids = cumsum(mask) - 1), its KV cache rows are repeated for its
+samples and merged into the running batch (left-padded to a common width); then one token per step is fed
+with the cache, the attention mask grown by one column and the positions by one. Finished rows leave the
+batch (and the cache) at once; columns that only pads still use are trimmed.
 
 Left padding leaves the pad positions' query rows fully masked; torch (>= 2.5) SDPA answers zeros for such
 rows, not NaN, so the pads' cached keys/values stay finite and, masked, never reach a real token. The tests
-check sdpa and eager against an unpadded forward.
+check sdpa and eager against an unpadded forward, with rows of several calls batched together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
-from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
+from relayrl.rollout.batcher import ContinuousBatcher
+from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 
@@ -61,6 +64,9 @@ class HFEngine(InferenceEngine):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # every name a state dict may use, tied aliases included (lm_head.weight -> the embedding)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._batcher = ContinuousBatcher(
+            _HFRunner(self.model, self.device), max_rows=max_batch_size, generator=self._generator
+        )
 
     def generate(
         self,
@@ -68,18 +74,14 @@ class HFEngine(InferenceEngine):
         params: SamplingParams,
         should_abort: Callable[[], bool] | None = None,
     ) -> Iterator[EngineCompletion]:
-        """See ``InferenceEngine.generate``; rows are processed in chunks of ``max_batch_size``."""
-        generator = self._generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        abort = _AbortLatch(should_abort)
-        rows = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = [_Row(p, s) for p, s in rows[start : start + self.max_batch_size]]
-            if abort():
-                yield from (row.finish("abort") for row in chunk)
-            else:
-                yield from self._generate_chunk(prompts, chunk, params, generator, abort)
+        """See ``InferenceEngine.generate``; safe to call from several threads at once: all calls share the
+        decode steps, at most ``max_batch_size`` rows at a time."""
+        held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
+        stop_ids = stop_token_set(self.eos_token_ids, params)
+        yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort)
+
+    def close(self) -> None:
+        self._batcher.close()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The parameters themselves (so ``.data`` swaps reach the model); a tied weight once, first name."""
@@ -98,60 +100,26 @@ class HFEngine(InferenceEngine):
             for name, tensor in pairs:
                 self._params[name].copy_(tensor)
 
-    @torch.inference_mode()
-    def _generate_chunk(
-        self,
-        prompts: Sequence[Sequence[int]],
-        rows: list[_Row],
-        params: SamplingParams,
-        generator: torch.Generator,
-        abort: _AbortLatch,
-    ) -> Iterator[EngineCompletion]:
-        """Decode all rows of one chunk step by step, yielding each as it finishes."""
-        logits, state = self._prefill(prompts, rows)
-        stop_ids = stop_token_set(self.eos_token_ids, params)
-        held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
-        for step in range(params.max_tokens):
-            if abort():
-                yield from (row.finish("abort") for row in rows)
-                return
-            tokens, logprobs = sample_step(
-                logits, params, generator, banned=held_back if step < params.min_tokens else None
-            )
-            keep = []
-            for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
-                row.token_ids.append(token)
-                row.logprobs.append(logprob)
-                if token in stop_ids:
-                    yield row.finish("stop")
-                elif step + 1 == params.max_tokens:
-                    yield row.finish("length")
-                else:
-                    keep.append(i)
-            if not keep:
-                return
-            if len(keep) < len(rows):
-                index = torch.tensor(keep, device=self.device)
-                state.select(index)
-                tokens, rows = tokens[index], [rows[i] for i in keep]
-            logits = self._decode(state, tokens)
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], rows: list[_Row]) -> tuple[torch.Tensor, _DecodeState]:
-        """Forward each distinct prompt of ``rows`` once, left-padded, then repeat its cache rows for its
-        samples. Returns the last-position logits [len(rows), V] and the decoding state."""
-        unique = sorted({row.prompt_index for row in rows})
-        input_ids, mask = left_pad([prompts[p] for p in unique], self.device)
+class _HFRunner:
+    """Prefill and decode steps of a causal LM over a KV cache, for ``ContinuousBatcher``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, _DecodeState]:
+        """Forward each prompt once, left-padded; row i continues prompt ``expand[i]``. Returns the last-position
+        logits [len(expand), V] and the decoding state of those rows."""
+        input_ids, mask = left_pad(prompts, self.device)
         positions = position_ids(mask)
         out = self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
-        slot = {p: i for i, p in enumerate(unique)}
-        expand = torch.tensor([slot[row.prompt_index] for row in rows], device=self.device)
         state = _DecodeState(out.cache, mask, positions[:, -1] + 1)
         state.select(expand)
         return out.logits[expand, -1], state
 
-    def _decode(self, state: _DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, state: _DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one new token per row [B] through the cache; returns the next logits [B, V]."""
         state.mask = torch.cat([state.mask, state.mask.new_ones(len(tokens), 1)], dim=1)
         out = self.model(
@@ -164,6 +132,19 @@ class HFEngine(InferenceEngine):
         state.next_pos = state.next_pos + 1
         return out.logits[:, -1]
 
+    @staticmethod
+    def sample(
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generators: Sequence[torch.Generator],
+        banned: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_step`` with one generator for the slice, or one per row (seeded requests)."""
+        if len(generators) == 1:
+            return sample_step(logits, params, generators[0], banned)
+        picks = [sample_step(logits[i : i + 1], params, g, banned) for i, g in enumerate(generators)]
+        return torch.cat([t for t, _ in picks]), torch.cat([lp for _, lp in picks])
+
 
 @dataclass
 class _DecodeState:
@@ -174,34 +155,43 @@ class _DecodeState:
     next_pos: torch.Tensor
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep (or repeat) the rows at ``index``, in that order."""
+        """Keep (or repeat) the rows at ``index``, in that order, then trim columns only pads still use."""
         self.cache.batch_select_indices(index)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        used = self.mask.any(dim=0)
+        first = int(used.to(torch.int8).argmax()) if bool(used.any()) else 0
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+
+    def merge(self, other: _DecodeState) -> None:
+        """Append ``other``'s rows after this state's, both left-padded to the wider of the two."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width, dim=-2), _pad_left(theirs.keys, width, dim=-2)])
+            mine.values = torch.cat([_pad_left(mine.values, width, dim=-2), _pad_left(theirs.values, width, dim=-2)])
+
+    def _layers(self) -> list[DynamicLayer]:
+        layers = self.cache.layers
+        if any(type(layer) is not DynamicLayer for layer in layers):
+            raise NotImplementedError(
+                f"continuous batching needs a full-attention KV cache; this model's cache has "
+                f"{sorted({type(layer).__name__ for layer in layers})}"
+            )
+        return layers
 
 
-@dataclass
-class _Row:
-    """One sample being decoded."""
-
-    prompt_index: int
-    sample_index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    def finish(self, reason: FinishReason) -> EngineCompletion:
-        return EngineCompletion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason)
-
-
-class _AbortLatch:
-    """``should_abort`` made sticky: once it has returned true, every later call returns true."""
-
-    def __init__(self, should_abort: Callable[[], bool] | None) -> None:
-        self._should_abort = should_abort
-        self._fired = False
-
-    def __call__(self) -> bool:
-        self._fired = self._fired or (self._should_abort is not None and bool(self._should_abort()))
-        return self._fired
+def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """``tensor`` with zeros prepended along ``dim`` up to ``width``."""
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

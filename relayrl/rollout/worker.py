@@ -1,11 +1,13 @@
 """A rollout worker's logic: one engine, versioned weights, admission control (no gRPC here).
 
-Atomic versions. ``pause`` mode: stop admitting Generate calls, abort the in-flight ones (their
-prompts come back as "abort" and the controller re-dispatches them), load, resume. ``shadow`` mode
-(in-process engines): receive into a second copy while generation goes on, then swap the two copies
-between batches. Either way a batch is generated entirely by one version, and the version stamped
-on a completion is the version of the weights that produced it. A failed load leaves the worker
-"torn": it refuses Generate and reports version -1 until a later update succeeds.
+Concurrent Generate calls are not serialized: they reach the engine together and share its decode
+steps (continuous batching). Atomic versions: weights change only while no call is in flight, and a
+call's version is fixed when it is admitted. ``pause`` mode: stop admitting calls, abort the in-flight
+ones (their prompts come back as "abort" and the controller re-dispatches them), load, resume.
+``shadow`` mode (in-process engines): receive into a second copy while the calls run, then hold new
+calls back until the running ones have finished and swap the two copies. Either way every completion
+is generated entirely by one version, the one stamped on it. A failed load leaves the worker "torn":
+it refuses Generate and reports version -1 until a later update succeeds.
 
 In-process engines keep their weights in a ``WeightArena`` with the manifest's layout (adopted at
 the first update, a bucket at a time), so a broadcast lands in place: in the live arena (pause) or
@@ -94,7 +96,6 @@ class RolloutWorker:
         self.last_update_seconds = 0.0
         self.rate = TokenRate()
         self._cond = threading.Condition()
-        self._engine_lock = threading.Lock()  # one batch at a time through the engine
         self._active = 0
         self._updating = False
         self._paused = False
@@ -128,30 +129,27 @@ class RolloutWorker:
         with self._cond:
             if self._paused or self.state in ("draining", "torn"):
                 raise Unavailable(f"worker {self.worker_id} is {self.state if not self._paused else 'paused'}")
-            while self._updating and self.mode == "pause":
+            while self._updating:  # a load (pause) or a swap (shadow) is waiting for the calls in flight
                 self._cond.wait()
-            if request.min_policy_version > self.version:
+            version = self.reported_version  # fixed for the call: weights change only while no call is in flight
+            if version < request.min_policy_version:
                 raise FailedPrecondition(
-                    f"min_policy_version: worker has version {self.version} < {request.min_policy_version}"
+                    f"min_policy_version: worker has version {version} < {request.min_policy_version}"
                 )
             self._active += 1
-        try:
-            with self._engine_lock:
-                version = self.reported_version  # fixed for the batch: updates swap only between batches
-                if version < request.min_policy_version:
-                    raise FailedPrecondition(f"min_policy_version: worker has version {version}")
-                should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
-                for c in self.engine.generate(prompts, params, should_abort=should_abort):
-                    self.rate.add(len(c.token_ids))
-                    yield common_pb2.Completion(
-                        prompt_id=request.prompts[c.prompt_index].prompt_id,
-                        sample_index=c.sample_index,
-                        token_ids=c.token_ids,
-                        logprobs=c.logprobs,
-                        finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
-                        policy_version=version,
-                        worker_id=self.worker_id,
-                    )
+        try:  # no lock around the engine: concurrent calls share its decode steps (continuous batching)
+            should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
+            for c in self.engine.generate(prompts, params, should_abort=should_abort):
+                self.rate.add(len(c.token_ids))
+                yield common_pb2.Completion(
+                    prompt_id=request.prompts[c.prompt_index].prompt_id,
+                    sample_index=c.sample_index,
+                    token_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
+                    policy_version=version,
+                    worker_id=self.worker_id,
+                )
         finally:
             with self._cond:
                 self._active -= 1
@@ -308,12 +306,20 @@ class RolloutWorker:
         if self._spare is None or not self._spare.fits(manifest):
             self._spare = WeightArena(manifest, self._device())
         stats = self._receive(manifest, self._spare)
-        with self._engine_lock:  # between batches: re-point the parameters, O(1) per tensor
+        with self._cond:  # new calls wait; the swap happens once the calls in flight have finished
+            self._updating = True
+            while self._active:
+                self._cond.wait()
+        try:  # re-point the parameters, O(1) per tensor
             self._spare.point(self._params())
             self._live, self._spare = self._spare, self._live
             self.version = manifest.version
             if self.state == "torn":
                 self.state = "serving"
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
         return stats
 
     def _device(self) -> torch.device:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -207,3 +210,72 @@ def test_registry_creates_hf_and_lists_known_engines(model_dir) -> None:
     with pytest.raises(ValueError, match="known engines: hf"):
         create_engine("nope")
     assert "hf" in ENGINES
+
+
+def generate_in_threads(engine: HFEngine, calls: list[tuple[list[list[int]], SamplingParams]], delays: list[float]):
+    """Run each call's ``generate`` in its own thread (after its delay); returns each call's completions."""
+    results: list[list[EngineCompletion]] = [[] for _ in calls]
+
+    def run(i: int) -> None:
+        time.sleep(delays[i])
+        results[i] = list(engine.generate(*calls[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_concurrent_calls_share_decode_steps_and_keep_exact_logprobs(model_dir, reference, attn) -> None:
+    """Rows of four calls (different prompt lengths, temperatures, top-p, n) join and leave one running batch;
+    every logprob still equals a plain unpadded forward of prompt + response."""
+    engine = HFEngine(str(model_dir), attn_implementation=attn, max_batch_size=64)
+    calls = [
+        ([PROMPTS[0], PROMPTS[2]], SamplingParams(n=3, temperature=1.0, max_tokens=14, seed=1)),
+        ([PROMPTS[1]], SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=9)),
+        ([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 3]], SamplingParams(n=2, temperature=0, max_tokens=6)),
+        ([PROMPTS[2], PROMPTS[1]], SamplingParams(n=2, temperature=1.3, max_tokens=12, ignore_eos=True)),
+    ]
+    results = generate_in_threads(engine, calls, delays=[0.0, 0.01, 0.03, 0.05])
+    for (prompts, params), completions in zip(calls, results, strict=True):
+        got = by_key(completions)
+        assert set(got) == {(p, s) for p in range(len(prompts)) for s in range(params.n)}
+        for (p, _), c in got.items():
+            temperature = params.temperature or 1.0
+            expected = recompute_logprobs(reference, prompts[p], c.token_ids, temperature)
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert engine._batcher.peak_requests >= 2, "rows of different calls were never decoded together"
+
+
+def test_a_seeded_request_does_not_depend_on_other_traffic(model_dir) -> None:
+    engine = HFEngine(str(model_dir), max_batch_size=64)
+    seeded = ([PROMPTS[0], PROMPTS[1]], SamplingParams(n=3, max_tokens=10, seed=11))
+    alone = {k: c.token_ids for k, c in by_key(list(engine.generate(*seeded))).items()}
+    noise = ([PROMPTS[2]] * 3, SamplingParams(n=4, max_tokens=16))
+    shared = generate_in_threads(engine, [noise, seeded, noise], delays=[0.0, 0.01, 0.02])[1]
+    assert {k: c.token_ids for k, c in by_key(shared).items()} == alone
+
+
+def test_ignore_eos_and_min_tokens(model_dir, reference) -> None:
+    engine = HFEngine(str(model_dir), max_batch_size=64)
+    eos_prone = SamplingParams(n=8, temperature=2.0, max_tokens=12, seed=4)
+    assert any(c.finish_reason == "stop" for c in engine.generate(PROMPTS, eos_prone)), "needs EOS to be sampled"
+    for c in engine.generate(PROMPTS, dataclasses.replace(eos_prone, ignore_eos=True)):
+        assert (c.finish_reason, len(c.token_ids)) == ("length", 12)
+    for c in engine.generate(PROMPTS, dataclasses.replace(eos_prone, min_tokens=5)):
+        assert len(c.token_ids) >= 5 and EOS not in c.token_ids[:5]
+        # the reported logprob stays that of the unmasked softmax (vLLM's raw log-probs)
+        expected = recompute_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, eos_prone.temperature)
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_a_caller_that_stops_listening_frees_its_rows(model_dir) -> None:
+    engine = HFEngine(str(model_dir), max_batch_size=4)
+    stream = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=30, ignore_eos=True))
+    next(stream)
+    stream.close()  # the rest of this request leaves the batch; the engine serves the next call
+    done = list(engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=3)))
+    assert len(done) == len(PROMPTS)

@@ -1,0 +1,321 @@
+"""Continuous batching for in-process engines: every request's rows share the decode steps.
+
+One scheduler thread owns the model. ``submit`` queues a request (its prompts x n rows) and returns a
+``RequestHandle`` whose completions arrive as rows finish. Between two decode steps the loop
+
+1. answers aborts: every unfinished row of a request whose ``should_abort`` turned true (or whose caller
+   went away) leaves the batch and is emitted with finish_reason "abort";
+2. admits waiting rows, oldest request first, up to ``max_rows`` running rows: their distinct prompts are
+   prefilled once and join the running batch (``DecodeState.merge``);
+3. samples one token for every running row (per request: its own temperature, top-p, stop tokens,
+   ``min_tokens``, generator) and emits the rows that finished;
+4. feeds the survivors' tokens through one decode step.
+
+So rows join and leave between steps and no request waits for another to finish. A seeded request draws
+from one generator per row (seeded from the request's seed, prompt and sample index), so its samples do
+not depend on what else shares the batch; unseeded rows draw from the engine's generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from relayrl.rollout.engine import EngineCompletion, FinishReason
+from relayrl.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class DecodeState(Protocol):
+    """A model's decoding state for a batch of rows (KV cache, masks, positions)."""
+
+    def select(self, index: torch.Tensor) -> None: ...
+
+    def merge(self, other: DecodeState) -> None: ...
+
+
+class ModelRunner(Protocol):
+    """What the batcher needs from a model: prefill new rows, decode one token for running rows, sample."""
+
+    device: torch.device
+
+    def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+        """Forward ``prompts`` once each; row i continues prompt ``expand[i]``. (logits [R, V], state)."""
+
+    def decode(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row [B]; returns the next logits [B, V]."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generators: Sequence[torch.Generator],
+        banned: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row and its logprob; one generator for all rows, or one per row."""
+
+
+def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one row of a seeded request: a fixed mix of (seed, prompt, sample) in [0, 2**63)."""
+    return (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + sample_index * 0x94D049BB133111EB) % (
+        1 << 63
+    )
+
+
+@dataclass(eq=False)
+class _Row:
+    request: _Request
+    prompt_index: int
+    sample_index: int
+    generator: torch.Generator | None  # seeded requests: this row's own
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.request.emit(EngineCompletion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason))
+
+
+class _Request:
+    """One ``generate`` call: its rows, its sampling parameters and the queue its completions go to."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_ids: frozenset[int],
+        banned: torch.Tensor,
+        should_abort: Callable[[], bool] | None,
+        device: torch.device,
+    ) -> None:
+        self.prompts, self.params, self.stop_ids, self.banned = prompts, params, stop_ids, banned
+        self._should_abort = should_abort
+        self.cancelled = False
+        self.out: queue.SimpleQueue[EngineCompletion | BaseException] = queue.SimpleQueue()
+        self.unfinished = len(prompts) * params.n
+        self.released = threading.Event()  # set once none of its rows is in the batch any more
+        if self.unfinished == 0:
+            self.released.set()
+        seeded = params.seed is not None
+        self.waiting: deque[_Row] = deque(
+            _Row(self, p, s, _seeded(device, row_seed(params.seed, p, s)) if seeded else None)
+            for p in range(len(prompts))
+            for s in range(params.n)
+        )
+
+    def aborted(self) -> bool:
+        return self.cancelled or (self._should_abort is not None and bool(self._should_abort()))
+
+    def emit(self, completion: EngineCompletion) -> None:
+        self.out.put(completion)
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            self.released.set()
+
+
+def _seeded(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class RequestHandle:
+    """The caller's side of a request: iterate to receive its completions as they finish."""
+
+    def __init__(self, request: _Request, batcher: ContinuousBatcher) -> None:
+        self._request, self._batcher = request, batcher
+
+    def __iter__(self) -> Iterator[EngineCompletion]:
+        request, received = self._request, 0
+        total = len(request.prompts) * request.params.n
+        try:
+            while received < total:
+                item = request.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                received += 1
+                yield item
+        finally:
+            if received < total:  # the caller stopped listening: its rows leave the batch
+                request.cancelled = True
+                self._batcher.wake()
+                request.released.wait()
+
+
+class ContinuousBatcher:
+    """The scheduler described in the module docstring, around one ``ModelRunner``."""
+
+    def __init__(self, runner: ModelRunner, *, max_rows: int, generator: torch.Generator) -> None:
+        self.runner, self.max_rows, self.generator = runner, max_rows, generator
+        self._cond = threading.Condition()
+        self._requests: deque[_Request] = deque()  # admitted or waiting, oldest first
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.peak_rows = 0  # most rows ever decoded together (observability, tests)
+        self.peak_requests = 0  # most requests ever in one decode step
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop_ids: frozenset[int],
+        banned: torch.Tensor,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> RequestHandle:
+        """Queue a request; ``stop_ids`` end a row, ``banned`` ids are masked while a row is under min_tokens."""
+        request = _Request(prompts, params, stop_ids, banned, should_abort, self.runner.device)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if request.unfinished:
+                self._requests.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="continuous-batching", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return RequestHandle(request, self)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the scheduler thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        rows: list[_Row] = []
+        logits: torch.Tensor | None = None
+        state: DecodeState | None = None
+        while True:
+            with self._cond:
+                while not self._closed and not rows and not any(r.waiting for r in self._requests):
+                    self._drop_released()
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_all(rows, RuntimeError("the engine is closed"))
+                    return
+                requests = list(self._requests)
+            try:
+                with torch.inference_mode():
+                    rows, logits, state = self._step(requests, rows, logits, state)
+            except Exception as err:  # one failed step fails its requests, never the engine
+                log.exception("generation step failed; failing the requests in the batch")
+                self._fail_all(rows, err)
+                rows, logits, state = [], None, None
+            with self._cond:
+                self._drop_released()
+
+    def _step(self, requests, rows, logits, state):
+        """Aborts, admission, one sampled token per row, one decode step. Returns the new (rows, logits, state)."""
+        aborted = {id(r) for r in requests if r.aborted()}
+        if aborted:
+            for request in requests:
+                if id(request) in aborted:
+                    while request.waiting:
+                        request.waiting.popleft().finish("abort")
+            keep = [i for i, row in enumerate(rows) if id(row.request) not in aborted]
+            for row in rows:
+                if id(row.request) in aborted:
+                    row.finish("abort")
+            rows, logits, state = self._select(rows, logits, state, keep)
+        joining = self._admit(requests, len(rows))
+        if joining:
+            new_logits, new_state = self._prefill(joining)
+            if state is None:
+                rows, logits, state = joining, new_logits, new_state
+            else:
+                state.merge(new_state)
+                rows, logits = rows + joining, torch.cat([logits, new_logits])
+        if not rows:
+            return [], None, None
+        self.peak_rows = max(self.peak_rows, len(rows))
+        self.peak_requests = max(self.peak_requests, len({id(r.request) for r in rows}))
+        tokens = self._sample(rows, logits)
+        keep = []
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            params = row.request.params
+            if token in row.request.stop_ids:
+                row.finish("stop")
+            elif len(row.token_ids) == params.max_tokens:
+                row.finish("length")
+            else:
+                keep.append(i)
+        rows, _, state = self._select(rows, None, state, keep)
+        if not rows:
+            return [], None, None
+        return rows, self.runner.decode(state, tokens[keep] if len(keep) < len(tokens) else tokens), state
+
+    def _admit(self, requests: list[_Request], running: int) -> list[_Row]:
+        joining: list[_Row] = []
+        for request in requests:
+            while request.waiting and running + len(joining) < self.max_rows:
+                joining.append(request.waiting.popleft())
+        return joining
+
+    def _prefill(self, joining: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
+        """Each distinct (request, prompt) of the joining rows is forwarded once."""
+        slots: dict[tuple[int, int], int] = {}
+        prompts: list[Sequence[int]] = []
+        for row in joining:
+            key = (id(row.request), row.prompt_index)
+            if key not in slots:
+                slots[key] = len(prompts)
+                prompts.append(row.request.prompts[row.prompt_index])
+        expand = torch.tensor([slots[(id(r.request), r.prompt_index)] for r in joining], device=self.runner.device)
+        return self.runner.prefill(prompts, expand)
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """One token per row, sampled per (request, under min_tokens) slice; appends token and logprob."""
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        slices: dict[tuple[int, bool], list[int]] = {}
+        for i, row in enumerate(rows):
+            slices.setdefault((id(row.request), len(row.token_ids) < row.request.params.min_tokens), []).append(i)
+        for (_, held_back), index in slices.items():
+            request = rows[index[0]].request
+            generators = [rows[i].generator for i in index] if request.params.seed is not None else [self.generator]
+            picked, logprobs = self.runner.sample(
+                logits[index], request.params, generators, request.banned if held_back else None
+            )
+            tokens[index] = picked
+            for i, token, logprob in zip(index, picked.tolist(), logprobs.tolist(), strict=True):
+                rows[i].token_ids.append(token)
+                rows[i].logprobs.append(logprob)
+        return tokens
+
+    def _select(self, rows, logits, state, keep: list[int]):
+        """Keep rows ``keep`` (in order) of the rows, their logits (if given) and the decoding state."""
+        if len(keep) == len(rows):
+            return rows, logits, state
+        if not keep:
+            return [], None, None
+        index = torch.tensor(keep, device=self.runner.device)
+        state.select(index)
+        return [rows[i] for i in keep], None if logits is None else logits[index], state
+
+    def _drop_released(self) -> None:
+        """Forget finished requests (called with the lock held)."""
+        while self._requests and self._requests[0].released.is_set():
+            self._requests.popleft()
+        if any(r.released.is_set() for r in self._requests):
+            self._requests = deque(r for r in self._requests if not r.released.is_set())
+
+    def _fail_all(self, rows: list[_Row], err: BaseException) -> None:
+        with self._cond:
+            requests = list(self._requests)
+        for request in requests:
+            if not request.released.is_set():
+                request.waiting.clear()
+                request.out.put(err)
+                request.unfinished = 0
+                request.released.set()
+        rows.clear()
