@@ -98,11 +98,11 @@ def publish_weights(backend: FSDPBackend, syncer: OnDemandSync | None, version: 
     return syncer.publish(version, backend.weight_specs(), backend.gather_weights)
 
 
-def broadcast_bytes(payload: bytes | None) -> bytes:
-    """Rank 0's bytes on every rank (the trainer's own world group)."""
-    box = [payload]
+def broadcast_from_rank0(*values: object) -> list:
+    """Rank 0's values on every rank (the trainer's own world group)."""
+    box = list(values)
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return box
 
 
 def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_seconds: float) -> dict:
@@ -167,11 +167,12 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         syncer = OnDemandSync(publisher, stub, cfg.weight_sync.on_demand_interval_s)  # operator syncs, joiners
         syncer.start()
 
-    if checkpoint is not None:  # workers run newer (lost) or base weights: bring them to the checkpoint
-        sync = publish_weights(backend, syncer, start_step)
-        if rank == 0:
-            rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
-            call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
+    # The starting weights go to every worker first (base weights, or the checkpoint's when workers run newer,
+    # lost ones): each worker's load is checksum-verified, so the first step may use the engines' logprobs.
+    sync = publish_weights(backend, syncer, start_step)
+    if checkpoint is not None and rank == 0:
+        rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
+        call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
 
     stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -179,13 +180,13 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
         payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
-        payload = broadcast_bytes(payload)
+        payload, verified = broadcast_from_rank0(payload, sync.synced if rank == 0 else None)
         if not payload:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
             log.info("stopping before step %d", step)
             stopped = True
             break
         batch_msg = controller_pb2.Batch.FromString(payload)
-        batch = to_train_batch(batch_msg, pad_id)
+        batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=frozenset(verified))
         train = train_on_batch(
             backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
             norm_len=cfg.rollout.max_tokens,

@@ -1,0 +1,91 @@
+"""The training step's old logprobs: the engine's when exact (no extra forward), the same update as recomputing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.step import train_on_batch
+from relayrl.weightsync.group import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class CountingBackend(FSDPBackend):
+    """The FSDP backend, counting forward passes."""
+
+    forwards = 0
+
+    def logprobs(self, *args, **kwargs):
+        self.forwards += 1
+        return super().logprobs(*args, **kwargs)
+
+
+def rollout_batch(backend: FSDPBackend, groups: int = 4, n: int = 4, seed: int = 0) -> TrainBatch:
+    """Random prompts and responses whose rollout logprobs are the backend's own at its current weights."""
+    g = torch.Generator().manual_seed(seed)
+    rows, prompt_len, response_len = groups * n, 5, 7
+    input_ids = torch.randint(2, 20, (rows, prompt_len + response_len), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    response_mask = torch.zeros(rows, prompt_len + response_len - 1)
+    response_mask[:, prompt_len - 1 :] = 1.0
+    with torch.no_grad():
+        rollout = backend.logprobs(input_ids, attention_mask, 1.0)[0] * response_mask
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rollout_logprobs=rollout,
+        rewards=torch.rand(rows, generator=g),
+        scores=torch.zeros(rows),
+        group_ids=torch.arange(groups).repeat_interleave(n),
+        truncated=torch.zeros(rows, dtype=torch.bool),
+        versions=torch.zeros(rows, dtype=torch.long),
+        exact_rollout=torch.ones(rows, dtype=torch.bool),
+    )
+
+
+def train(tiny_model_dir, old_logprobs: str, exact: bool) -> tuple[CountingBackend, dict]:
+    torch.manual_seed(0)
+    tcfg = TrainerConfig(lr=0.01, mini_batches=2)
+    backend = CountingBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
+    batch = rollout_batch(backend)
+    batch = dataclasses.replace(batch, exact_rollout=torch.full_like(batch.exact_rollout, exact))
+    backend.forwards = 0
+    alg = AlgorithmConfig(old_logprobs=old_logprobs)
+    metrics = train_on_batch(backend, batch, alg, tcfg, temperature=1.0, norm_len=7)
+    return backend, metrics
+
+
+def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().clone() for name, p in backend.model.named_parameters()}
+
+
+def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_model_dir) -> None:
+    engine, engine_metrics = train(tiny_model_dir, "auto", exact=True)
+    recomputed, recomputed_metrics = train(tiny_model_dir, "recompute", exact=True)
+    assert engine.forwards == 2 and recomputed.forwards == 4  # 2 mini-batches; recompute adds one forward each
+    assert engine_metrics["old_logprobs_from_engine"] == 1.0 and recomputed_metrics["old_logprobs_from_engine"] == 0
+    for name, tensor in weights(engine).items():
+        torch.testing.assert_close(tensor, weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+    # the mismatch is still measured, from the first mini-batch's forward at the step's starting weights
+    assert engine_metrics["logprob_mismatch_max"] < 1e-5
+    assert abs(engine_metrics["loss"] - recomputed_metrics["loss"]) < 1e-5
+
+
+def test_a_batch_not_generated_by_the_starting_weights_is_recomputed(tiny_model_dir) -> None:
+    backend, metrics = train(tiny_model_dir, "auto", exact=False)
+    assert backend.forwards == 4 and metrics["old_logprobs_from_engine"] == 0
