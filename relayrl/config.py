@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A config problem; the message starts with the key's dotted path."""
 
 
+def _check_threads(value: int | str) -> int | str:
+    if value != "auto" and value < 1:
+        raise ValueError(f"must be >= 1 or 'auto', got {value}")
+    return value
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -74,9 +80,14 @@ class RolloutConfig(Section):
     min_tokens: int = Field(0, ge=0)  # EOS/stop tokens masked until this many tokens (vLLM's min_tokens)
     ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)
-    threads: int = Field(1, ge=1)  # torch intra-op threads per worker process
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/threads.py)
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
+
+    @field_validator("threads")
+    @classmethod
+    def _positive_threads(cls, value: int | str) -> int | str:
+        return _check_threads(value)
 
     @field_validator("temperature")
     @classmethod
@@ -133,7 +144,13 @@ class TrainerConfig(Section):
     epochs: int = Field(1, ge=1)  # passes over the rollout batch
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     export_hf: bool = True
-    threads: int = Field(1, ge=1)
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/threads.py)
+
+    @field_validator("threads")
+    @classmethod
+    def _positive_threads(cls, value: int | str) -> int | str:
+        return _check_threads(value)
+
     pull_timeout_s: float = Field(600.0, gt=0)
     tensorboard: bool = False  # also write metrics as TensorBoard events to <run dir>/tensorboard
     wandb: WandbConfig | None = None  # also log metrics to Weights & Biases (skipped when wandb is not installed)

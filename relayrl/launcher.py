@@ -26,6 +26,7 @@ from relayrl.config import RelayConfig, dump_config
 from relayrl.ops.scaler import LocalScaler
 from relayrl.procs import kill_tree
 from relayrl.services.channels import open_channel
+from relayrl.threads import COLOCATED_ENV, torch_threads
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 from relayrl.weightsync.group import free_port
@@ -47,7 +48,7 @@ class LocalJob:
 
     def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log_file = (self.logs / f"{role}.log").open("ab")
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", **(env or {})}
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
         self.children[role] = proc
         return proc
@@ -143,7 +144,7 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
         "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
         "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
     ] + (["--resume"] if resume else [])  # fmt: skip
-    job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})
+    job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))})
     return job
 
 

@@ -17,6 +17,7 @@ from relayrl.services.channels import configure_client, open_channel
 from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
 from relayrl.services.server import GrpcServer, guarded
 from relayrl.services.validate import check_init_weight_sync, check_length
+from relayrl.threads import torch_threads
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def serve_rollout(
     given) the heartbeat."""
     from relayrl.rollout.engine import create_engine
 
-    torch.set_num_threads(cfg.rollout.threads)
+    torch.set_num_threads(torch_threads(cfg, "rollout"))
     engine = create_engine(
         cfg.rollout.engine,
         model_path=cfg.model.path,

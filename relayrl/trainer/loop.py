@@ -23,6 +23,7 @@ from relayrl.config import RelayConfig, dump_config
 from relayrl.errors import PAUSED_DETAIL
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, call_with_retry
+from relayrl.threads import torch_threads
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
@@ -143,7 +144,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     rank = dist.get_rank()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.set_num_threads(cfg.trainer.threads)
+    torch.set_num_threads(torch_threads(cfg, "trainer"))
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
     backend = FSDPBackend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)

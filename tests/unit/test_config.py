@@ -170,3 +170,27 @@ def test_controller_serve_refuses_a_weak_token_without_printing_it(tmp_path) -> 
     assert result.returncode == 2
     assert "RELAYRL_AUTH_TOKEN: the auth token needs at least 16 characters" in result.stderr
     assert weak not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("staleness", "colocated", "nproc", "rollout", "trainer"),
+    [(0, True, 1, 4, 8), (1, True, 2, 2, 2), (0, False, 1, 8, 8), (1, False, 2, 8, 8)],
+)
+def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) -> None:
+    """8 cores, 2 workers on one machine with the trainer: alternating phases take every core, overlapped
+    phases split them; a role on its own machine takes every core; an explicit count always wins."""
+    from relayrl.threads import torch_threads
+
+    cfg = RelayConfig.model_validate(
+        {
+            "model": {"path": "m"},
+            "data": {"path": "d"},
+            "rollout": {"workers": 2},
+            "trainer": {"nproc": nproc},
+            "controller": {"max_staleness": staleness},
+        }
+    )
+    assert torch_threads(cfg, "rollout", cores=8, colocated=colocated) == rollout
+    assert torch_threads(cfg, "trainer", cores=8, colocated=colocated) == trainer
+    fixed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"threads": 3})})
+    assert torch_threads(fixed, "rollout", cores=8, colocated=colocated) == 3
