@@ -119,6 +119,8 @@ class ControllerConfig(Section):
     generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call
     shutdown_grace_s: float = Field(10.0, ge=0)  # SIGTERM: finish in-flight RPCs for this long
     dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call
+    # Generate calls one worker holds at once: its engine batches them all (continuous batching)
+    worker_max_calls: int = Field(16, ge=1)
     rpc_threads: int = Field(32, ge=4)  # RPCs served at once (a SubmitPrompts stream holds one); more wait in order
     max_workers: int = Field(1024, ge=1)  # registered rollout workers; RegisterWorker beyond: RESOURCE_EXHAUSTED
     max_pull_timeout_s: float = Field(3600.0, gt=0)  # longest PullBatch.timeout_s accepted

@@ -69,7 +69,7 @@ class Controller:
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.run.seed)
         self.ledger = Ledger(self.state_dir / "ledger.jsonl")
         self.progress = self._load_progress()
-        self.registry = WorkerRegistry(ccfg.worker_timeout_s)
+        self.registry = WorkerRegistry(ccfg.worker_timeout_s, max_in_flight=ccfg.worker_max_calls)
         self.dispatcher = Dispatcher(
             self.registry, chunk_size=ccfg.dispatch_chunk, generate_timeout_s=ccfg.generate_timeout_s
         )
