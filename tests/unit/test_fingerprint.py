@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from relayrl.bench.weightsync import random_tensors
+from relayrl.config import WeightSyncConfig
+from relayrl.trainer import sync
 from relayrl.weightsync import (
     Fingerprinter,
     WeightArena,
@@ -141,3 +144,27 @@ def test_arena_placement_puts_buckets_on_the_gpu_only_for_nccl_and_only_when_the
     assert (place.device, place.pin_memory, place.staged) == expected
     with pytest.raises(ValueError, match=r"^backend: 'mpi'"):
         arena_placement("mpi", 1, None)
+
+
+@pytest.mark.parametrize(
+    ("backend", "free", "expected"),
+    [("gloo", 0, ("cpu", False)), ("nccl", 80 << 30, ("cuda", False)), ("nccl", 1 << 10, ("cpu", True))],
+)
+def test_the_trainer_gathers_into_the_arena_the_placement_chooses(
+    monkeypatch: pytest.MonkeyPatch, backend: str, free: int, expected: tuple[str, bool]
+) -> None:
+    """WeightPublisher.arena_for asks arena_placement with the GPU's free memory (NCCL only); the arena is
+    made where it says (recorded here: this build has no GPU) and kept while the specs stay."""
+    made: list[tuple[str, bool]] = []
+
+    def record(layout: WeightManifest, device: str, *, pin_memory: bool) -> WeightArena:
+        made.append((device, pin_memory))
+        return WeightArena(layout)
+
+    monkeypatch.setattr(sync, "WeightArena", record)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, 2 * free))
+    publisher = sync.WeightPublisher(WeightSyncConfig(backend=backend), controller=None, weights_dir="")
+    assert publisher.arena_for(SPECS) is publisher.arena_for(SPECS)
+    assert made == [expected]
+    with pytest.raises(ValidationError, match="verify"):
+        WeightSyncConfig(verify="md5")
