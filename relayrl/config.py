@@ -184,6 +184,9 @@ class WeightSyncConfig(Section):
     bucket_mib: float = Field(512, gt=0)
     timeout_s: float = Field(60.0, gt=0)
     mode: Literal["pause", "shadow"] = "pause"
+    # How workers check the bytes they loaded: "fingerprint" (folded as chunks land, compared in band),
+    # "sha256" (hashed by the trainer before the send and by every worker after it), "off".
+    verify: Literal["fingerprint", "sha256", "off"] = "fingerprint"
     master_address: str = "127.0.0.1"  # address rollout workers reach trainer rank 0 at
     path: str | None = None  # filesystem transport directory (default <run dir>/weights)
     # How often trainer rank 0 looks for operator SyncWeights requests and newly joined workers.

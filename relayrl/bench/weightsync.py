@@ -4,12 +4,18 @@ For every (model size, receiver count) the receivers run as separate OS processe
 model-shaped set of parameters; the sender (this process) plays trainer rank 0. Methods, each timed
 end to end from the sender, the median of ``--repeat`` runs, and verified by checksum:
 
-- ``packed``: relayrl as it runs: the manifest over a control message (receivers resolve + validate
+- ``packed``: relayrl's transfer: the manifest over a control message (receivers resolve + validate
   it and answer; after the first update it travels compact, naming its layout by id) and, while it
   is in flight, ``WeightSender.send`` from the sender's ``WeightArena`` (where the trainer gathers its weights each
   step: the gather is the pack) while the receivers run ``receive_into``: their parameters live in
   an arena too (adopted on the first update, as the hf engine does), so the bytes land in place.
-  Ends in a collective vote.
+  Ends in a collective vote. No verification (``weight_sync.verify: off``).
+- ``verified``: ``packed`` as relayrl runs by default (``verify: fingerprint``): sender and receivers fold
+  the fingerprint of every chunk as it passes, the sender's follows the buckets in band, every receiver
+  compares and the vote carries it; each receiver answers with its fingerprint, checked against the
+  sender's.
+- ``sha256``: ``packed`` verified the way relayrl did before the fingerprint: sha256 of the sender's arena
+  before the send, of every receiver's weights after it, compared by the receiver.
 - ``copying``: relayrl's other path, a copy at each end: the sender packs from separate tensors into
   two staging buffers (double-buffered, chunk-pipelined), the receivers take it the way vLLM / SGLang
   workers must: ``receive_weights`` into two staging buffers, each view copied into its parameter.
@@ -26,7 +32,10 @@ kept-open TCP connection: the cheapest real round trip there is, the per-tensor 
 Either way the packed path pays the same per message, once per update.
 
 ``per_tensor_vs_raw`` is the ceiling of any speed-up over per-tensor on the link measured: even the
-raw single-buffer broadcast is only that much faster than per-tensor.
+raw single-buffer broadcast is only that much faster than per-tensor. ``verified_over_raw`` (seconds of
+a verified update / seconds of the raw broadcast) is what verification leaves of the transfer's speed.
+Verification alone is timed in the sender, per GiB: ``fingerprint_s_per_gib`` (folding the arena's
+chunks, as the sender does during a send), ``sha256_s_per_gib`` (``weights_checksum(..., method="sha256")``).
 """
 
 from __future__ import annotations
@@ -63,13 +72,16 @@ from relayrl.weightsync import (
     WeightBroadcastGroup,
     WeightManifest,
     WeightSender,
+    checksum_method,
     read_weights,
     receive_into,
     receive_weights,
     weights_checksum,
     write_weights,
 )
+from relayrl.weightsync.fingerprint import Fingerprinter
 from relayrl.weightsync.manifest import Spec, dtype_from_name, dtype_name, nbytes_of
+from relayrl.weightsync.packing import transfer_chunks
 
 MIB = 1 << 20
 PER_LAYER = 12  # q/k/v/o weights, q/k/v biases, gate/up/down, two norms
@@ -294,14 +306,20 @@ class _Receiver:
         checksum = _sha256(self.raw) if h["of"] == "raw" else weights_checksum(self.params.items())
         self.reply({"ok": True, "checksum": checksum})
 
-    def on_packed(self, _h: dict[str, Any], payload: bytes) -> None:
+    def on_packed(self, h: dict[str, Any], payload: bytes) -> None:
+        """Received in place, then checked as the rollout worker checks (``verify`` / ``checksum``)."""
         manifest = self._manifest(payload)
         rss_before, adopt_extra = _rss_bytes(), 0
         if self.arena is None or not self.arena.fits(manifest):  # first update: move params in, a bucket at a time
             self.arena = WeightArena.adopt(manifest, self.params)
             adopt_extra = max(b.nbytes for b in manifest.buckets)
         stats = receive_into(self.group, manifest, self.arena)
-        self._remember("packed", stats.peak_extra_bytes + adopt_extra, rss_before)
+        checksum = stats.checksum
+        if manifest.checksum:
+            checksum = weights_checksum(self.params.items(), method=checksum_method(manifest.checksum))
+            if checksum != manifest.checksum:
+                raise ValueError(f"checksum: {checksum[:12]} != manifest {manifest.checksum[:12]}")
+        self._remember(h["op"], stats.peak_extra_bytes + adopt_extra, rss_before, checksum)
 
     def on_copying(self, _h: dict[str, Any], payload: bytes) -> None:
         manifest = self._manifest(payload)
@@ -314,10 +332,10 @@ class _Receiver:
         manifest.validate_against(self.specs)
         return manifest
 
-    def _remember(self, method: str, peak_extra: int, rss_before: int) -> None:
+    def _remember(self, method: str, peak_extra: int, rss_before: int, checksum: str = "") -> None:
         """Answer once the update is in (as UpdateWeights does), keeping its memory figures for ``stats``."""
         self.last[method] = {"peak_extra": peak_extra, "rss_growth": _rss_bytes() - rss_before}
-        self.reply({"ok": True})
+        self.reply({"ok": True, "checksum": checksum})
 
     def on_stats(self, h: dict[str, Any], _: bytes) -> None:
         self.reply({"ok": True, **self.last[h["of"]]})
@@ -446,21 +464,28 @@ class _Cell:
 def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
     """Manifest built, serialised and sent to every receiver, and the send started at once (as the
     trainer's UpdateWeights calls are in flight while it broadcasts); done when every receiver has
-    answered. "packed": from the sender's arena into the receivers' arenas; "copying": packed from
-    the tensors and received through staging buffers."""
+    answered. "packed" / "verified" / "sha256": from the sender's arena into the receivers' arenas, with
+    no check, the in-band fingerprint, or sha256 at both ends (timed); "copying": packed from the tensors
+    and received through staging buffers. A verified update's ``agreed``: every receiver answered with
+    the sender's checksum."""
     cell.version += 1
     start = time.perf_counter()
-    manifest = cell.builder.build(cell.specs, version=cell.version)
-    cell.fleet.start({"op": method}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
+    checksum = weights_checksum(cell.arena.views(), method="sha256") if method == "sha256" else ""
+    verify = {"verified": "fingerprint", "sha256": ""}.get(method, "off")
+    manifest = cell.builder.build(cell.specs, version=cell.version, checksum=checksum, verify=verify)
+    op = "copying" if method == "copying" else "packed"
+    cell.fleet.start({"op": op}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
     cell.layout_sent = True
-    cell.sender.send(cell.group, manifest, cell.arena if method == "packed" else cell.tensors)
-    cell.fleet.results()
+    sent = cell.sender.send(cell.group, manifest, cell.tensors if method == "copying" else cell.arena)
+    answers = cell.fleet.results()
     seconds = time.perf_counter() - start
-    replies = cell.fleet.call({"op": "stats", "of": method})
+    replies = cell.fleet.call({"op": "stats", "of": op})
+    expected = checksum or sent.checksum
     return {
         "seconds": seconds,
         "peak_extra": max(r["peak_extra"] for r in replies),
         "rss_growth": max(r["rss_growth"] for r in replies),
+        "agreed": all(a["checksum"] == expected for a in answers),
     }
 
 
@@ -499,6 +524,8 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
     expected = {"params": weights_checksum(cell.tensors.items()), "raw": _sha256(flat)}
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "packed": lambda: _run_packed(cell, "packed"),
+        "verified": lambda: _run_packed(cell, "verified"),
+        "sha256": lambda: _run_packed(cell, "sha256"),
         "copying": lambda: _run_packed(cell, "copying"),
         "raw": lambda: _run_raw(cell, flat),
         "per_tensor": lambda: _run_per_tensor(cell),
@@ -516,10 +543,37 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
                 kind = "raw" if method == "raw" else "params"
                 replies = cell.fleet.call({"op": "checksum", "of": kind})
                 verified[method] = all(r["checksum"] == expected[kind] for r in replies)
+                verified[method] &= runs[method][-1].get("agreed", True)
         timed = ", ".join(f"{m} {runs[m][-1]['seconds']:.3f}" for m in runners)
         log(f"    {'warm-up' if round_index == 0 else f'round {round_index}'}: {timed} s")
     log(f"    verified: {verified}")
-    return _row(cell, runs, verified)
+    return _row(cell, runs, verified) | _time_verification(cell, repeat)
+
+
+def _time_verification(cell: _Cell, repeat: int) -> dict[str, float]:
+    """Seconds per GiB of verification alone on the sender, median of ``repeat`` (+1 warm-up): the
+    fingerprint folded over the arena's chunks (what a send does along the way), sha256 of its tensors."""
+
+    def fold() -> None:
+        fingerprinter = Fingerprinter(cell.manifest, cell.group.chunk_bytes, "cpu")
+        for bucket, flat in zip(cell.manifest.buckets, cell.arena.buckets, strict=True):
+            for chunk in transfer_chunks(cell.manifest, bucket, cell.group.chunk_bytes):
+                fingerprinter.add(bucket.index, chunk.start, flat[chunk.start : chunk.end])
+        fingerprinter.digest()
+
+    def sha256() -> None:
+        weights_checksum(cell.arena.views(), method="sha256")
+
+    gib = cell.manifest.total_bytes / (1 << 30)
+    row = {}
+    for name, run in (("fingerprint", fold), ("sha256", sha256)):
+        times = []
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        row[f"{name}_s_per_gib"] = round(statistics.median(times[1:]) / gib, 4)
+    return row
 
 
 def _sha256(t: torch.Tensor) -> str:
@@ -542,6 +596,8 @@ def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str,
     row |= {f"{m}_gbps": round(nbytes / s / 1e9, 3) for m, s in seconds.items()}
     row |= {
         "packed_vs_raw": round(seconds["raw"] / seconds["packed"], 3),
+        "verified_over_raw": round(seconds["verified"] / seconds["raw"], 3),
+        "sha256_over_raw": round(seconds["sha256"] / seconds["raw"], 3),
         "copying_vs_raw": round(seconds["raw"] / seconds["copying"], 3),
         "speedup_vs_per_tensor": round(seconds["per_tensor"] / seconds["packed"], 2),
         "per_tensor_vs_raw": round(seconds["per_tensor"] / seconds["raw"], 2),
@@ -606,6 +662,8 @@ COLUMNS = [
     ("tensors", "tensors", "{}"),
     ("receivers", "recv", "{}"),
     ("packed_s", "packed s", "{:.3f}"),
+    ("verified_s", "verified s", "{:.3f}"),
+    ("sha256_s", "sha256 s", "{:.3f}"),
     ("copying_s", "copying s", "{:.3f}"),
     ("raw_s", "raw s", "{:.3f}"),
     ("per_tensor_s", "per-tensor s", "{:.3f}"),
@@ -613,6 +671,10 @@ COLUMNS = [
     ("packed_gbps", "packed GB/s", "{:.2f}"),
     ("raw_gbps", "raw GB/s", "{:.2f}"),
     ("packed_vs_raw", "packed/raw", "{:.2f}"),
+    ("verified_over_raw", "verified s/raw s", "{:.2f}"),
+    ("sha256_over_raw", "sha256 s/raw s", "{:.2f}"),
+    ("fingerprint_s_per_gib", "fp s/GiB", "{:.3f}"),
+    ("sha256_s_per_gib", "sha256 s/GiB", "{:.3f}"),
     ("copying_vs_raw", "copying/raw", "{:.2f}"),
     ("speedup_vs_per_tensor", "x per-tensor", "{:.1f}"),
     ("per_tensor_vs_raw", "ceiling", "{:.1f}"),

@@ -29,7 +29,7 @@ from relayrl.rollout.engine import InferenceEngine
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.arena import WeightArena
-from relayrl.weightsync.checksum import weights_checksum
+from relayrl.weightsync.checksum import checksum_method, weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import latest_version, read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
@@ -199,11 +199,12 @@ class RolloutWorker:
             )
         )
 
-    def _checksum(self) -> str:
-        """sha256 of the loaded weights; an engine that receives them itself hashes what it loaded."""
+    def _checksum(self, like: str = "") -> str:
+        """weights_checksum of the loaded weights by the method of ``like``; an engine that receives them
+        itself hashes what it loaded."""
         if self.engine_receives:
             return self.engine.loaded_checksum()
-        return weights_checksum(self.engine.named_weights())
+        return weights_checksum(self.engine.named_weights(), method=checksum_method(like))
 
     def update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
         manifest = self._checked_manifest(request.manifest)
@@ -211,7 +212,8 @@ class RolloutWorker:
             raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
         start = time.perf_counter()
         stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
-        checksum = self._checksum()
+        # stats.checksum: the fingerprint folded as the bytes landed, already compared with the sender's in band
+        checksum = stats.checksum or ("" if manifest.verify == "off" else self._checksum(manifest.checksum))
         if manifest.checksum and checksum != manifest.checksum:
             self.state = "torn"
             raise FailedPrecondition(f"checksum: loaded weights {checksum[:12]} != manifest {manifest.checksum[:12]}")

@@ -1,8 +1,14 @@
 """Trainer rank 0's side of weight sync: group membership, one manifest per update, packed buckets.
 
-The step's weights are gathered into ``arena_for(specs)``: a ``WeightArena`` in the manifest's layout
-(CPU, pinned for NCCL), so on gloo the buckets go out as they are and on NCCL they are copied to the
-GPU chunk by chunk while the previous chunk is on the wire.
+The step's weights are gathered into ``arena_for(specs)``: a ``WeightArena`` in the manifest's layout,
+placed by ``arena_placement``: on gloo in host memory, sent as it is; on NCCL in GPU memory when a copy
+of the weights fits there (the gather is a device-to-device copy and the buckets are broadcast from
+device memory), else in pinned host memory, copied to the GPU chunk by chunk while the previous chunk
+is on the wire.
+
+Verification (``weight_sync.verify``): ``fingerprint`` is folded by the sender and every receiver as the
+chunks pass and compared in band (filesystem transport: computed before the write, checked after the
+read); ``sha256`` is hashed before the send and by every worker after its load; ``off`` checks nothing.
 
 Per update: ask the controller for the live workers; (re-)form the broadcast group when membership
 changed; send one UpdateWeights(manifest) per worker and broadcast the buckets while those calls are
@@ -27,7 +33,7 @@ from relayrl.config import WeightSyncConfig
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from relayrl.weightsync.arena import WeightArena
+from relayrl.weightsync.arena import WeightArena, arena_placement
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
@@ -79,7 +85,9 @@ class WeightPublisher:
         layout = self.builder.build(specs, version=0)
         if self._arena is None or not self._arena.fits(layout):
             self._arena = None  # free the old one first
-            self._arena = WeightArena(layout, "cpu", pin_memory=self.backend == "nccl")
+            free = torch.cuda.mem_get_info()[0] if self.backend == "nccl" else None
+            place = arena_placement(self.backend, sum(b.nbytes for b in layout.buckets), free)
+            self._arena = WeightArena(layout, place.device, pin_memory=place.pin_memory)
             self._layout_holders.clear()
         return self._arena
 
@@ -128,12 +136,14 @@ class WeightPublisher:
         """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
         ``arena_for``). Never raises for a worker's failure; reports it."""
         start = time.perf_counter()
-        checksum = weights_checksum(weights.views())
+        method, in_band = self.cfg.verify, self.cfg.verify == "fingerprint" and self.cfg.transport == "broadcast"
+        checksum = "" if in_band or method == "off" else weights_checksum(weights.views(), method=method)
         manifest = weights.manifest.with_header(
             version=version,
             checksum=checksum,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
             transport=self.cfg.transport,
+            verify="fingerprint" if in_band else "off" if method == "off" else "",
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
@@ -156,13 +166,13 @@ class WeightPublisher:
                 break
             if self.cfg.transport == "filesystem":
                 write_weights(self.weights_dir, manifest, dict(weights.views()))
-                outcome = self._update(members, manifest, None, weights)
+                outcome, checksum = self._update(members, manifest, None, weights)
             else:
                 if members != self.members or self.group is None:
                     failed.update(self._form_group(members))
                     if self.group is None:
                         continue
-                outcome = self._update(self.members, manifest, self.group, weights)
+                outcome, checksum = self._update(self.members, manifest, self.group, weights)
             synced = [wid for wid, reason in outcome.items() if reason is None]
             broken = {wid: reason for wid, reason in outcome.items() if reason is not None}
             if not broken:
@@ -175,8 +185,9 @@ class WeightPublisher:
 
     def _update(
         self, members: list[tuple[str, str]], manifest: WeightManifest, group, weights: WeightArena
-    ) -> dict[str, str | None]:
-        """UpdateWeights on every member while (broadcast transport) the buckets go out."""
+    ) -> tuple[dict[str, str | None], str]:
+        """UpdateWeights on every member while (broadcast transport) the buckets go out; the outcome per
+        member and the checksum the members were checked against (in band: the sender's fingerprint)."""
         group_name = group.group_name if group else ""
         full = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(), group_name=group_name)
         compact = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(compact=True), group_name=group_name)
@@ -186,17 +197,18 @@ class WeightPublisher:
             )
             for wid, addr in members
         }
-        send_error = None
+        send_error, expected = None, manifest.checksum
         if group is not None:
             try:
-                self.sender.send(group, manifest, weights)
+                expected = self.sender.send(group, manifest, weights).checksum or expected
             except WeightSyncError as err:
                 send_error = str(err)
         outcome: dict[str, str | None] = {}
         for wid, future in futures.items():
             try:
                 response = future.result()
-                ok = response.policy_version == manifest.version and response.checksum == manifest.checksum
+                same = not expected or response.checksum == expected
+                ok = response.policy_version == manifest.version and same
                 outcome[wid] = None if ok else f"loaded version {response.policy_version} checksum mismatch"
             except grpc.RpcError as err:
                 outcome[wid] = f"{err.code().name}: {err.details()}"
@@ -207,7 +219,7 @@ class WeightPublisher:
                 self._layout_holders.add(wid)
             else:
                 self._layout_holders.discard(wid)
-        return outcome
+        return outcome, expected
 
     def _probe(self, broken: dict[str, str], addresses: dict[str, str]) -> dict[str, str]:
         """Of the workers whose update failed, those that do not answer Stats are dead: leave them out."""

@@ -85,7 +85,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id")
+    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id", "verify")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class WeightManifest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
@@ -100,4 +101,5 @@ class WeightManifest(_message.Message):
     path: str
     checksum: str
     layout_id: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ...) -> None: ...
+    verify: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ..., verify: _Optional[str] = ...) -> None: ...

@@ -1,11 +1,13 @@
 """Weight sync: one manifest per update, packed double-buffered buckets over a separate c10d group,
 received in place into a ``WeightArena`` (or through staging buffers), a filesystem fallback driven
-by the same manifest, and a checksum to compare the two ends."""
+by the same manifest, and checksums to compare the two ends: a fingerprint folded as the chunks pass
+and compared in band (the default), or sha256."""
 
-from relayrl.weightsync.arena import WeightArena, same_layout
-from relayrl.weightsync.checksum import weights_checksum
-from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from relayrl.weightsync.arena import Placement, WeightArena, arena_placement, same_layout
+from relayrl.weightsync.checksum import checksum_method, weights_checksum
+from relayrl.weightsync.errors import WeightMismatch, WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import latest_version, read_weights, write_weights
+from relayrl.weightsync.fingerprint import Fingerprinter
 from relayrl.weightsync.group import WeightBroadcastGroup, free_port
 from relayrl.weightsync.manifest import (
     BucketSpec,
@@ -24,8 +26,10 @@ from relayrl.weightsync.stats import ReceiveStats, SendStats, TransferStats
 __all__ = [
     "BucketSpec",
     "BufferPair",
+    "Fingerprinter",
     "LayoutCache",
     "ManifestBuilder",
+    "Placement",
     "ReceiveStats",
     "SendStats",
     "TensorSpec",
@@ -34,10 +38,13 @@ __all__ = [
     "WeightArena",
     "WeightBroadcastGroup",
     "WeightManifest",
+    "WeightMismatch",
     "WeightSender",
     "WeightSyncError",
     "WeightSyncTimeout",
+    "arena_placement",
     "build_manifest",
+    "checksum_method",
     "free_port",
     "latest_version",
     "pack_bucket",

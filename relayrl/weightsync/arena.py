@@ -8,17 +8,54 @@ straight into the weights: no staging buffer, no unpack copy, no extra memory.
 ``adopt`` moves live parameters into a new arena one bucket at a time (allocate the bucket, copy its
 tensors in, re-point them, let their old storage go), so the peak extra memory of the move is one
 bucket, not one model.
+
+``arena_placement`` decides where trainer rank 0 keeps the arena its weights are gathered into.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
+from relayrl.weightsync.fingerprint import Fingerprinter
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.packing import tensor_view, transfer_chunks
+
+DEVICE_ARENA_BUDGET = 0.5  # at most this share of the GPU's free memory goes to a device arena
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an arena lives (``device``, ``pin_memory``) and whether its buckets reach the group through
+    staging buffers on the group's device (``staged``: one host-to-device copy per chunk) or in place."""
+
+    device: str
+    pin_memory: bool
+    staged: bool
+
+
+def arena_placement(
+    backend: str, nbytes: int, device_free_bytes: int | None, budget: float = DEVICE_ARENA_BUDGET
+) -> Placement:
+    """The arena trainer rank 0 gathers ``nbytes`` of weights into, for a weight group on ``backend``:
+
+    - gloo: host memory, broadcast in place;
+    - nccl, when ``nbytes <= budget * device_free_bytes``: GPU memory; the gather is a device-to-device copy
+      and the buckets are broadcast from device memory in place (no host round trip);
+    - nccl otherwise (``device_free_bytes`` None: unknown), e.g. a model too large for a second copy on
+      rank 0's GPU: pinned host memory, each chunk copied into a device staging buffer while the previous
+      one is on the wire (the sender's double buffers: two chunks of device memory).
+    """
+    if backend == "gloo":
+        return Placement("cpu", pin_memory=False, staged=False)
+    if backend != "nccl":
+        raise ValueError(f"backend: {backend!r} is not 'gloo' or 'nccl'")
+    if device_free_bytes is not None and nbytes <= budget * device_free_bytes:
+        return Placement("cuda", pin_memory=False, staged=False)
+    return Placement("cpu", pin_memory=True, staged=True)
 
 
 def same_layout(a: WeightManifest, b: WeightManifest) -> bool:
@@ -90,21 +127,31 @@ class WeightArena:
         for name, view in self.views():
             params[name].data = view
 
-    def broadcast(self, group: WeightBroadcastGroup, src: int, progress: Callable[[int], None] | None = None) -> None:
+    def broadcast(
+        self,
+        group: WeightBroadcastGroup,
+        src: int,
+        progress: Callable[[int], None] | None = None,
+        fold: Fingerprinter | None = None,
+    ) -> None:
         """Every bucket over ``group`` in place, chunk by chunk (``transfer_chunks``): rank ``src`` sends
         its arena, the others receive into theirs. All chunks are posted at once (the backend runs them
-        in order); ``progress(bytes so far)`` is called as each completes."""
+        in order); as each completes it is folded into ``fold`` (while the next ones are on the wire)
+        and ``progress(bytes so far)`` is called."""
         if self.device.type != group.device.type:
             raise ValueError(f"device: arena on {self.device}, the weight group runs on {group.device}")
         posted = [
-            (chunk.end - chunk.start, group.broadcast_async(flat[chunk.start : chunk.end], src=src))
+            (bucket.index, chunk.start, flat[chunk.start : chunk.end])
             for bucket, flat in zip(self.manifest.buckets, self.buckets)
             for chunk in transfer_chunks(self.manifest, bucket, group.chunk_bytes)
         ]
+        works = [group.broadcast_async(piece, src=src) for _, _, piece in posted]
         done = 0
-        for nbytes, work in posted:
+        for (bucket, start, piece), work in zip(posted, works):
             group.wait(work)
-            done += nbytes
+            if fold is not None:
+                fold.add(bucket, start, piece)
+            done += piece.numel()
             if progress is not None:
                 progress(done)
 

@@ -1,12 +1,18 @@
-"""A content hash of named weights, for checking that trainer and workers hold the same bytes.
+"""Checksums of named weights, for checking that trainer and workers hold the same bytes. Two methods:
+
+``fingerprint`` (the default; see ``relayrl.weightsync.fingerprint``): "fp:" + hex, integer sums computed
+on the tensors' own device at memory speed, and folded chunk by chunk while an update lands.
+
+``sha256``: bare hex,
 
     tensor(t) = sha256(name \\0 dtype \\0 shape \\0 || bytes of t viewed as uint8)
-    checksum  = sha256(tensor(t) for t in sorted name order), hex
+    checksum  = sha256(tensor(t) for t in sorted name order)
 
-Tensors are hashed on a thread pool (hashlib releases the GIL on large buffers; a tensor that is
-not on the CPU is copied there by its own task, so at most ``threads`` such copies exist at once):
-the hash of a model runs at up to ``threads`` x one core's sha256 speed (~1.8 GB/s per core with
-SHA-NI), bounded below by its largest tensor.
+hashed on a thread pool (hashlib releases the GIL on large buffers; a tensor that is not on the CPU is
+copied there by its own task, so at most ``threads`` such copies exist at once): up to ``threads`` x one
+core's sha256 speed (~1.8 GB/s per core with SHA-NI), bounded below by the largest tensor.
+
+A checksum string names its method (``checksum_method``), so a receiver checks by the sender's rule.
 """
 
 from __future__ import annotations
@@ -15,10 +21,15 @@ import hashlib
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import torch
 
+from relayrl.weightsync.fingerprint import PREFIX, fingerprint
 from relayrl.weightsync.manifest import dtype_name
+
+Method = Literal["fingerprint", "sha256"]
+METHODS: tuple[str, ...] = ("fingerprint", "sha256")
 
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
@@ -28,17 +39,29 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     return digest.digest()
 
 
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], *, threads: int | None = None) -> str:
-    """The checksum above over every (name, tensor); any dtype (bfloat16 included) is hashed by its
-    bytes, so equal digests mean bit-identical weights. ValueError on a repeated name.
+def checksum_method(checksum: str) -> Method:
+    """The method that made ``checksum`` ("fp:..." -> fingerprint, hex -> sha256); fingerprint for ""."""
+    return "sha256" if checksum and not checksum.startswith(PREFIX) else "fingerprint"
 
-    ``threads``: hashing threads (default min(8, CPU count)); the digest does not depend on it.
+
+def weights_checksum(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, method: Method = "fingerprint", threads: int | None = None
+) -> str:
+    """The checksum of every (name, tensor) by ``method``; any dtype (bfloat16 included) is taken by its
+    bytes, so equal checksums mean the same weights. Tensors stay where they are (fingerprint: summed on
+    their device, 16 bytes each come back). ValueError on a repeated name or an unknown method.
+
+    ``threads``: sha256 hashing threads (default min(8, CPU count)); the checksum does not depend on it.
     """
+    if method not in METHODS:
+        raise ValueError(f"method: {method!r} is not one of {METHODS}")
     by_name: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if name in by_name:
             raise ValueError(f"{name}: appears twice")
         by_name[name] = tensor
+    if method == "fingerprint":
+        return fingerprint(list(by_name.items()))
     names = sorted(by_name)
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
         digests = pool.map(tensor_digest, names, [by_name[name] for name in names])

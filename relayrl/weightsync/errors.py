@@ -1,10 +1,10 @@
-"""Weight-sync failures. Both are retryable at the RPC boundary: re-form the group and sync again."""
+"""Weight-sync failures. The first two are retryable at the RPC boundary: re-form the group and sync again."""
 
 from __future__ import annotations
 
 import grpc
 
-from relayrl.errors import RelayError
+from relayrl.errors import FailedPrecondition, RelayError
 
 
 class WeightSyncError(RelayError):
@@ -15,3 +15,7 @@ class WeightSyncError(RelayError):
 
 class WeightSyncTimeout(WeightSyncError):
     """A collective did not complete within the group's timeout (a peer hangs or is gone)."""
+
+
+class WeightMismatch(FailedPrecondition):
+    """The bytes that landed are not the bytes that were sent (their fingerprints differ); the group is fine."""

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from relayrl.weightsync.manifest import ALIGN
 
 Backend = Literal["gloo", "nccl"]
 
@@ -124,7 +125,8 @@ class WeightBroadcastGroup:
         *,
         chunk_bytes: int | None = None,
     ) -> None:
-        """``chunk_bytes`` (default: CHUNK_BYTES[backend]) must be the same on every member."""
+        """``chunk_bytes`` (default: CHUNK_BYTES[backend]; a multiple of ALIGN, so that chunks can be
+        fingerprinted as they land) must be the same on every member."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: {rank} is outside [0, {world_size})")
         if backend not in ("gloo", "nccl"):
@@ -132,6 +134,8 @@ class WeightBroadcastGroup:
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.backend, self.timeout_s, self.device = backend, timeout_s, torch.device(device)
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES[backend]
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes: {self.chunk_bytes} is not a positive multiple of {ALIGN}")
         self.broken = False
         self._timeout = datetime.timedelta(seconds=timeout_s)
         try:

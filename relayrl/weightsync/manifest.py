@@ -27,6 +27,8 @@ from relayrl.v1 import common_pb2 as pb
 ALIGN = 256
 DEFAULT_BUCKET_BYTES = 512 << 20
 TRANSPORTS = ("broadcast", "filesystem")
+# WeightManifest.verify: "fingerprint" in band (broadcast), "off" (receivers check nothing), "" (by ``checksum``)
+VERIFY = ("", "fingerprint", "off")
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -88,6 +90,7 @@ class WeightManifest:
     transport: str = "broadcast"
     path: str = ""
     checksum: str = ""
+    verify: str = ""  # one of VERIFY; "fingerprint": the sender's fingerprint follows the buckets over the group
     _by_bucket: dict[int, list[TensorSpec]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -128,14 +131,17 @@ class WeightManifest:
         return hashlib.sha256(layout.SerializeToString(deterministic=True)).hexdigest()
 
     def with_header(
-        self, *, version: int, checksum: str = "", path: str = "", transport: str = "broadcast"
+        self, *, version: int, checksum: str = "", path: str = "", transport: str = "broadcast", verify: str = ""
     ) -> WeightManifest:
         """This layout for another update: a shallow copy with a new header (the layout, already checked,
         is shared with this manifest, and so is its computed ``layout_id``)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: {transport!r} is not one of {TRANSPORTS}")
+        if verify and verify != self.verify:
+            _check_verify(self.tensors, verify)
         manifest = copy.copy(self)
-        for name, value in (("version", version), ("checksum", checksum), ("path", path), ("transport", transport)):
+        header = {"version": version, "checksum": checksum, "path": path, "transport": transport, "verify": verify}
+        for name, value in header.items():
             object.__setattr__(manifest, name, value)
         return manifest
 
@@ -149,6 +155,7 @@ class WeightManifest:
             path=self.path,
             checksum=self.checksum,
             layout_id=self.layout_id,
+            verify=self.verify,
         )
 
     def _tensor_protos(self) -> list[pb.TensorSpec]:
@@ -176,6 +183,7 @@ class WeightManifest:
             transport=msg.transport or "broadcast",  # proto3 default "" = unset
             path=msg.path,
             checksum=msg.checksum,
+            verify=msg.verify,
         )
         if msg.layout_id and msg.layout_id != manifest.layout_id:
             raise ValueError(f"layout_id: {msg.layout_id[:12]} is not the id of the layout sent with it")
@@ -194,6 +202,7 @@ def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
     """Check every invariant a receiver relies on; return the tensors of each bucket by offset."""
     if m.transport not in TRANSPORTS:
         raise ValueError(f"transport: {m.transport!r} is not one of {TRANSPORTS}")
+    _check_verify(m.tensors, m.verify)
     by_bucket: dict[int, list[TensorSpec]] = {}
     for i, b in enumerate(m.buckets):
         if b.index != i or b.nbytes < 0:
@@ -220,6 +229,15 @@ def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
             if prev.offset + prev.nbytes > cur.offset:
                 raise ValueError(f"{cur.name}: overlaps {prev.name} in bucket {index}")
     return by_bucket
+
+
+def _check_verify(tensors: Sequence[TensorSpec], verify: str) -> None:
+    """ValueError unless ``verify`` is known and (fingerprint) every tensor starts at an ALIGN multiple."""
+    if verify not in VERIFY:
+        raise ValueError(f"verify: {verify!r} is not one of {VERIFY}")
+    misaligned = next((t for t in tensors if t.offset % ALIGN), None) if verify == "fingerprint" else None
+    if misaligned is not None:
+        raise ValueError(f"verify: fingerprint needs offsets that are multiples of {ALIGN}, {misaligned.name} is not")
 
 
 def build_manifest(
@@ -259,12 +277,16 @@ class ManifestBuilder:
         self._specs: list[Spec] = []
         self._layout: WeightManifest | None = None
 
-    def build(self, specs: Sequence[Spec], *, version: int, checksum: str = "", path: str = "") -> WeightManifest:
+    def build(
+        self, specs: Sequence[Spec], *, version: int, checksum: str = "", path: str = "", verify: str = ""
+    ) -> WeightManifest:
         specs = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
         if self._layout is None or specs != self._specs:
             self._layout = build_manifest(specs, version=version, bucket_bytes=self.bucket_bytes)
             self._specs = specs
-        return self._layout.with_header(version=version, checksum=checksum, path=path, transport=self.transport)
+        return self._layout.with_header(
+            version=version, checksum=checksum, path=path, transport=self.transport, verify=verify
+        )
 
 
 class UnknownLayout(KeyError):
@@ -290,7 +312,11 @@ class LayoutCache:
             if layout is None:
                 raise UnknownLayout(msg.layout_id)
             manifest = layout.with_header(
-                version=msg.version, checksum=msg.checksum, path=msg.path, transport=msg.transport or "broadcast"
+                version=msg.version,
+                checksum=msg.checksum,
+                path=msg.path,
+                transport=msg.transport or "broadcast",
+                verify=msg.verify,
             )
         self._layouts.move_to_end(manifest.layout_id)
         while len(self._layouts) > self.capacity:

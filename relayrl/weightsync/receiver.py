@@ -9,6 +9,11 @@ slot k % 2, every chunk of bucket k+1 is already posted into the other slot (who
 fully loaded), so the extra memory is at most two buckets (``peak_extra_bytes``). ``load_fn`` is
 called with views of the tensors a chunk completes, as soon as it arrives; it must copy them into
 the engine's parameters before returning (the buffer is overwritten two buckets later).
+
+Both fold every chunk into the update's fingerprint as it lands when the manifest asks for it
+(``verify: fingerprint``), compare it with the sender's (broadcast after the last bucket) and vote the
+result: a mismatch raises ``WeightMismatch`` here and fails the sender's send; ``ReceiveStats.checksum``
+is the fingerprint of what landed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from relayrl.weightsync.arena import WeightArena
+from relayrl.weightsync.errors import WeightMismatch
+from relayrl.weightsync.fingerprint import Fingerprinter, exchange, in_band
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.packing import BufferPair, Chunk, check_device, transfer_chunks, views
@@ -43,14 +50,34 @@ def receive_into(
     if not arena.fits(manifest):
         raise ValueError(f"manifest: version {manifest.version} does not have the layout of the arena")
     start = time.perf_counter()
-    arena.broadcast(group, src, progress)
-    group.all_ok(True)
+    fold = in_band(manifest, group)
+    arena.broadcast(group, src, progress, fold)
+    checksum = _verify(group, manifest, fold, src, None)
     return ReceiveStats(
         seconds=time.perf_counter() - start,
         nbytes=manifest.total_bytes,
         buckets=len(manifest.buckets),
         peak_extra_bytes=0,
+        checksum=checksum,
     )
+
+
+def _verify(
+    group: WeightBroadcastGroup,
+    manifest: WeightManifest,
+    fold: Fingerprinter | None,
+    src: int,
+    failure: Exception | None,
+) -> str:
+    """The in-band comparison (when ``fold``) and the closing vote; raises ``failure`` (a load that failed)
+    or WeightMismatch after voting, so that the group stays in step. Returns the fingerprint or ""."""
+    checksum, same = exchange(group, fold, src) if fold is not None else ("", True)
+    group.all_ok(failure is None and same)
+    if failure is not None:
+        raise failure
+    if not same:
+        raise WeightMismatch(f"checksum: the weights of version {manifest.version} that landed are not those sent")
+    return checksum
 
 
 def receive_weights(
@@ -74,6 +101,7 @@ def receive_weights(
     start = time.perf_counter()
     buckets = manifest.buckets
     buffers.prepare(buckets)
+    fold = in_band(manifest, group)
 
     def post(k: int) -> list[tuple[Chunk, torch.Tensor, dist.Work]]:
         """Start receiving every chunk of bucket k into slot k % 2."""
@@ -87,17 +115,18 @@ def receive_weights(
         current, pending = pending, post(k + 1) if k + 1 < len(buckets) else []
         for chunk, flat, work in current:
             group.wait(work)
+            if fold is not None:
+                fold.add(k, chunk.start, flat[chunk.start : chunk.end])
             if failure is None and chunk.complete:
                 try:
                     load_fn(views(flat, chunk.complete))
                 except Exception as exc:
                     failure = exc
-    group.all_ok(failure is None)
-    if failure is not None:
-        raise failure
+    checksum = _verify(group, manifest, fold, src, failure)
     return ReceiveStats(
         seconds=time.perf_counter() - start,
         nbytes=manifest.total_bytes,
         buckets=len(buckets),
         peak_extra_bytes=buffers.nbytes,
+        checksum=checksum,
     )

@@ -8,7 +8,9 @@ bucket, chunk c is broadcast as soon as it is staged, so staging chunk c+1 overl
 Staging a chunk is one copy from an arena elsewhere (a pinned CPU arena feeding NCCL: one
 host-to-device copy per chunk), or one ``_foreach_copy_`` of its tensors from a mapping. The update
 ends with a collective vote: ``send`` returns only once every receiver has loaded every tensor, and
-raises WeightSyncError if any failed to.
+raises WeightSyncError if any failed to. When the manifest asks for it (``verify: fingerprint``), every
+chunk is fingerprinted as it goes out and the fingerprint is broadcast after the last bucket, before the
+vote (see ``relayrl.weightsync.fingerprint``); ``SendStats.checksum`` is that fingerprint.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.fingerprint import Fingerprinter, exchange, in_band
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.packing import BufferPair, PackStep, check_device, pack_plan
@@ -47,10 +50,11 @@ class WeightSender:
         tensor), so receivers never see a half-sent update because of a sender-side mistake.
         """
         start = time.perf_counter()
+        fold = in_band(manifest, group)
         arena = tensors if isinstance(tensors, WeightArena) and tensors.fits(manifest) else None
         if arena is not None and arena.device.type == group.device.type:
-            arena.broadcast(group, group.rank)
-            return self._finish(group, manifest, start, peak_extra_bytes=0)
+            arena.broadcast(group, group.rank, fold=fold)
+            return self._finish(group, manifest, start, 0, fold)
         if arena is None:
             tensors = dict(tensors.views()) if isinstance(tensors, WeightArena) else tensors
             manifest.validate_against([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
@@ -67,22 +71,33 @@ class WeightSender:
                     elif step.names:  # one dispatch for the chunk's copies (FSDP2 packs the same way)
                         torch._foreach_copy_(step.targets, [tensors[name] for name in step.names])
                 in_flight[k % 2].append(group.broadcast_async(step.piece, src=group.rank))
+                if fold is not None:  # the staged bytes, as they go out (on the group's device)
+                    fold.add(k, step.start, step.piece)
         for work in in_flight[0] + in_flight[1]:
             group.wait(work)
-        return self._finish(group, manifest, start, peak_extra_bytes=self.buffers.nbytes)
+        return self._finish(group, manifest, start, self.buffers.nbytes, fold)
 
     @staticmethod
     def _finish(
-        group: WeightBroadcastGroup, manifest: WeightManifest, start: float, peak_extra_bytes: int
+        group: WeightBroadcastGroup,
+        manifest: WeightManifest,
+        start: float,
+        peak_extra_bytes: int,
+        fold: Fingerprinter | None,
     ) -> SendStats:
-        """The closing vote: WeightSyncError unless every receiver loaded every tensor."""
+        """The fingerprint (in band), then the closing vote: WeightSyncError unless every receiver loaded
+        every tensor and holds the bytes that were sent."""
+        checksum = exchange(group, fold, group.rank)[0] if fold is not None else ""
         if not group.all_ok(True):
-            raise WeightSyncError(f"a receiver failed to load weights version {manifest.version}")
+            raise WeightSyncError(
+                f"a receiver failed to load weights version {manifest.version} or holds other bytes than were sent"
+            )
         return SendStats(
             seconds=time.perf_counter() - start,
             nbytes=manifest.total_bytes,
             buckets=len(manifest.buckets),
             peak_extra_bytes=peak_extra_bytes,
+            checksum=checksum,
         )
 
     def _plan_for(self, manifest: WeightManifest, chunk_bytes: int) -> list[list[PackStep]]:

@@ -7,12 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TransferStats:
-    """``nbytes`` payload bytes moved in ``seconds``; ``peak_extra_bytes`` = staging memory held."""
+    """``nbytes`` payload bytes moved in ``seconds``; ``peak_extra_bytes`` = staging memory held;
+    ``checksum``: the fingerprint folded as the bytes went out / landed, verified in band ("" when the
+    manifest asked for none)."""
 
     seconds: float
     nbytes: int
     buckets: int
     peak_extra_bytes: int
+    checksum: str = ""
 
     @property
     def gbps(self) -> float:

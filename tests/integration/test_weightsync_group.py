@@ -21,10 +21,12 @@ from relayrl.weightsync import (
     ManifestBuilder,
     WeightArena,
     WeightBroadcastGroup,
+    WeightMismatch,
     WeightSender,
     WeightSyncError,
     WeightSyncTimeout,
     build_manifest,
+    fingerprint,
     receive_into,
     receive_weights,
     weights_checksum,
@@ -46,7 +48,8 @@ SPECS = [
 def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) -> None:
     """A rollout worker stand-in: joins groups and receives updates as the inbox says, reports back.
 
-    With ``die_signal`` it sends itself that signal inside load_fn (SIGKILL: dies, SIGSTOP: hangs)."""
+    With ``die_signal`` it sends itself that signal inside load_fn (SIGKILL: dies, SIGSTOP: hangs). A
+    message ending in "corrupt" flips one byte of the first chunk that lands, before it is fingerprinted."""
     torch.set_num_threads(1)
     params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=d) for n, s, d in SPECS}
     buffers = BufferPair("cpu")
@@ -69,6 +72,7 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
             )
             outbox.put(("ready", rank))
         elif kind in ("weights", "in_place"):
+            corrupt_next_chunk(args[-1] == "corrupt")
             manifest = layouts.resolve(pb.WeightManifest.FromString(args[0]))
             manifest.validate_against(SPECS)
             try:
@@ -83,9 +87,28 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
                 group.close()
                 outbox.put(("error", rank, type(exc).__name__))
                 continue
-            outbox.put(("ok", rank, weights_checksum(params.items()), stats.peak_extra_bytes, stats.buckets))
+            except WeightMismatch as exc:  # the group is fine: keep it
+                outbox.put(("mismatch", rank, str(exc)))
+                continue
+            checksum = weights_checksum(params.items())
+            outbox.put(("ok", rank, checksum, stats.peak_extra_bytes, stats.buckets, stats.checksum))
         else:
             return
+
+
+def corrupt_next_chunk(on: bool, fold=fingerprint.Fingerprinter.add) -> None:
+    """While ``on``, the first chunk a Fingerprinter is given has one byte flipped first (in the received
+    weights themselves: a corrupted landing); off restores the real ``add``."""
+    if not on:
+        fingerprint.Fingerprinter.add = fold
+        return
+
+    def add(self, bucket: int, start: int, data: torch.Tensor) -> None:
+        data[data.numel() // 2] ^= 0x10
+        fingerprint.Fingerprinter.add = fold
+        fold(self, bucket, start, data)
+
+    fingerprint.Fingerprinter.add = add
 
 
 class Receivers:
@@ -152,7 +175,7 @@ def test_two_receivers_get_bit_identical_weights_across_buckets(receivers_factor
             replies = receivers.replies(2)
             expected = weights_checksum(tensors.items())
             two_buckets = sum(sorted(b.nbytes for b in manifest.buckets)[-2:])
-            for kind, _rank, checksum, peak, buckets in replies:
+            for kind, _rank, checksum, peak, buckets, _ in replies:
                 assert (kind, checksum, buckets) == ("ok", expected, len(manifest.buckets))
                 assert peak <= two_buckets
 
@@ -163,14 +186,16 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
     """Receiver 1 holds its parameters in an arena (received in place, no staging), receiver 2 stages;
     the sender sends from its own arena (nothing to pack), packs from tensors, or stages an arena that
     lives off the group's device chunk by chunk (as a pinned CPU arena feeds NCCL). After the first
-    update the manifest travels compact (layout by id) and both resolve it from their LayoutCache."""
+    update the manifest travels compact (layout by id) and both resolve it from their LayoutCache.
+    Every update is fingerprinted in band: sender and receivers fold the chunks as they pass, and all
+    three values equal the fingerprint of the tensors."""
     receivers = receivers_factory({1: None, 2: None})
     sender, builder = WeightSender("cpu"), ManifestBuilder(bucket_bytes=BUCKET_BYTES)
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-4", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
         receivers.join([1, 2], group)
         for version, source_kind in ((1, "arena"), (2, "tensors"), (3, "arena"), (4, "arena elsewhere")):
             tensors = random_tensors(SPECS, seed=version)
-            manifest = builder.build(SPECS, version=version)
+            manifest = builder.build(SPECS, version=version, verify="fingerprint")
             wire = manifest.to_proto(compact=version > 1)
             assert (len(wire.tensors) == 0) == (version > 1)
             receivers.tell([1], "in_place", wire.SerializeToString())
@@ -187,6 +212,35 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
             expected = weights_checksum(tensors.items())
             assert in_place[:3] == ("ok", 1, expected) and in_place[3] == 0  # no staging memory at all
             assert staged[:3] == ("ok", 2, expected) and staged[3] > 0
+            assert stats.checksum == in_place[5] == staged[5] == expected
+
+
+def test_a_byte_flipped_as_it_lands_fails_that_receiver_and_the_send_and_the_group_goes_on(
+    receivers_factory: Any,
+) -> None:
+    """verify=fingerprint: receiver 1 (in place) gets one byte flipped in a chunk as it lands; it raises
+    WeightMismatch, the sender's vote fails, receiver 2 holds the right weights. The group stays in step:
+    the next update reaches both."""
+    receivers = receivers_factory({1: None, 2: None})
+    sender, builder = WeightSender("cpu"), ManifestBuilder(bucket_bytes=BUCKET_BYTES)
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-5", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
+        receivers.join([1, 2], group)
+        for version, corrupt in ((1, "corrupt"), (2, "clean")):
+            tensors = random_tensors(SPECS, seed=version)
+            wire = builder.build(SPECS, version=version, verify="fingerprint").to_proto().SerializeToString()
+            receivers.tell([1], "in_place", wire, corrupt)
+            receivers.tell([2], "weights", wire, "clean")
+            expected = weights_checksum(tensors.items())
+            if corrupt == "corrupt":
+                with pytest.raises(WeightSyncError, match="holds other bytes than were sent"):
+                    sender.send(group, builder.build(SPECS, version=version, verify="fingerprint"), tensors)
+                mismatch, fine = receivers.replies(2)
+                assert mismatch[:2] == ("mismatch", 1) and "checksum" in mismatch[2]
+                assert fine[:3] == ("ok", 2, expected)
+            else:
+                stats = sender.send(group, builder.build(SPECS, version=version, verify="fingerprint"), tensors)
+                assert [r[:3] for r in receivers.replies(2)] == [("ok", 1, expected), ("ok", 2, expected)]
+                assert stats.checksum == expected and not group.broken
 
 
 def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_works(

@@ -32,6 +32,7 @@ from relayrl.weightsync import (
     weights_checksum,
     write_weights,
 )
+from relayrl.weightsync.checksum import Method, checksum_method
 from relayrl.weightsync.manifest import ALIGN, nbytes_of
 from relayrl.weightsync.packing import transfer_chunks
 
@@ -86,7 +87,7 @@ def test_layout_is_deterministic_and_fills_buckets() -> None:
 
 
 def test_proto_and_json_round_trip(manifest: WeightManifest) -> None:
-    with_meta = dataclasses.replace(manifest, checksum="abc", transport="filesystem", path="/x")
+    with_meta = dataclasses.replace(manifest, checksum="abc", transport="filesystem", path="/x", verify="off")
     msg = with_meta.to_proto()
     assert msg.tensors[0].dtype == "bfloat16" and list(msg.tensors[0].shape) == [10, 8]
     assert WeightManifest.from_proto(msg) == with_meta
@@ -242,24 +243,31 @@ def test_marker_is_replaced_atomically(
     assert weights_checksum(got.items()) == weights_checksum(tensors.items())
 
 
-def test_checksum_is_order_free_and_sensitive_to_every_field() -> None:
+@pytest.mark.parametrize(("method", "length"), [("fingerprint", 67), ("sha256", 64)])
+def test_checksum_is_order_free_and_sensitive_to_every_field(method: Method, length: int) -> None:
     tensors = random_tensors(SPECS)
-    base = weights_checksum(tensors.items())
-    assert base == weights_checksum(reversed(list(tensors.items())))
-    assert base == weights_checksum(tensors.items(), threads=1) == weights_checksum(tensors.items(), threads=5)
+    base = weights_checksum(tensors.items(), method=method)
+
+    def of(named: dict[str, torch.Tensor]) -> str:
+        return weights_checksum(named.items(), method=method)
+
+    assert base == weights_checksum(reversed(list(tensors.items())), method=method)
+    assert base == weights_checksum(tensors.items(), method=method, threads=1)
     strided = tensors["q"].t().contiguous().t()  # same values, non-contiguous: hashed by content
-    assert not strided.is_contiguous() and base == weights_checksum({**tensors, "q": strided}.items())
-    assert len(base) == 64
+    assert not strided.is_contiguous() and base == of({**tensors, "q": strided})
+    assert len(base) == length and checksum_method(base) == method
     flipped = dict(tensors)
     flipped["embed"] = tensors["embed"].clone()
     flipped["embed"].view(torch.int16).view(-1)[3] ^= 1  # one bit of one bfloat16
-    assert weights_checksum(flipped.items()) != base
-    assert weights_checksum({**tensors, "q": tensors["q"].reshape(4, 16)}.items()) != base
-    assert weights_checksum({**tensors, "q": tensors["q"].view(torch.int16)}.items()) != base
+    assert of(flipped) != base
+    assert of({**tensors, "q": tensors["q"].reshape(4, 16)}) != base
+    assert of({**tensors, "q": tensors["q"].view(torch.int16)}) != base
     renamed = {("Q" if n == "q" else n): t for n, t in tensors.items()}
-    assert weights_checksum(renamed.items()) != base
+    assert of(renamed) != base
     with pytest.raises(ValueError, match=r"^q: appears twice"):
-        weights_checksum([("q", tensors["q"]), ("q", tensors["q"])])
+        weights_checksum([("q", tensors["q"]), ("q", tensors["q"])], method=method)
+    with pytest.raises(ValueError, match=r"^method: 'md5'"):
+        weights_checksum(tensors.items(), method="md5")  # type: ignore[arg-type]
 
 
 def test_group_of_one_reports_its_port_and_refuses_use_after_close() -> None:
@@ -268,6 +276,8 @@ def test_group_of_one_reports_its_port_and_refuses_use_after_close() -> None:
         WeightBroadcastGroup("127.0.0.1", 0, 2, 2)
     with pytest.raises(ValueError, match=r"^backend: 'mpi'"):
         WeightBroadcastGroup("127.0.0.1", 0, 0, 1, backend="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^chunk_bytes: 1000 is not a positive multiple of 256"):
+        WeightBroadcastGroup("127.0.0.1", 0, 0, 1, chunk_bytes=1000)  # chunks are fingerprinted as they land
     group = WeightBroadcastGroup("127.0.0.1", 0, 0, 1, "solo", timeout_s=5.0)
     assert group.port > 0 and group.chunk_bytes == 16 << 20
     tensor = torch.arange(4)

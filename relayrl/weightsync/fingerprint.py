@@ -1,0 +1,236 @@
+"""A fingerprint of named weights cheap enough for every update, computed where the bytes are.
+
+Per tensor (its bytes in row-major order, zero-padded to a multiple of ``BLOCK`` = 256 bytes, read as
+little-endian int64 words w, 32 words per block b):
+
+    r_b = sum_{j<32} w_{32b+j}        s1 = sum_b r_b        s2 = sum_b (b + 1) * r_b      (all mod 2**64)
+
+    fingerprint = "fp:" + sha256(for each tensor in name order: name \\0 dtype \\0 shape \\0 || s1 s2 as int64 LE)
+
+Integer sums modulo 2**64 (torch's int64 arithmetic wraps) do not depend on the order of the additions, so
+the value is the same on any device, with any number of threads, computed per tensor or folded chunk by
+chunk as a transfer lands (``Fingerprinter``). What it catches: any change of one 8-byte word, so every
+flipped byte or bit (exactly: the sum moves by a non-zero amount below 2**64); a stale, torn, zeroed or
+misplaced 256-byte block (s1 and the position-weighted s2, up to a chance of about 2**-64 for unrelated
+data); a tensor's bytes under another name, dtype or shape. What it does not: a permutation of words
+inside one 256-byte block, or deliberate forgery (use ``weight_sync.verify: sha256`` for that). Cost: one
+read of the bytes (~10 GB/s per CPU core, HBM speed on a GPU), no copy except of tensors that are not
+contiguous.
+
+A ``Fingerprinter`` needs every tensor of the manifest at a ``BLOCK``-aligned offset (what
+``build_manifest`` lays out) and chunks that start at multiples of ``BLOCK``.
+
+In band (``manifest.verify == "fingerprint"`` over a broadcast): sender and receivers fold every chunk
+right after it went out / landed, while the next ones are on the wire; after the last bucket the sender
+broadcasts its 32-byte digest (``exchange``), each receiver compares it with its own, and the closing
+vote carries the result. No value has to be known before the transfer starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from relayrl.weightsync.manifest import ALIGN, TensorSpec, WeightManifest, dtype_name
+
+if TYPE_CHECKING:
+    from relayrl.weightsync.group import WeightBroadcastGroup
+
+BLOCK = 256
+WORDS = BLOCK // 8
+PREFIX = "fp:"
+DIGEST_BYTES = 32
+assert ALIGN % BLOCK == 0, "manifest offsets must be block-aligned"
+
+
+def _block_sums(data: torch.Tensor) -> torch.Tensor:
+    """r_b over the whole blocks of the flat uint8 ``data`` (len a multiple of BLOCK), as int64."""
+    if data.storage_offset() % 8:  # int64 words need an 8-byte aligned start
+        data = data.clone()
+    return data.view(torch.int64).view(-1, WORDS).sum(1)
+
+
+def _padded_block_sum(data: torch.Tensor) -> torch.Tensor:
+    """r of the bytes of ``data`` (< BLOCK of them) zero-padded to one block (a 0-d int64 tensor)."""
+    block = torch.zeros(BLOCK, dtype=torch.uint8, device=data.device)
+    block[: data.numel()] = data
+    return block.view(torch.int64).sum()
+
+
+def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) of one tensor, an int64 tensor of shape (2,) on the tensor's device."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    full = flat.numel() // BLOCK * BLOCK
+    r = _block_sums(flat[:full])
+    if full < flat.numel():
+        r = torch.cat([r, _padded_block_sum(flat[full:]).reshape(1)])
+    weights = torch.arange(1, r.numel() + 1, dtype=torch.int64, device=r.device)
+    return torch.stack([r.sum(), (r * weights).sum()])
+
+
+def digest(records: Sequence[tuple[str, torch.dtype, Sequence[int]]], sums: torch.Tensor) -> bytes:
+    """The sha256 above over ``records`` (name, dtype, shape) and their ``sums`` (n x 2 int64, any device)."""
+    values = sums.to("cpu").numpy().astype("<i8")
+    h = hashlib.sha256()
+    for i in sorted(range(len(records)), key=lambda k: records[k][0]):
+        name, dtype, shape = records[i]
+        h.update(f"{name}\0{dtype_name(dtype)}\0{list(shape)}\0".encode())
+        h.update(values[i].tobytes())
+    return h.digest()
+
+
+def as_text(raw: bytes) -> str:
+    """A digest's checksum string: "fp:" + hex."""
+    return PREFIX + raw.hex()
+
+
+def fingerprint(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """The fingerprint of (name, tensor) pairs (names unique), each summed on its own device."""
+    if not named:
+        return as_text(digest([], torch.zeros(0, 2, dtype=torch.int64)))
+    sums = [tensor_sums(t) for _, t in named]
+    device = sums[0].device
+    stacked = torch.stack([s.to(device) for s in sums])
+    return as_text(digest([(name, t.dtype, tuple(t.shape)) for name, t in named], stacked))
+
+
+def check_foldable(manifest: WeightManifest, chunk_bytes: int) -> None:
+    """ValueError unless ``Fingerprinter`` can fold ``manifest``'s chunks (aligned tensors and chunks)."""
+    if chunk_bytes % BLOCK:
+        raise ValueError(f"chunk_bytes: {chunk_bytes} is not a multiple of {BLOCK}")
+    for spec in manifest.tensors:
+        if spec.offset % BLOCK:
+            raise ValueError(f"{spec.name}: offset {spec.offset} is not a multiple of {BLOCK} (fingerprint)")
+
+
+@dataclass
+class _ChunkPlan:
+    """Where the tensors of one chunk lie, in blocks relative to its start (see ``Fingerprinter.add``)."""
+
+    first_block: int  # the chunk's first block within its bucket
+    blocks: int  # ceil(chunk bytes / BLOCK)
+    ids: torch.Tensor  # tensors with bytes in this chunk (manifest index)
+    starts: torch.Tensor  # their first block here
+    ends: torch.Tensor  # one past their last block here
+    tails: torch.Tensor  # whole blocks here that end a tensor with padding after it
+    masks: torch.Tensor  # (tails, BLOCK) uint8: 1 on the tensor's bytes, 0 on the padding
+    last_tail: int  # bytes of a tensor in the chunk's final partial block (0: none)
+
+
+def _plan(manifest: WeightManifest, chunk_bytes: int, device: torch.device) -> dict[tuple[int, int], _ChunkPlan]:
+    """(bucket, chunk start) -> _ChunkPlan for every chunk ``transfer_chunks`` makes."""
+    index = {spec.name: i for i, spec in enumerate(manifest.tensors)}
+    plans = {}
+    for bucket in manifest.buckets:
+        specs = [s for s in manifest.bucket_tensors(bucket.index) if s.nbytes]
+        for start in range(0, max(bucket.nbytes, 1), chunk_bytes):
+            end = min(start + chunk_bytes, bucket.nbytes)
+            plans[(bucket.index, start)] = _chunk_plan(specs, index, start, end, device)
+    return plans
+
+
+def _chunk_plan(specs: list[TensorSpec], index: dict[str, int], start: int, end: int, device) -> _ChunkPlan:
+    first, blocks, whole = start // BLOCK, -(-(end - start) // BLOCK), (end - start) // BLOCK
+    ids, starts, ends, tails, masks, last_tail = [], [], [], [], [], 0
+    for spec in specs:
+        lo, hi = spec.offset // BLOCK, -(-(spec.offset + spec.nbytes) // BLOCK)
+        if hi <= first or lo >= first + blocks:
+            continue
+        ids.append(index[spec.name])
+        starts.append(max(lo, first) - first)
+        ends.append(min(hi, first + blocks) - first)
+        valid = spec.nbytes % BLOCK
+        if valid and first <= hi - 1 < first + blocks:
+            if hi - 1 - first < whole:
+                tails.append(hi - 1 - first)
+                masks.append([1] * valid + [0] * (BLOCK - valid))
+            else:
+                last_tail = valid
+
+    def longs(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return _ChunkPlan(
+        first,
+        blocks,
+        longs(ids),
+        longs(starts),
+        longs(ends),
+        longs(tails),
+        torch.tensor(masks, dtype=torch.uint8, device=device).reshape(-1, BLOCK),
+        last_tail,
+    )
+
+
+_PLANS: dict[tuple[str, int, str], dict[tuple[int, int], _ChunkPlan]] = {}
+
+
+class Fingerprinter:
+    """Folds one update's chunks, as they land, into ``fingerprint`` of the manifest's tensors.
+
+    ``add(bucket, start, data)`` once per chunk of ``transfer_chunks(manifest, bucket, chunk_bytes)``, in any
+    order, ``data`` being those bytes of the bucket (padding included; it is masked out); then
+    ``hexdigest()`` equals ``fingerprint`` of the tensors those bytes hold. The plan of a layout is built
+    once per (layout, chunk size, device) and kept (the last few).
+    """
+
+    def __init__(self, manifest: WeightManifest, chunk_bytes: int, device: torch.device | str) -> None:
+        check_foldable(manifest, chunk_bytes)
+        self.manifest = manifest
+        self.device = torch.device(device)
+        key = (manifest.layout_id, chunk_bytes, str(self.device))
+        if key not in _PLANS:
+            while len(_PLANS) >= 4:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = _plan(manifest, chunk_bytes, self.device)
+        self._plans = _PLANS[key]
+        self._acc = torch.zeros(len(manifest.tensors), 2, dtype=torch.int64, device=self.device)
+
+    def add(self, bucket: int, start: int, data: torch.Tensor) -> None:
+        plan = self._plans[(bucket, start)]
+        if not plan.ids.numel():
+            return
+        whole = data.numel() // BLOCK
+        blocks = _block_sums(data[: whole * BLOCK])
+        if plan.tails.numel():
+            tails = data[: whole * BLOCK].view(-1, BLOCK).index_select(0, plan.tails) * plan.masks
+            blocks.index_copy_(0, plan.tails, tails.view(torch.int64).sum(1))
+        if plan.blocks > whole:
+            last = _padded_block_sum(data[whole * BLOCK : whole * BLOCK + plan.last_tail])
+            blocks = torch.cat([blocks, last.reshape(1)])
+        weights = torch.arange(plan.first_block + 1, plan.first_block + plan.blocks + 1, device=self.device)
+        prefix = torch.zeros(2, plan.blocks + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(blocks, 0, out=prefix[0, 1:])
+        torch.cumsum(blocks * weights, 0, out=prefix[1, 1:])
+        segments = prefix[:, plan.ends] - prefix[:, plan.starts]  # (2, tensors): sum r, sum (b+1) r
+        self._acc.index_add_(0, plan.ids, segments.t())
+
+    def digest(self) -> bytes:
+        """The fingerprint's 32 raw bytes (what the sender broadcasts after the buckets)."""
+        first_blocks = torch.tensor([s.offset // BLOCK for s in self.manifest.tensors], device=self.device)
+        s1, weighted = self._acc[:, 0], self._acc[:, 1]
+        sums = torch.stack([s1, weighted - first_blocks * s1], dim=1)  # bucket-relative -> tensor-relative
+        return digest([(s.name, s.dtype, s.shape) for s in self.manifest.tensors], sums)
+
+    def hexdigest(self) -> str:
+        return as_text(self.digest())
+
+
+def in_band(manifest: WeightManifest, group: WeightBroadcastGroup) -> Fingerprinter | None:
+    """The Fingerprinter of an update whose manifest asks for in-band verification, else None."""
+    if manifest.verify != "fingerprint" or manifest.transport != "broadcast":
+        return None
+    return Fingerprinter(manifest, group.chunk_bytes, group.device)
+
+
+def exchange(group: WeightBroadcastGroup, fold: Fingerprinter, src: int) -> tuple[str, bool]:
+    """After the last bucket: rank ``src`` broadcasts its digest, every rank compares it with its own.
+    Returns (this rank's fingerprint, whether it equals the sender's)."""
+    mine = fold.digest()
+    theirs = torch.tensor(list(mine), dtype=torch.uint8, device=group.device)
+    group.broadcast(theirs, src=src)
+    return as_text(mine), bytes(theirs.to("cpu").tolist()) == mine
