@@ -1,4 +1,4 @@
-"""The sglang engine adapter, driven through the fake ``sglang`` module (relayrl/rollout/fakes/fake_sglang.py) on
+"""The sglang engine adapter, driven through the fake ``sglang`` module (tests/fakes/fake_sglang.py) on
 the tiny model: logprobs as the trainer computes them (top-p included), finish reasons, n samples and seeds,
 the arguments SGLang receives, abort, loading weights directly and through the rollout worker's weight sync
 (the custom-loader route), and the fake's API surface against the one recorded in docs/engines.md."""
@@ -33,7 +33,7 @@ from relayrl.errors import FailedPrecondition
 from relayrl.rollout import sglang as adapter
 from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
-from relayrl.rollout.fakes import fake_sglang
+from fakes import fake_sglang
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
 from relayrl.rollout.worker import RolloutWorker

@@ -1,4 +1,4 @@
-"""The vllm engine adapter, driven through the fake ``vllm`` module (relayrl/rollout/fakes/fake_vllm.py) on the
+"""The vllm engine adapter, driven through the fake ``vllm`` module (tests/fakes/fake_vllm.py) on the
 tiny model: logprobs as the trainer computes them, finish reasons, n samples, the arguments vLLM receives,
 abort, loading weights directly and through the rollout worker's weight sync, and the fake's API surface
 against the one recorded in docs/engines.md."""
@@ -32,7 +32,7 @@ from engine_testing import (
 from relayrl.errors import FailedPrecondition
 from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
-from relayrl.rollout.fakes import fake_vllm
+from fakes import fake_vllm
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
 from relayrl.rollout.worker import RolloutWorker

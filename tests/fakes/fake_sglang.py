@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from relayrl.rollout.fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
+from fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 

@@ -29,7 +29,7 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import NotRequired
 
-from relayrl.rollout.fakes.common import (
+from fakes.common import (
     FakeEngineModel,
     run_on_ranks,
     teacher_forced_logits,
