@@ -13,15 +13,20 @@ the rollout worker; an engine occupies ``weight_sync_ranks`` consecutive ranks.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from relayrl.errors import FailedPrecondition
+from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
+from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import read_weights
@@ -38,6 +43,56 @@ _REPORTED: dict[str, type[Exception]] = {
     "FailedPrecondition": FailedPrecondition,
     "ValueError": ValueError,
 }
+
+
+# The releases each adapter was read against (docs/engines.md); pyproject's extras pin the same ranges.
+SUPPORTED_VERSIONS: dict[str, str] = {"vllm": ">=0.33.0,<0.34", "sglang": ">=0.5.23,<0.6"}
+
+
+def install_hint(package: str) -> str:
+    """The command that installs the supported range of ``package``."""
+    return f"pip install 'relayrl[{package}]' (that is {package}{SUPPORTED_VERSIONS[package]})"
+
+
+def import_engine(package: str) -> ModuleType:
+    """Import ``package`` (vllm, sglang) and check its ``__version__`` against SUPPORTED_VERSIONS.
+
+    ImportError naming the supported range and the install command when it is missing or of another version.
+    """
+    try:
+        module = importlib.import_module(package)
+    except ImportError as err:
+        raise ImportError(f"the {package} engine needs {package}: {install_hint(package)} ({err})") from err
+    found = str(getattr(module, "__version__", "unknown"))
+    try:
+        supported = Version(found) in SpecifierSet(SUPPORTED_VERSIONS[package])
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        wanted = f"{package}{SUPPORTED_VERSIONS[package]}"
+        raise ImportError(f"the {package} engine supports {wanted}, found {found}: {install_hint(package)}")
+    return module
+
+
+def refuse_unmatched_logprobs(params: SamplingParams, engine: str, *, top_p: bool) -> None:
+    """InvalidArgument for the settings under which ``engine``'s logprobs are not relayrl's (docs/engines.md).
+
+    relayrl's logprob: log softmax(logits / T) before top-p and before the ``min_tokens`` mask (the trainer's).
+    vLLM's and SGLang's sampled-token logprobs are taken after their min-tokens mask (renormalised over the
+    tokens left), so ``min_tokens > 0`` is refused; ``top_p``: the engine also renormalises over the nucleus
+    (vLLM), so ``top_p < 1`` is refused.
+    """
+    if params.min_tokens > 0:
+        raise InvalidArgument(
+            "params.min_tokens",
+            f"the {engine} engine reports logprobs renormalised after its min-tokens mask, not the trainer's; "
+            "use 0 (ignore_eos gives equal-length responses)",
+        )
+    if top_p and params.top_p < 1:
+        raise InvalidArgument(
+            "params.top_p",
+            f"the {engine} engine reports logprobs renormalised over the top-p nucleus, not the trainer's; use 1",
+        )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Generation: every (prompt, sample) becomes one request (``n=1``, ``seed + sample
 so each sample is yielded as soon as it is done and ``should_abort`` is checked between steps (then the
 unfinished requests are aborted with ``abort_request``). Logprobs: ``logprobs=0`` (the sampled token only)
 under ``logprobs_mode="processed_logprobs"``: log softmax(logits / T), relayrl's convention, exactly when
-``top_p == 1``; with ``top_p < 1`` vLLM renormalises over the nucleus (see ``docs/engines.md``).
+``top_p == 1`` and ``min_tokens == 0``; vLLM renormalises over the top-p nucleus and after its min-tokens mask,
+so those settings are refused with INVALID_ARGUMENT (see ``docs/engines.md``), as is a temperature above
+vLLM's bound of 2.
 
 Weights: ``RelayRLWorkerExtension`` is mixed into every vLLM worker (``worker_extension_cls``) and reached by
 ``LLM.collective_rpc``; each worker joins relayrl's group as ``rank_offset + worker rank`` and loads the
@@ -21,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from relayrl.errors import InvalidArgument
 from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
 from relayrl.rollout.external import (
     EngineGroup,
@@ -29,6 +32,8 @@ from relayrl.rollout.external import (
     check_weights,
     collect_receipts,
     hf_model_info,
+    import_engine,
+    refuse_unmatched_logprobs,
     reject_reserved_options,
 )
 from relayrl.rollout.sampling import SamplingParams
@@ -41,6 +46,7 @@ EXTENSION = "relayrl.rollout.vllm.RelayRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _RESERVED = ("logprobs_mode", "worker_extension_cls", "model", "max_num_seqs")
+MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py: SamplingParams._verify_args refuses temperatures above
 
 
 class RelayRLWorkerExtension:
@@ -94,11 +100,9 @@ class VLLMEngine(InferenceEngine):
         **options: Any,
     ) -> None:
         reject_reserved_options(options, _RESERVED, "vllm")
-        try:
-            import vllm
-            from vllm.sampling_params import RequestOutputKind
-        except ImportError as err:
-            raise ImportError(f"the vllm engine needs vLLM: pip install 'relayrl[vllm]' ({err})") from err
+        vllm = import_engine("vllm")
+        from vllm.sampling_params import RequestOutputKind
+
         self._vllm = vllm
         self._final_only = RequestOutputKind.FINAL_ONLY
         info = hf_model_info(model_path, dtype)
@@ -119,7 +123,6 @@ class VLLMEngine(InferenceEngine):
         self.weight_sync_ranks = self.llm.get_world_size(include_dp=False)
         self._batches = itertools.count()
         self._checksum = ""
-        self._warned_top_p = False
 
     def generate(
         self,
@@ -127,10 +130,11 @@ class VLLMEngine(InferenceEngine):
         params: SamplingParams,
         should_abort: Callable[[], bool] | None = None,
     ) -> Iterator[EngineCompletion]:
-        """See ``InferenceEngine.generate``. Aborted samples carry no tokens (vLLM returns only final outputs)."""
-        if params.top_p < 1 and not self._warned_top_p:
-            log.warning("vllm engine: with top_p < 1 the returned logprobs are renormalised over the nucleus")
-            self._warned_top_p = True
+        """See ``InferenceEngine.generate``. Aborted samples carry no tokens (vLLM returns only final outputs).
+        InvalidArgument for ``top_p < 1``, ``min_tokens > 0`` (logprobs not the trainer's) and temperature > 2."""
+        refuse_unmatched_logprobs(params, "vllm", top_p=True)
+        if params.temperature > MAX_TEMPERATURE:
+            raise InvalidArgument("params.temperature", f"the vllm engine takes at most {MAX_TEMPERATURE}")
         engine = self.llm.llm_engine
         batch = next(self._batches)
         pending: dict[str, tuple[int, int]] = {}
@@ -165,6 +169,7 @@ class VLLMEngine(InferenceEngine):
             top_p=params.top_p,
             max_tokens=params.max_tokens,
             stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             seed=None if params.seed is None else params.seed + sample_index,
             logprobs=0,
             detokenize=False,

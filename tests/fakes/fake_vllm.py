@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import math
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 __version__ = "0.33.0+fake"
 # What a test puts into sys.modules to stand in for vLLM.
 MODULES = ("vllm", "vllm.sampling_params")
-SAMPLING_EPS = 1e-5  # vllm/v1/sample/sampler.py: temperatures below are greedy
+SAMPLING_EPS = 1e-5  # vllm/sampling_params.py: _SAMPLING_EPS, temperatures below are greedy
+MAX_TEMP = 1e-2  # vllm/sampling_params.py: _MAX_TEMP, smaller positive temperatures are raised to it
 ENGINE_ARGS = frozenset(  # the EngineArgs fields this fake understands (vllm/engine/arg_utils.py)
     {
         "max_num_seqs",
@@ -61,9 +63,14 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+class VLLMValidationError(ValueError):
+    """vllm/exceptions.py: what SamplingParams' checks raise (a ValueError)."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
-    """The fields of ``vllm.SamplingParams`` relayrl may touch, with vLLM's defaults."""
+    """The fields of ``vllm.SamplingParams`` relayrl may touch, with vLLM's defaults, and the rules of its
+    ``__post_init__`` / ``_verify_args`` / ``_verify_greedy_sampling`` (vllm/sampling_params.py, 0.33.0) for them."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -85,6 +92,47 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < MAX_TEMP:  # vLLM warns and raises it to the bound
+            self.temperature = MAX_TEMP
+        if self.seed == -1:
+            self.seed = None
+        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids))
+        if self.logprobs is True:
+            self.logprobs = 1
+        self._verify_args()
+        if self.temperature < SAMPLING_EPS:  # greedy
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify_args(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}."),
+            (math.isfinite(self.temperature), f"temperature must be a finite number, got {self.temperature}."),
+            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}."),
+            (self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}."),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
+            (self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}."),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}."),
+            (self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            ),
+            (
+                self.logprobs is None or self.logprobs == -1 or self.logprobs >= 0,
+                f"logprobs must be non-negative or -1, got {self.logprobs}.",
+            ),
+            (
+                all(isinstance(t, int) for t in self.stop_token_ids),
+                f"stop_token_ids must contain only integers, got {self.stop_token_ids}.",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise VLLMValidationError(message)
+
     def unsupported(self) -> list[str]:
         """The fields set to something this fake cannot emulate."""
         neutral = {
@@ -94,9 +142,7 @@ class SamplingParams:
             "repetition_penalty": 1.0,
             "top_k": 0,
             "min_p": 0.0,
-            "stop": None,
-            "ignore_eos": False,
-            "min_tokens": 0,
+            "stop": [],
             "prompt_logprobs": None,
             "output_kind": RequestOutputKind.FINAL_ONLY,
         }
@@ -244,6 +290,8 @@ class LLMEngine:
             max_tokens=params.max_tokens,
             stop_token_ids=tuple(params.stop_token_ids or ()),
             seed=params.seed,
+            min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos,
         )
         (done,) = self.hf.generate([prompt], relay)
         stop_reason = done.token_ids[-1] if done.token_ids and done.token_ids[-1] in relay.stop_token_ids else None
@@ -265,10 +313,16 @@ class LLMEngine:
         )
 
     def _logprobs(self, prompt: list[int], response: list[int], params: SamplingParams) -> torch.Tensor:
-        """[len(response), V] logprobs as vLLM's sampler returns them under ``logprobs_mode``."""
+        """[len(response), V] logprobs as vLLM's sampler returns them under ``logprobs_mode``
+        (vllm/v1/sample/sampler.py: ``Sampler.forward``): raw ones from the logits as they come; processed ones
+        after the logits processors (min-tokens: EOS and stop tokens at -inf while fewer than ``min_tokens`` are
+        out, vllm/v1/sample/logits_processor/builtin.py), temperature and the top-p mask."""
         logits = teacher_forced_logits(self.hf.model, prompt, response)
-        if self.logprobs_mode == "processed_logprobs" and params.temperature >= SAMPLING_EPS:
-            logits = vllm_top_p_mask(logits / params.temperature, params.top_p)
+        if self.logprobs_mode == "processed_logprobs":
+            banned = sorted(self.hf.eos_token_ids | set(params.stop_token_ids))
+            logits[: params.min_tokens, banned] = float("-inf")
+            if params.temperature >= SAMPLING_EPS:
+                logits = vllm_top_p_mask(logits / params.temperature, params.top_p)
         return logits.log_softmax(dim=-1)
 
 

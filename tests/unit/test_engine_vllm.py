@@ -28,11 +28,11 @@ from engine_testing import (
     sharp_tiny_model,
     sync_manifest,
 )
-
-from relayrl.errors import FailedPrecondition
-from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
-from relayrl.rollout.external import GroupArgs
 from fakes import fake_vllm
+
+from relayrl.errors import FailedPrecondition, InvalidArgument
+from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
+from relayrl.rollout.external import SUPPORTED_VERSIONS, GroupArgs
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
 from relayrl.rollout.worker import RolloutWorker
@@ -87,15 +87,54 @@ def test_greedy_logprobs_are_at_temperature_one(engine: VLLMEngine, model_dir: P
     assert_trainer_logprobs(load(model_dir), PROMPTS, completions, 1.0)
 
 
-def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine: VLLMEngine, model_dir: Path) -> None:
-    """The documented difference: with top_p < 1 vLLM's processed logprobs are >= relayrl's."""
-    params = SamplingParams(n=4, temperature=1.0, top_p=0.5, max_tokens=8, seed=3)
-    reference = load(model_dir)
-    gaps = []
-    for c in engine.generate(PROMPTS, params):
-        expected = recompute(reference, PROMPTS[c.prompt_index], c.token_ids, 1.0)
-        gaps += [got - want for got, want in zip(c.logprobs, expected, strict=True)]
-    assert min(gaps) > -1e-4 and max(gaps) > 0.01
+def test_settings_whose_logprobs_are_not_the_trainers_are_refused(engine: VLLMEngine, model_dir: Path) -> None:
+    """vLLM's processed logprobs are renormalised over the top-p nucleus and after the min-tokens mask (the fake
+    does as vllm/v1/sample/sampler.py): relayrl refuses those settings rather than train on other logprobs."""
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.5, max_tokens=8, seed=3)
+    with pytest.raises(InvalidArgument, match=r"^params.top_p: the vllm engine reports logprobs renormalised"):
+        list(engine.generate(PROMPTS, params))
+    with pytest.raises(InvalidArgument, match=r"^params.min_tokens: the vllm engine"):
+        list(engine.generate(PROMPTS, dataclasses.replace(params, top_p=1.0, min_tokens=2)))
+    with pytest.raises(InvalidArgument, match=r"^params.temperature: the vllm engine takes at most 2.0"):
+        list(engine.generate(PROMPTS, dataclasses.replace(params, top_p=1.0, temperature=2.5)))
+    assert engine.llm.llm_engine.added == []
+    # what the refusal guards against: the fake, as vLLM, returns other logprobs under top-p
+    direct = fake_vllm.SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8, seed=3, logprobs=0)
+    direct.output_kind = fake_vllm.RequestOutputKind.FINAL_ONLY
+    engine.llm.llm_engine.add_request("direct", fake_vllm.TokensPrompt(prompt_token_ids=PROMPTS[1]), direct)
+    (output,) = engine.llm.llm_engine.step()
+    got = [lp[t].logprob for t, lp in zip(output.outputs[0].token_ids, output.outputs[0].logprobs, strict=True)]
+    expected = recompute(load(model_dir), PROMPTS[1], output.outputs[0].token_ids, 1.0)
+    assert max(g - e for g, e in zip(got, expected, strict=True)) > 0.01
+
+
+def test_ignore_eos_runs_every_sample_to_max_tokens(engine: VLLMEngine, model_dir: Path) -> None:
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    completions = by_key(list(engine.generate(PROMPTS, params)))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 12 for c in completions.values())
+    assert_trainer_logprobs(load(model_dir), PROMPTS, completions, 1.0)
+
+
+def test_the_fakes_sampling_params_apply_vllms_rules() -> None:
+    assert fake_vllm.SamplingParams(temperature=0.001).temperature == fake_vllm.MAX_TEMP
+    greedy = fake_vllm.SamplingParams(temperature=0.0, top_p=0.3, seed=-1, stop_token_ids=[5, 5, 9])
+    assert (greedy.top_p, greedy.seed, greedy.stop_token_ids) == (1.0, None, [5, 9])
+    for bad in ({"temperature": 2.5}, {"top_p": 0.0}, {"min_tokens": 5, "max_tokens": 4}, {"max_tokens": 0}):
+        with pytest.raises(fake_vllm.VLLMValidationError):
+            fake_vllm.SamplingParams(**bad)
+
+
+def test_an_unsupported_vllm_version_is_refused_naming_the_range(fake, model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fake_vllm, "__version__", "0.11.0")
+    with pytest.raises(ImportError, match=re.escape("supports vllm>=0.33.0,<0.34, found 0.11.0")):
+        VLLMEngine(str(model_dir), dtype="float32")
+
+
+def test_the_extras_pin_the_checked_ranges() -> None:
+    """pyproject's vllm/sglang extras admit exactly the versions the adapters were read against."""
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    for package, supported in SUPPORTED_VERSIONS.items():
+        assert re.findall(rf"^{package} = \[(.*)\]", pyproject, flags=re.M) == [f'"{package}{supported}"']
 
 
 def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path, monkeypatch) -> None:
@@ -122,6 +161,7 @@ def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path,
             "top_p": 1.0,
             "max_tokens": 4,
             "stop_token_ids": [5, 9],
+            "ignore_eos": False,
             "seed": 11 + s,
             "logprobs": 0,
             "detokenize": False,
@@ -172,7 +212,7 @@ def test_options_the_adapter_sets_are_refused(fake, model_dir: Path) -> None:
 
 def test_without_vllm_the_error_says_what_to_install(monkeypatch, model_dir: Path) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[vllm]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[vllm]' (that is vllm>=0.33.0,<0.34)")):
         VLLMEngine(str(model_dir))
 
 
