@@ -88,7 +88,8 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
     if receiver is None:
         receiver = _RECEIVERS[rank] = EngineReceiver(anchor.device, rank)
     group = GroupArgs(**request["group"]) if request["group"] is not None else None
-    receipt = receiver.receive(WeightManifest.from_json(request["manifest"]), model.load_weights, group)
+    manifest = WeightManifest.from_json(request["manifest"])
+    receipt = receiver.receive(manifest, model, tp_size=request["tp_size"], group=group)
     atomic_write_text(Path(f"{request['result']}.rank{rank}.json"), json.dumps(receipt))
 
 
@@ -132,7 +133,8 @@ class SGLangEngine(InferenceEngine):
             **options,
         )
         self.max_model_len = self.engine.tokenizer_manager.context_len
-        self.weight_sync_ranks = options.get("tp_size", 1) * options.get("pp_size", 1)
+        self._tp_size = int(options.get("tp_size", 1))
+        self.weight_sync_ranks = self._tp_size * int(options.get("pp_size", 1))
         self._receipts = tempfile.mkdtemp(prefix="relayrl-sglang-")
         self._updates = itertools.count()
         self._group: GroupArgs | None = None
@@ -230,6 +232,7 @@ class SGLangEngine(InferenceEngine):
         request = {
             "group": self._group.to_dict() if self._group is not None else None,
             "manifest": manifest.to_json(),
+            "tp_size": self._tp_size,
             "result": prefix,
         }
         carrier = [(json.dumps(request), torch.empty(0))]

@@ -1,11 +1,11 @@
-"""What both fakes share: the model their fake workers hold, thread-parallel fake RPCs, teacher-forced logprobs."""
+"""What both fakes share: the models their fake workers hold, thread-parallel fake RPCs, teacher-forced logprobs."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,6 +35,97 @@ class FakeEngineModel:
 
     def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
         return self.module.named_parameters()
+
+
+# vllm/model_executor/models/qwen2.py: Qwen2ForCausalLM.packed_modules_mapping (SGLang fuses the same way)
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")  # vllm/model_executor/layers/linear.py: RowParallelLinear
+VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")  # vocab_parallel_embedding.py
+VOCAB_PADDING = 64  # vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE
+
+
+class FusedShardModel:
+    """One tensor-parallel rank's model as vLLM (and SGLang) hold it, for a Llama-family checkpoint: q/k/v fused
+    into ``qkv_proj`` and gate/up into ``gate_up_proj``, each piece split on dim 0 across ranks (column
+    parallel); ``o_proj``/``down_proj`` split on dim 1 (row parallel); embeddings padded to a multiple of 64 rows
+    and split by vocabulary; norms replicated; a tied ``lm_head`` is the embedding, listed once.
+
+    ``load_weights`` takes Hugging Face names, as ``Qwen2Model.load_weights`` does (its ``stacked_params_mapping``;
+    ``rotary_emb.inv_freq`` and a tied ``lm_head.weight`` skipped; an unknown name raises KeyError as
+    ``params_dict[name]`` does) and returns the engine names it loaded. Loads are serialised.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {key: list(pieces) for key, pieces in PACKED.items()}
+
+    def __init__(self, hf_params: Mapping[str, torch.Tensor], rank: int, tp_size: int, *, tied: bool) -> None:
+        self.rank, self.tp_size, self.tied = rank, tp_size, tied
+        self.params: dict[str, torch.Tensor] = {}
+        # Hugging Face name -> (engine name, dim, offset in the engine tensor, start in the HF tensor, length)
+        self.layout: dict[str, tuple[str, int, int, int, int]] = {}
+        shapes = {name: tuple(t.shape) for name, t in hf_params.items()}
+        for name, shape in shapes.items():
+            self.layout[name] = self._place(name, shape, shapes)
+        self._lock = threading.Lock()
+        self.loaded_names: list[str] = []
+        self.load_weights(hf_params.items())
+        self.loaded_names.clear()
+
+    def _split(self, length: int, name: str) -> int:
+        if length % self.tp_size:
+            raise NotImplementedError(f"the fake cannot split {name} ({length}) over {self.tp_size} ranks")
+        return length // self.tp_size
+
+    def _place(self, name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]):
+        """Where this rank keeps its part of HF tensor ``name``; allocates the engine tensor on first use."""
+        for fused, pieces in PACKED.items():
+            piece = next((p for p in pieces if f".{p}." in name), None)
+            if piece is not None:
+                engine_name = name.replace(piece, fused)
+                rows = [self._split(shapes[name.replace(piece, p)][0], name) for p in pieces]
+                index = pieces.index(piece)
+                self._alloc(engine_name, (sum(rows), *shape[1:]))
+                return engine_name, 0, sum(rows[:index]), self.rank * rows[index], rows[index]
+        if name.endswith(ROW_PARALLEL):
+            cols = self._split(shape[1], name)
+            self._alloc(name, (shape[0], cols))
+            return name, 1, 0, self.rank * cols, cols
+        if name.endswith(VOCAB_PARALLEL):
+            per = -(-shape[0] // VOCAB_PADDING) * VOCAB_PADDING // self.tp_size
+            start = min(self.rank * per, shape[0])  # a rank past the vocabulary holds padding only
+            self._alloc(name, (per, *shape[1:]))
+            return name, 0, 0, start, max(0, min(per, shape[0] - start))
+        self._alloc(name, shape)
+        return name, 0, 0, 0, shape[0]
+
+    def _alloc(self, engine_name: str, shape: tuple[int, ...]) -> None:
+        if engine_name not in self.params:
+            self.params[engine_name] = torch.zeros(shape)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        with self._lock, torch.no_grad():
+            for name, tensor in weights:
+                if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
+                    continue
+                engine_name, dim, offset, start, length = self.layout[name]
+                target = self.params[engine_name].narrow(dim, offset, length)
+                target.copy_(tensor.narrow(dim, start, length))
+                loaded.add(engine_name)
+                self.loaded_names.append(name)
+        return loaded
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.params.items())
+
+    @staticmethod
+    def gather(ranks: Sequence[FusedShardModel]) -> dict[str, torch.Tensor]:
+        """The full Hugging Face tensors the ranks hold together (what the fake engine generates with)."""
+        out = {}
+        for name, (engine_name, dim, offset, _, _) in ranks[0].layout.items():
+            parts = [r.params[engine_name].narrow(dim, offset, r.layout[name][4]) for r in ranks]
+            replicated = len({r.layout[name][3] for r in ranks}) == 1  # every rank holds the whole tensor
+            out[name] = parts[0] if replicated else torch.cat(parts, dim=dim)
+        return out
 
 
 def run_on_ranks(ranks: int, call: Callable[[int], Any]) -> list[Any]:

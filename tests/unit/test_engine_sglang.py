@@ -29,6 +29,7 @@ from engine_testing import (
     sync_manifest,
 )
 from fakes import fake_sglang
+from fakes.common import FakeEngineModel
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout import sglang as adapter
@@ -380,3 +381,22 @@ def test_a_group_that_cannot_be_joined_fails_the_update_not_the_scheduler(engine
         engine.receive_update(sync_manifest(weights))
     assert engine.loaded_checksum() == "" and not engine.engine._session
     assert len(list(engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2)))) == len(PROMPTS)
+
+
+def test_an_update_the_model_did_not_apply_is_caught(engine: SGLangEngine, model_dir: Path, tmp_path, monkeypatch):
+    """The checksum covers what the engine's parameters hold after load_weights, not the bytes received: a
+    loader that silently drops a tensor fails the update naming it."""
+    original = FakeEngineModel.load_weights
+
+    def drops_the_norm(self, weights):
+        return original(self, [(name, t) for name, t in weights if name != "model.norm.weight"])
+
+    monkeypatch.setattr(FakeEngineModel, "load_weights", drops_the_norm)
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    weights, _ = new_weights(model_dir, seed=6)
+    manifest = sync_manifest(weights, version=2, transport="filesystem")
+    write_weights(tmp_path, manifest, weights)
+    manifest = dataclasses.replace(manifest, path=str(tmp_path.resolve()))
+    with pytest.raises(FailedPrecondition, match=re.escape("model.norm.weight: the engine's parameters do not hold")):
+        worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    assert worker.reported_version == -1 and engine.loaded_checksum() == ""
