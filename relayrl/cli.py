@@ -123,6 +123,12 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     raise SystemExit(f"unknown benchmark {args.which!r}")
 
 
+def cmd_check_engine(args: argparse.Namespace, rest: list[str]) -> int:
+    from relayrl.rollout.check import main
+
+    return main(rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("RELAYRL_LOG_LEVEL", "INFO"))
@@ -169,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
+
+    p = sub.add_parser("check-engine", help="check an inference engine against relayrl's needs", add_help=False)
+    p.set_defaults(func=cmd_check_engine, passthrough=True)
 
     p = sub.add_parser("bench", help="benchmarks that print JSON", add_help=False)
     p.add_argument("which", choices=["weightsync", "load", "rollout"])

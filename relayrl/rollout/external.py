@@ -13,23 +13,32 @@ the rollout worker; an engine occupies ``weight_sync_ranks`` consecutive ranks.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from relayrl.errors import FailedPrecondition
+from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
-from relayrl.weightsync.checksum import weights_checksum
+from relayrl.rollout.sampling import SamplingParams
+from relayrl.weightsync.checksum import tensor_digest, weights_checksum
 from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
-from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.manifest import WeightManifest, dtype_from_name, dtype_name
 from relayrl.weightsync.packing import BufferPair
-from relayrl.weightsync.receiver import LoadFn, receive_weights
+from relayrl.weightsync.receiver import receive_weights
 from relayrl.weightsync.stats import ReceiveStats
+
+log = logging.getLogger(__name__)
 
 # Exceptions an engine process reports by class name (results cross process boundaries as plain data).
 _REPORTED: dict[str, type[Exception]] = {
@@ -38,6 +47,56 @@ _REPORTED: dict[str, type[Exception]] = {
     "FailedPrecondition": FailedPrecondition,
     "ValueError": ValueError,
 }
+
+
+# The releases each adapter was read against (docs/engines.md); pyproject's extras pin the same ranges.
+SUPPORTED_VERSIONS: dict[str, str] = {"vllm": ">=0.33.0,<0.34", "sglang": ">=0.5.23,<0.6"}
+
+
+def install_hint(package: str) -> str:
+    """The command that installs the supported range of ``package``."""
+    return f"pip install 'relayrl[{package}]' (that is {package}{SUPPORTED_VERSIONS[package]})"
+
+
+def import_engine(package: str) -> ModuleType:
+    """Import ``package`` (vllm, sglang) and check its ``__version__`` against SUPPORTED_VERSIONS.
+
+    ImportError naming the supported range and the install command when it is missing or of another version.
+    """
+    try:
+        module = importlib.import_module(package)
+    except ImportError as err:
+        raise ImportError(f"the {package} engine needs {package}: {install_hint(package)} ({err})") from err
+    found = str(getattr(module, "__version__", "unknown"))
+    try:
+        supported = Version(found) in SpecifierSet(SUPPORTED_VERSIONS[package])
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        wanted = f"{package}{SUPPORTED_VERSIONS[package]}"
+        raise ImportError(f"the {package} engine supports {wanted}, found {found}: {install_hint(package)}")
+    return module
+
+
+def refuse_unmatched_logprobs(params: SamplingParams, engine: str, *, top_p: bool) -> None:
+    """InvalidArgument for the settings under which ``engine``'s logprobs are not relayrl's (docs/engines.md).
+
+    relayrl's logprob: log softmax(logits / T) before top-p and before the ``min_tokens`` mask (the trainer's).
+    vLLM's and SGLang's sampled-token logprobs are taken after their min-tokens mask (renormalised over the
+    tokens left), so ``min_tokens > 0`` is refused; ``top_p``: the engine also renormalises over the nucleus
+    (vLLM), so ``top_p < 1`` is refused.
+    """
+    if params.min_tokens > 0:
+        raise InvalidArgument(
+            "params.min_tokens",
+            f"the {engine} engine reports logprobs renormalised after its min-tokens mask, not the trainer's; "
+            "use 0 (ignore_eos gives equal-length responses)",
+        )
+    if top_p and params.top_p < 1:
+        raise InvalidArgument(
+            "params.top_p",
+            f"the {engine} engine reports logprobs renormalised over the top-p nucleus, not the trainer's; use 1",
+        )
 
 
 @dataclass(frozen=True)
@@ -101,6 +160,25 @@ def hf_model_info(model_path: str, dtype: str) -> HFModelInfo:
     )
 
 
+def tensors_to_wire(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    """[name, dtype, shape, bytes] per tensor: plain data, which survives vLLM's msgpack RPC (a tensor does not:
+    it arrives as ``[dtype, shape, buffer index]`` with its bytes dropped, ``vllm/v1/serial_utils.py``)."""
+    out = []
+    for name, tensor in named:
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        out.append([name, dtype_name(tensor.dtype), list(tensor.shape), flat.view(torch.uint8).numpy().tobytes()])
+    return out
+
+
+def tensors_from_wire(items: Iterable[Sequence[Any]]) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of ``tensors_to_wire`` (CPU tensors owning their memory)."""
+    out = []
+    for name, dtype, shape, data in items:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        out.append((name, raw.view(dtype_from_name(dtype)).reshape(shape)))
+    return out
+
+
 def check_weights(
     specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], weights: Sequence[tuple[str, torch.Tensor]]
 ) -> None:
@@ -113,11 +191,85 @@ def check_weights(
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the parameter's {shapes[name]}")
 
 
+# vLLM's and SGLang's Llama-family models fuse these (``packed_modules_mapping``; each piece split over TP ranks).
+DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class AppliedLayout:
+    """Where each Hugging Face tensor of ``specs`` lives in an engine model's own parameters on one tensor-parallel
+    rank: the inverse of the engine's ``load_weights``, so that what it applied can be read back and compared
+    where the bytes are (views, no copies).
+
+    Rules (vLLM and SGLang, Llama-family layouts): a piece of ``packed_modules_mapping`` (``q_proj`` in
+    ``qkv_proj``, ...) is a block of rows of the fused tensor, each piece split into ``tp_size`` parts on dim 0;
+    an engine tensor of the HF shape is the tensor (or a replica); one whose dim 1 is 1/tp_size of the HF one is
+    this rank's column block (row parallel); one that differs on dim 0 only is this rank's block of the padded
+    vocabulary. A tensor that fits none of these (not on this pipeline stage, replicated KV heads, quantized) is
+    not read back: ``readable`` is False for it.
+    """
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        specs: Sequence[tuple[str, tuple[int, ...], Any]],
+        *,
+        packed: dict[str, list[str]],
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        shapes = {name: tuple(shape) for name, shape, _ in specs}
+        # HF name -> (engine tensor, dim, offset in it, start in the HF tensor, length)
+        self._places: dict[str, tuple[torch.Tensor, int, int, int, int]] = {}
+        for name, shape in shapes.items():
+            place = _place(name, shape, shapes, params, packed, tp_rank, tp_size)
+            if place is not None:
+                self._places[name] = place
+        self.complete = tp_size == 1 and len(self._places) == len(shapes)  # rank 0 can read every tensor whole
+
+    def readable(self, name: str) -> bool:
+        return name in self._places
+
+    def applied(self, name: str) -> torch.Tensor:
+        """The engine's view of its part of HF tensor ``name`` (the whole tensor when ``tp_size`` is 1)."""
+        tensor, dim, offset, _, length = self._places[name]
+        return tensor.narrow(dim, offset, length)
+
+    def expected(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the HF tensor ``full`` this rank holds."""
+        _, dim, _, start, length = self._places[name]
+        return full.narrow(dim, start, length)
+
+
+def _place(name, shape, shapes, params, packed, tp_rank, tp_size):
+    """One entry of ``AppliedLayout`` (None when no rule fits)."""
+    for fused, pieces in packed.items():
+        piece = next((p for p in pieces if f".{p}." in name), None)
+        if piece is None:
+            continue
+        target = params.get(name.replace(f".{piece}.", f".{fused}."))
+        rows = [shapes.get(name.replace(f".{piece}.", f".{p}."), (0,))[0] // tp_size for p in pieces]
+        if target is None or sum(rows) != target.shape[0] or tuple(target.shape[1:]) != shape[1:]:
+            return None
+        index = pieces.index(piece)
+        return target, 0, sum(rows[:index]), tp_rank * rows[index], rows[index]
+    target = params.get(name)
+    if target is None or target.dim() != len(shape):
+        return None
+    if tuple(target.shape) == shape:
+        return target, 0, 0, 0, shape[0] if shape else 0
+    if len(shape) == 2 and target.shape[0] == shape[0] and target.shape[1] * tp_size == shape[1]:
+        return target, 1, 0, tp_rank * target.shape[1], target.shape[1]
+    if tuple(target.shape[1:]) == shape[1:]:
+        start = min(tp_rank * target.shape[0], shape[0])  # a rank past the vocabulary holds padding only
+        return target, 0, 0, start, max(0, min(target.shape[0], shape[0] - start))
+    return None
+
+
 class EngineReceiver:
     """One engine process's membership in relayrl's weight group, and its staging buffers (kept between updates).
 
     Lives inside the engine's process (a vLLM worker, an SGLang scheduler); ``local_rank`` is that process's
-    rank within the engine.
+    rank within the engine (tensor-parallel rank = ``local_rank % tp_size``).
     """
 
     def __init__(self, device: torch.device | str, local_rank: int) -> None:
@@ -148,22 +300,52 @@ class EngineReceiver:
             self.group.close()
         self.group = None
 
-    def receive(self, manifest: WeightManifest, load_fn: LoadFn, group: GroupArgs | None = None) -> dict[str, Any]:
-        """Receive (broadcast) or read (filesystem) every tensor of ``manifest`` and load it with ``load_fn``;
-        ``group``: join it first unless already a member. Never raises (it runs inside the engine's process).
+    def receive(
+        self,
+        manifest: WeightManifest,
+        model: Any,
+        *,
+        tp_size: int = 1,
+        group: GroupArgs | None = None,
+    ) -> dict[str, Any]:
+        """Receive (broadcast) or read (filesystem) every tensor of ``manifest``, load it with
+        ``model.load_weights(weights=views)`` and check, chunk by chunk while the views are alive, that the
+        model's own parameters hold exactly the received bytes (``AppliedLayout``; FailedPrecondition naming the
+        first tensor that differs). ``group``: join it first unless already a member. Never raises (it runs
+        inside the engine's process).
 
-        Returns plain data (it crosses process boundaries): on success ``checksum`` (local rank 0 only, over CPU
-        copies of what it loaded: transient host memory of the model's size), ``seconds``, ``nbytes``,
-        ``buckets``, ``peak_extra_bytes``; on failure ``error`` and ``error_type`` (a broken group is left).
+        Returns plain data (it crosses process boundaries): on success ``checksum`` (local rank 0 only:
+        ``weights_checksum`` of the model's own tensors read back under the HF names when this rank holds them
+        whole; with tensor parallelism, of the received tensors, each found applied on every rank), ``seconds``,
+        ``nbytes``, ``buckets``, ``peak_extra_bytes``, ``unverified`` (tensors no rule could read back); on
+        failure ``error`` and ``error_type`` (a broken group is left).
         """
-        copies: dict[str, torch.Tensor] | None = {} if self.local_rank == 0 else None
-
-        def load(views: list[tuple[str, torch.Tensor]]) -> None:
-            load_fn(views)
-            if copies is not None:
-                copies.update((name, view.to("cpu", copy=True)) for name, view in views)
-
         try:
+            params = dict(model.named_parameters())
+            packed = getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED
+            layout = AppliedLayout(
+                params,
+                [(t.name, t.shape, t.dtype) for t in manifest.tensors],
+                packed=packed,
+                tp_rank=self.local_rank % tp_size,
+                tp_size=tp_size,
+            )
+            digests: dict[str, bytes] | None = {} if self.local_rank == 0 and not layout.complete else None
+            unverified: list[str] = []
+
+            def load(views: list[tuple[str, torch.Tensor]]) -> None:
+                model.load_weights(weights=views)
+                for name, view in views:
+                    if not layout.readable(name):
+                        unverified.append(name)
+                    elif not torch.equal(layout.applied(name), layout.expected(name, view)):
+                        raise FailedPrecondition(
+                            f"checksum: {name}: the engine's parameters do not hold the received tensor after "
+                            "load_weights"
+                        )
+                    if digests is not None:
+                        digests[name] = tensor_digest(name, view)
+
             if group is not None and (self.group is None or self.group.group_name != group.group_name):
                 self.join(group)
             if manifest.transport == "filesystem":
@@ -176,12 +358,19 @@ class EngineReceiver:
             if isinstance(exc, WeightSyncError):
                 self.close()
             return {"error": f"engine rank {self.local_rank}: {exc}", "error_type": type(exc).__name__}
+        checksum = ""
+        if self.local_rank == 0:
+            if digests is None:
+                checksum = weights_checksum((t.name, layout.applied(t.name)) for t in manifest.tensors)
+            else:
+                checksum = hashlib.sha256(b"".join(digests[name] for name in sorted(digests))).hexdigest()
         return {
-            "checksum": weights_checksum(copies.items()) if copies is not None else "",
+            "checksum": checksum,
             "seconds": stats.seconds,
             "nbytes": stats.nbytes,
             "buckets": stats.buckets,
             "peak_extra_bytes": stats.peak_extra_bytes,
+            "unverified": len(unverified),
         }
 
 
@@ -194,6 +383,9 @@ def collect_receipts(results: Sequence[dict[str, Any]]) -> tuple[ReceiveStats, s
     for result in results:
         if "error" in result:
             raise _REPORTED.get(result["error_type"], RuntimeError)(result["error"])
+    unverified = sum(r.get("unverified", 0) for r in results)
+    if unverified:
+        log.warning("%d received tensors could not be read back from the engine's parameters to verify", unverified)
     first = results[0]
     stats = ReceiveStats(
         seconds=max(r["seconds"] for r in results),

@@ -1,17 +1,20 @@
 """The ``sglang`` engine: SGLang's offline ``sglang.Engine``, with relayrl's weight sync inside its schedulers.
 
 Generation: every (prompt, sample) becomes one item of a single ``Engine.generate(input_ids=...,
-sampling_params=[...], return_logprob=True, stream=True, rid=[...])`` call (``sampling_seed = seed +
-sample_index``, so seeded samples differ). ``should_abort`` is checked between streamed chunks; then every
-unfinished item is aborted with ``tokenizer_manager.abort_request(rid=...)`` and the stream drained. Each
-item's final chunk carries ``output_ids`` and ``meta_info["output_token_logprobs"]`` = [(logprob, id, text)],
-logprobs of log softmax(logits / T) before top-p: relayrl's convention.
+sampling_params=[...], return_logprob=True, stream=True, rid=[...])`` call. Every item carries its own
+``sampling_seed``: ``seed + sample_index`` for a seeded request, a fresh random one otherwise (under
+``enable_deterministic_inference`` SGLang gives every seedless request seed 42, and its sampling noise depends
+only on seed, position and vocabulary column, so the n samples of a prompt would all be the same).
+``should_abort`` is checked between streamed chunks; then every unfinished item is aborted with
+``tokenizer_manager.abort_request(rid=...)`` and the stream drained. Each item's final chunk carries
+``output_ids`` and ``meta_info["output_token_logprobs"]`` = [(logprob, id, text)], logprobs of
+log softmax(logits / T) before top-p: relayrl's convention.
 
 Weights: SGLang runs no caller code in its schedulers but a registered custom weight loader (server argument
 ``custom_weight_loader``), which ``update_weights_from_tensor(..., load_format=<its import path>)`` calls as
-``loader(model, named_tensors)`` in every TP scheduler. ``receive_in_scheduler`` is that loader: the one
+``loader(model, named_tensors)`` in every scheduler (TP x PP). ``receive_in_scheduler`` is that loader: the one
 named tensor's name carries the request (JSON); the scheduler joins relayrl's group as ``rank_offset +
-tp_rank`` (at the first update after InitWeightSync), receives the buckets, loads them with
+pp_rank * tp_size + tp_rank`` (at the first update after InitWeightSync), receives the buckets, loads them with
 ``model.load_weights`` and writes its receipt to a file the request names (a loader returns nothing to the
 caller). The call runs inside SGLang's weight-update session: ``begin_weight_update`` / ``end_weight_update``.
 """
@@ -22,6 +25,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import uuid
@@ -39,6 +43,8 @@ from relayrl.rollout.external import (
     check_weights,
     collect_receipts,
     hf_model_info,
+    import_engine,
+    refuse_unmatched_logprobs,
     reject_reserved_options,
 )
 from relayrl.rollout.sampling import SamplingParams
@@ -51,34 +57,48 @@ log = logging.getLogger(__name__)
 LOADER = "relayrl.rollout.sglang.receive_in_scheduler"
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _RESERVED = ("model_path", "custom_weight_loader", "random_seed", "max_running_requests", "skip_tokenizer_init")
+SEED_BOUND = 1 << 31  # sampling seeds drawn for seedless requests are in [0, SEED_BOUND)
 
-# The receiver of each TP rank in this process (a real scheduler process holds exactly one).
+# The receiver of each scheduler (by local rank) in this process (a real scheduler process holds exactly one).
 _RECEIVERS: dict[int, EngineReceiver] = {}
 
 
+def scheduler_rank() -> int:
+    """This scheduler's rank within the engine: ``pp_rank * tp_size + tp_rank`` (unique across TP x PP)."""
+    from sglang.srt.distributed.parallel_state import (
+        get_pipeline_model_parallel_rank,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    tp_size = get_tensor_model_parallel_world_size()
+    return get_pipeline_model_parallel_rank() * tp_size + get_tensor_model_parallel_rank()
+
+
 def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """SGLang custom weight loader: run one relayrl update inside this TP scheduler (see the module docstring).
+    """SGLang custom weight loader: run one relayrl update inside this scheduler (see the module docstring).
 
     ``named_tensors`` is ``[(request JSON, empty tensor on the scheduler's device)]``; the request holds
     ``group`` (GroupArgs fields), ``manifest`` (its JSON) and ``result`` (the receipt file prefix).
     """
-    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
-
     ((request_json, anchor),) = named_tensors
     request = json.loads(request_json)
-    tp_rank = get_tensor_model_parallel_rank()
-    receiver = _RECEIVERS.get(tp_rank)
+    rank = scheduler_rank()
+    receiver = _RECEIVERS.get(rank)
     if receiver is None:
-        receiver = _RECEIVERS[tp_rank] = EngineReceiver(anchor.device, tp_rank)
+        receiver = _RECEIVERS[rank] = EngineReceiver(anchor.device, rank)
     group = GroupArgs(**request["group"]) if request["group"] is not None else None
-    receipt = receiver.receive(WeightManifest.from_json(request["manifest"]), model.load_weights, group)
-    atomic_write_text(Path(f"{request['result']}.rank{tp_rank}.json"), json.dumps(receipt))
+    manifest = WeightManifest.from_json(request["manifest"])
+    receipt = receiver.receive(manifest, model, tp_size=request["tp_size"], group=group)
+    atomic_write_text(Path(f"{request['result']}.rank{rank}.json"), json.dumps(receipt))
 
 
 class SGLangEngine(InferenceEngine):
     """SGLang backend (pause mode only). ``options`` go to ``sglang.Engine`` as they are (``tp_size``,
     ``mem_fraction_static``, ``context_length``, ``enable_deterministic_inference``, ...), except those this
-    adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``."""
+    adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``.
+    Speculative decoding is refused: SGLang runs a custom weight loader once per model runner (target and
+    draft), so relayrl's receive would run twice per update and wait for a broadcast that never comes."""
 
     name = "sglang"
     receives_weights_itself: ClassVar[bool] = True
@@ -93,10 +113,12 @@ class SGLangEngine(InferenceEngine):
         **options: Any,
     ) -> None:
         reject_reserved_options(options, _RESERVED, "sglang")
-        try:
-            import sglang
-        except ImportError as err:
-            raise ImportError(f"the sglang engine needs SGLang: pip install 'relayrl[sglang]' ({err})") from err
+        if options.get("speculative_algorithm") is not None:
+            raise ValueError(
+                "rollout.engine_options.speculative_algorithm: speculative decoding is not supported by the sglang "
+                "engine (SGLang would run relayrl's weight receive on the draft runner too); leave it unset"
+            )
+        sglang = import_engine("sglang")
         info = hf_model_info(model_path, dtype)
         self.tokenizer = info.tokenizer
         self.eos_token_ids = info.eos_token_ids
@@ -111,11 +133,13 @@ class SGLangEngine(InferenceEngine):
             **options,
         )
         self.max_model_len = self.engine.tokenizer_manager.context_len
-        self.weight_sync_ranks = options.get("tp_size", 1) * options.get("pp_size", 1)
+        self._tp_size = int(options.get("tp_size", 1))
+        self.weight_sync_ranks = self._tp_size * int(options.get("pp_size", 1))
         self._receipts = tempfile.mkdtemp(prefix="relayrl-sglang-")
         self._updates = itertools.count()
         self._group: GroupArgs | None = None
         self._checksum = ""
+        self._seeds = random.Random(seed)
 
     def generate(
         self,
@@ -123,14 +147,16 @@ class SGLangEngine(InferenceEngine):
         params: SamplingParams,
         should_abort: Callable[[], bool] | None = None,
     ) -> Iterator[EngineCompletion]:
-        """See ``InferenceEngine.generate``; aborted samples carry the tokens generated so far."""
+        """See ``InferenceEngine.generate``; aborted samples carry the tokens generated so far. InvalidArgument
+        for ``min_tokens > 0`` (SGLang's logprobs are then not the trainer's, see ``refuse_unmatched_logprobs``)."""
+        refuse_unmatched_logprobs(params, "sglang", top_p=False)
         batch = uuid.uuid4().hex[:12]
         items = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
         rids = [f"relayrl-{batch}-{p}-{s}" for p, s in items]
         pending = dict(zip(rids, items, strict=True))
         chunks = self.engine.generate(
             input_ids=[list(prompts[p]) for p, _ in items],
-            sampling_params=[self._sampling_params(params, s) for _, s in items],
+            sampling_params=[self._sampling_params(params, self._sampling_seed(params, s)) for _, s in items],
             return_logprob=True,
             stream=True,
             rid=rids,
@@ -150,11 +176,17 @@ class SGLangEngine(InferenceEngine):
             for rid in pending:  # the consumer stopped early: leave nothing running in the engine
                 self.engine.tokenizer_manager.abort_request(rid=rid)
 
+    def _sampling_seed(self, params: SamplingParams, sample_index: int) -> int:
+        """``seed + sample_index`` for a seeded request; otherwise a fresh seed from the engine's generator."""
+        if params.seed is not None:
+            return params.seed + sample_index
+        return self._seeds.randrange(SEED_BOUND)
+
     @staticmethod
-    def _sampling_params(params: SamplingParams, sample_index: int) -> dict[str, Any]:
+    def _sampling_params(params: SamplingParams, sampling_seed: int) -> dict[str, Any]:
         """SGLang's sampling_params for one sample; penalties, top-k and min-p set to neutral explicitly so that
         no server-side default (``preferred_sampling_params``) can change the distribution."""
-        out: dict[str, Any] = {
+        return {
             "max_new_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -164,10 +196,9 @@ class SGLangEngine(InferenceEngine):
             "frequency_penalty": 0.0,
             "presence_penalty": 0.0,
             "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos,
+            "sampling_seed": sampling_seed,
         }
-        if params.seed is not None:
-            out["sampling_seed"] = params.seed + sample_index
-        return out
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """The Hugging Face specs the trainer sends (not SGLang's fused internal layout)."""
@@ -187,7 +218,7 @@ class SGLangEngine(InferenceEngine):
 
     # -- weight sync handed over by the rollout worker (see docs/engines.md) -------------------------------
     def init_weight_sync(self, args: GroupArgs) -> EngineGroup:
-        """Remember ``args``: the schedulers join (rank ``rank_offset + tp_rank``) at the next update."""
+        """Remember ``args``: the schedulers join (rank ``rank_offset + scheduler_rank()``) at the next update."""
         self._group = args
         return EngineGroup(args.group_name, self._forget_group)
 
@@ -201,6 +232,7 @@ class SGLangEngine(InferenceEngine):
         request = {
             "group": self._group.to_dict() if self._group is not None else None,
             "manifest": manifest.to_json(),
+            "tp_size": self._tp_size,
             "result": prefix,
         }
         carrier = [(json.dumps(request), torch.empty(0))]
@@ -211,7 +243,7 @@ class SGLangEngine(InferenceEngine):
         for rank in range(self.weight_sync_ranks):
             path = Path(f"{prefix}.rank{rank}.json")
             if not path.exists():
-                raise RuntimeError(f"sglang engine: TP rank {rank} reported no result for version {manifest.version}")
+                raise RuntimeError(f"sglang engine: scheduler {rank} reported no result for version {manifest.version}")
             results.append(json.loads(path.read_text(encoding="utf-8")))
             path.unlink()
         stats, self._checksum = collect_receipts(results)

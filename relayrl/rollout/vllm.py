@@ -1,11 +1,14 @@
 """The ``vllm`` engine: vLLM's offline ``LLM``, driven step by step, with relayrl's weight sync inside its workers.
 
 Generation: every (prompt, sample) becomes one request (``n=1``, ``seed + sample_index``: what vLLM's own
-``ParentRequest`` fan-out does for ``n > 1``), added to ``LLM.llm_engine`` and stepped until it finishes,
-so each sample is yielded as soon as it is done and ``should_abort`` is checked between steps (then the
-unfinished requests are aborted with ``abort_request``). Logprobs: ``logprobs=0`` (the sampled token only)
+``ParentRequest`` fan-out does for ``n > 1``), added to ``LLM.llm_engine`` by one stepping thread that steps
+the engine while any request is unfinished, whichever ``generate`` call it came from: concurrent calls share
+engine steps. Each sample is yielded as soon as it is done; ``should_abort`` is checked while waiting (then
+the call's unfinished requests are aborted with ``abort_request``). Logprobs: ``logprobs=0`` (the sampled token only)
 under ``logprobs_mode="processed_logprobs"``: log softmax(logits / T), relayrl's convention, exactly when
-``top_p == 1``; with ``top_p < 1`` vLLM renormalises over the nucleus (see ``docs/engines.md``).
+``top_p == 1`` and ``min_tokens == 0``; vLLM renormalises over the top-p nucleus and after its min-tokens mask,
+so those settings are refused with INVALID_ARGUMENT (see ``docs/engines.md``), as is a temperature above
+vLLM's bound of 2.
 
 Weights: ``RelayRLWorkerExtension`` is mixed into every vLLM worker (``worker_extension_cls``) and reached by
 ``LLM.collective_rpc``; each worker joins relayrl's group as ``rank_offset + worker rank`` and loads the
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from relayrl.errors import InvalidArgument
 from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
 from relayrl.rollout.external import (
     EngineGroup,
@@ -29,7 +35,11 @@ from relayrl.rollout.external import (
     check_weights,
     collect_receipts,
     hf_model_info,
+    import_engine,
+    refuse_unmatched_logprobs,
     reject_reserved_options,
+    tensors_from_wire,
+    tensors_to_wire,
 )
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.manifest import WeightManifest
@@ -41,6 +51,8 @@ EXTENSION = "relayrl.rollout.vllm.RelayRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _RESERVED = ("logprobs_mode", "worker_extension_cls", "model", "max_num_seqs")
+POLL_S = 0.05  # how often a waiting generate call checks should_abort
+MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py: SamplingParams._verify_args refuses temperatures above
 
 
 class RelayRLWorkerExtension:
@@ -61,20 +73,19 @@ class RelayRLWorkerExtension:
     def relayrl_close_weight_sync(self) -> None:
         self.relayrl_get_receiver().close()
 
-    def relayrl_receive(self, manifest_json: str) -> dict[str, Any]:
-        """Receive one update into the model; the receipt of ``EngineReceiver.receive``."""
+    def relayrl_receive(self, manifest_json: str, tp_size: int) -> dict[str, Any]:
+        """Receive one update into the model; the receipt of ``EngineReceiver.receive`` (plain data)."""
         model = self.model_runner.get_model()
-        return self.relayrl_get_receiver().receive(
-            WeightManifest.from_json(manifest_json), lambda views: model.load_weights(weights=views)
-        )
+        return self.relayrl_get_receiver().receive(WeightManifest.from_json(manifest_json), model, tp_size=tp_size)
 
-    def relayrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def relayrl_load_weights(self, wire: list[list[Any]]) -> None:
+        """Load ``tensors_to_wire`` data (tensors do not survive vLLM's msgpack RPC; plain bytes do)."""
         model = self.model_runner.get_model()
-        model.load_weights(weights=[(name, t.to(self.device)) for name, t in weights])
+        model.load_weights(weights=[(name, t.to(self.device)) for name, t in tensors_from_wire(wire)])
 
-    def relayrl_named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """CPU copies of this worker's parameters, under vLLM's own names (fused, this rank's shard)."""
-        return [(name, p.detach().to("cpu", copy=True)) for name, p in self.model_runner.get_model().named_parameters()]
+    def relayrl_named_weights(self) -> list[list[Any]]:
+        """This worker's parameters under vLLM's own names (fused, this rank's shard), as ``tensors_to_wire``."""
+        return tensors_to_wire(self.model_runner.get_model().named_parameters())
 
 
 class VLLMEngine(InferenceEngine):
@@ -94,11 +105,9 @@ class VLLMEngine(InferenceEngine):
         **options: Any,
     ) -> None:
         reject_reserved_options(options, _RESERVED, "vllm")
-        try:
-            import vllm
-            from vllm.sampling_params import RequestOutputKind
-        except ImportError as err:
-            raise ImportError(f"the vllm engine needs vLLM: pip install 'relayrl[vllm]' ({err})") from err
+        vllm = import_engine("vllm")
+        from vllm.sampling_params import RequestOutputKind
+
         self._vllm = vllm
         self._final_only = RequestOutputKind.FINAL_ONLY
         info = hf_model_info(model_path, dtype)
@@ -117,9 +126,10 @@ class VLLMEngine(InferenceEngine):
         )
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weight_sync_ranks = self.llm.get_world_size(include_dp=False)
-        self._batches = itertools.count()
+        self._tp_size = int(options.get("tensor_parallel_size", 1))
+        self._calls = itertools.count()
+        self._stepper = _Stepper(self.llm.llm_engine)
         self._checksum = ""
-        self._warned_top_p = False
 
     def generate(
         self,
@@ -127,35 +137,35 @@ class VLLMEngine(InferenceEngine):
         params: SamplingParams,
         should_abort: Callable[[], bool] | None = None,
     ) -> Iterator[EngineCompletion]:
-        """See ``InferenceEngine.generate``. Aborted samples carry no tokens (vLLM returns only final outputs)."""
-        if params.top_p < 1 and not self._warned_top_p:
-            log.warning("vllm engine: with top_p < 1 the returned logprobs are renormalised over the nucleus")
-            self._warned_top_p = True
-        engine = self.llm.llm_engine
-        batch = next(self._batches)
+        """See ``InferenceEngine.generate``; thread-safe: the requests of concurrent calls join the same engine
+        steps (``_Stepper``). Aborted samples carry no tokens (vLLM returns only final outputs). InvalidArgument
+        for ``top_p < 1``, ``min_tokens > 0`` (logprobs not the trainer's) and temperature > 2."""
+        refuse_unmatched_logprobs(params, "vllm", top_p=True)
+        if params.temperature > MAX_TEMPERATURE:
+            raise InvalidArgument("params.temperature", f"the vllm engine takes at most {MAX_TEMPERATURE}")
+        call = next(self._calls)
         pending: dict[str, tuple[int, int]] = {}
+        requests = []
+        for p, prompt in enumerate(prompts):
+            for s in range(params.n):
+                request_id = f"relayrl-{call}-{p}-{s}"
+                prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=list(prompt))
+                requests.append((request_id, prompt_ids, self._sampling_params(params, s)))
+                pending[request_id] = (p, s)
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stepper.submit(requests, outbox)
         try:
-            for p, prompt in enumerate(prompts):
-                for s in range(params.n):
-                    request_id = f"relayrl-{batch}-{p}-{s}"
-                    prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=list(prompt))
-                    engine.add_request(request_id, prompt_ids, self._sampling_params(params, s))
-                    pending[request_id] = (p, s)
             while pending:
                 if should_abort is not None and should_abort():
+                    yield from _finished(outbox, pending, block=False)  # what is done already is not lost
                     aborted, pending = pending, {}
-                    engine.abort_request(list(aborted))
+                    self._stepper.abort(list(aborted))
                     yield from (EngineCompletion(p, s, [], [], "abort") for p, s in aborted.values())
                     return
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"vLLM has no request left but {len(pending)} were not answered")
-                for output in engine.step():
-                    if output.finished and output.request_id in pending:
-                        p, s = pending.pop(output.request_id)
-                        yield _completion(p, s, output.outputs[0])
+                yield from _finished(outbox, pending, block=True)
         finally:
-            if pending:  # the consumer stopped early: leave nothing running in the engine
-                engine.abort_request(list(pending))
+            if pending:  # the consumer stopped early (or failed): leave nothing running in the engine
+                self._stepper.abort(list(pending))
 
     def _sampling_params(self, params: SamplingParams, sample_index: int) -> Any:
         """vLLM's SamplingParams for one sample of ``params``."""
@@ -165,6 +175,7 @@ class VLLMEngine(InferenceEngine):
             top_p=params.top_p,
             max_tokens=params.max_tokens,
             stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             seed=None if params.seed is None else params.seed + sample_index,
             logprobs=0,
             detokenize=False,
@@ -178,14 +189,14 @@ class VLLMEngine(InferenceEngine):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of worker 0's parameters, under vLLM's names (fused ``qkv_proj``/``gate_up_proj``, worker
         0's tensor-parallel shard). Not live: writing to them changes nothing; for inspection only."""
-        yield from self.llm.collective_rpc("relayrl_named_weights")[0]
+        yield from tensors_from_wire(self.llm.collective_rpc("relayrl_named_weights")[0])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Check names and shapes against the checkpoint's, then load on every worker (through the RPC channel:
         meant for small updates; weight sync uses ``receive_update``) and drop the now stale prefix cache."""
         pairs = [(name, t.detach().to("cpu")) for name, t in weights]
         check_weights(self._specs, pairs)
-        self.llm.collective_rpc("relayrl_load_weights", args=(pairs,))
+        self.llm.collective_rpc("relayrl_load_weights", args=(tensors_to_wire(pairs),))
         self.llm.reset_prefix_cache()
 
     # -- weight sync handed over by the rollout worker (see docs/engines.md) -------------------------------
@@ -197,7 +208,7 @@ class VLLMEngine(InferenceEngine):
     def receive_update(self, manifest: WeightManifest) -> ReceiveStats:
         """Every worker receives (or reads) ``manifest``'s tensors and loads them; then the prefix cache is reset."""
         self._checksum = ""  # a failed update leaves no checksum behind
-        results = self.llm.collective_rpc("relayrl_receive", args=(manifest.to_json(),))
+        results = self.llm.collective_rpc("relayrl_receive", args=(manifest.to_json(), self._tp_size))
         stats, self._checksum = collect_receipts(results)
         self.llm.reset_prefix_cache()
         return stats
@@ -207,8 +218,114 @@ class VLLMEngine(InferenceEngine):
         return self._checksum
 
     def close(self) -> None:
+        self._stepper.close()
         self.llm.collective_rpc("relayrl_close_weight_sync")
         self.llm.llm_engine.engine_core.shutdown()
+
+
+class _Stepper:
+    """The one thread that drives ``LLM.llm_engine`` (not thread-safe): it adds the requests ``submit`` queues,
+    carries out ``abort``, and steps while any request is unfinished, handing each finished output to the queue
+    of the call that added it. Requests of concurrent calls thus share engine steps (vLLM's continuous batching:
+    they join the running batch between steps). A failing step fails every call that has a request in it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, queue.SimpleQueue] = {}  # request id -> its call's outbox (stepper thread only)
+        self._thread = threading.Thread(target=self._run, name="relayrl-vllm-stepper", daemon=True)
+        self._thread.start()
+
+    def submit(self, requests: list[tuple[str, Any, Any]], outbox: queue.SimpleQueue) -> None:
+        """Queue ``requests`` (request id, prompt, vLLM SamplingParams); each finished output, or the error that
+        stopped it, is put on ``outbox`` as (request id, output or exception)."""
+        self._inbox.put(("add", requests, outbox))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort those of ``request_ids`` still in the engine; returns once done."""
+        done = threading.Event()
+        self._inbox.put(("abort", request_ids, done))
+        done.wait()
+
+    def close(self) -> None:
+        self._inbox.put(("close", None, None))
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            message = self._inbox.get()  # blocks only while nothing is running
+            while True:
+                if not self._apply(*message):
+                    return
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            while self._routes:
+                self._step()
+                try:
+                    while True:
+                        if not self._apply(*self._inbox.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+
+    def _apply(self, kind: str, payload: Any, reply: Any) -> bool:
+        """Carry out one queued message; False for "close"."""
+        if kind == "close":
+            for request_id, outbox in self._routes.items():
+                outbox.put((request_id, RuntimeError("the vllm engine was closed")))
+            return False
+        if kind == "abort":
+            live = [request_id for request_id in payload if self._routes.pop(request_id, None) is not None]
+            try:
+                if live:
+                    self.engine.abort_request(live)
+            finally:
+                reply.set()
+            return True
+        for request_id, prompt, params in payload:
+            try:
+                self.engine.add_request(request_id, prompt, params)
+                self._routes[request_id] = reply
+            except Exception as exc:
+                reply.put((request_id, exc))
+        return True
+
+    def _step(self) -> None:
+        try:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM has no request left but {len(self._routes)} were not answered")
+            outputs = self.engine.step()
+        except Exception as exc:
+            routes, self._routes = self._routes, {}
+            for request_id, outbox in routes.items():
+                outbox.put((request_id, exc))
+            return
+        for output in outputs:
+            if output.finished:
+                outbox = self._routes.pop(output.request_id, None)
+                if outbox is not None:
+                    outbox.put((output.request_id, output))
+
+
+def _finished(
+    outbox: queue.SimpleQueue, pending: dict[str, tuple[int, int]], *, block: bool
+) -> Iterator[EngineCompletion]:
+    """The completions waiting in ``outbox`` (removed from ``pending``): one waited for up to POLL_S when
+    ``block``, else all there are now. Raises the engine's error for a request that failed."""
+    while pending:
+        try:
+            request_id, output = outbox.get(timeout=POLL_S) if block else outbox.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(output, BaseException):
+            raise RuntimeError(f"vllm engine: {output}") from output
+        if request_id in pending:
+            p, s = pending.pop(request_id)
+            yield _completion(p, s, output.outputs[0])
+        if block:
+            return
 
 
 def _completion(prompt_index: int, sample_index: int, output: Any) -> EngineCompletion:

@@ -1,4 +1,4 @@
-"""The sglang engine adapter, driven through the fake ``sglang`` module (relayrl/rollout/fakes/fake_sglang.py) on
+"""The sglang engine adapter, driven through the fake ``sglang`` module (tests/fakes/fake_sglang.py) on
 the tiny model: logprobs as the trainer computes them (top-p included), finish reasons, n samples and seeds,
 the arguments SGLang receives, abort, loading weights directly and through the rollout worker's weight sync
 (the custom-loader route), and the fake's API surface against the one recorded in docs/engines.md."""
@@ -28,12 +28,13 @@ from engine_testing import (
     sharp_tiny_model,
     sync_manifest,
 )
+from fakes import fake_sglang
+from fakes.common import FakeEngineModel
 
-from relayrl.errors import FailedPrecondition
+from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout import sglang as adapter
 from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
-from relayrl.rollout.fakes import fake_sglang
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
 from relayrl.rollout.worker import RolloutWorker
@@ -129,9 +130,69 @@ def test_arguments_reach_sglang_as_documented(engine: SGLangEngine, model_dir: P
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "stop_token_ids": [5, 9],
+        "ignore_eos": False,
     }
     assert seeded["sampling_params"] == [{**neutral, "sampling_seed": 11 + s} for _ in range(2) for s in range(2)]
-    assert unseeded["sampling_params"] == [neutral, neutral]
+    drawn = [item.pop("sampling_seed") for item in unseeded["sampling_params"]]
+    assert unseeded["sampling_params"] == [neutral, neutral] and len(set(drawn)) == 2
+    list(engine.generate(PROMPTS[:1], dataclasses.replace(params, ignore_eos=True)))
+    assert engine.engine.generate_calls[-1]["sampling_params"][0]["ignore_eos"] is True
+
+
+def test_seedless_samples_differ_under_deterministic_inference(engine: SGLangEngine) -> None:
+    """SGLang gives every seedless request seed 42 under deterministic inference (sampling_batch_info.py): the
+    adapter must seed each sample itself, or the n samples of a prompt are all the same (GRPO advantages 0)."""
+    completions = by_key(list(engine.generate(PROMPTS[:1], SamplingParams(n=4, temperature=1.0, max_tokens=10))))
+    assert len({tuple(c.token_ids) for c in completions.values()}) > 1
+
+
+def test_ignore_eos_runs_to_max_tokens_and_min_tokens_is_refused(engine: SGLangEngine) -> None:
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    for c in engine.generate(PROMPTS, params):
+        assert c.finish_reason == "length" and len(c.token_ids) == 12
+    with pytest.raises(InvalidArgument, match=r"^params.min_tokens: the sglang engine"):
+        list(engine.generate(PROMPTS, dataclasses.replace(params, min_tokens=2)))
+
+
+def test_an_unsupported_sglang_version_is_refused_naming_the_range(fake, model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fake_sglang, "__version__", "0.5.1")
+    with pytest.raises(ImportError, match=re.escape("supports sglang>=0.5.23,<0.6, found 0.5.1")):
+        SGLangEngine(str(model_dir), dtype="float32")
+
+
+def test_speculative_decoding_is_refused(fake, model_dir: Path) -> None:
+    """SGLang runs a custom weight loader once per runner (target and draft): relayrl's receive would run twice."""
+    with pytest.raises(ValueError, match="speculative_algorithm: speculative decoding is not supported"):
+        SGLangEngine(str(model_dir), dtype="float32", speculative_algorithm="EAGLE")
+
+
+def test_pipeline_parallel_schedulers_get_distinct_ranks(fake, model_dir: Path) -> None:
+    """Group ranks and receipts are keyed by pp_rank * tp_size + tp_rank: TP ranks alone collide for pp > 1."""
+    eng = SGLangEngine(str(model_dir), dtype="float32", seed=0, tp_size=1, pp_size=2)
+    assert eng.weight_sync_ranks == 2
+    weights, _ = new_weights(model_dir)
+    name = group_name()
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, group_name=name, backend="gloo", timeout_s=30) as trainer:
+        group = eng.init_weight_sync(GroupArgs("127.0.0.1", trainer.port, 1, 3, name, "gloo", 30.0))
+        manifest = sync_manifest(weights)
+        join = send_in_background(trainer, manifest, weights)
+        eng.receive_update(manifest)
+        join()
+        group.close()
+        assert [adapter._RECEIVERS[r].group.rank for r in range(2)] == [1, 2]
+    assert eng.loaded_checksum() == manifest.checksum
+    eng.close()
+
+
+def test_the_fake_refuses_to_flush_while_requests_are_queued(engine: SGLangEngine, model_dir: Path) -> None:
+    """As SGLang 0.5.23: the update is applied but the call fails when requests are still running or queued."""
+    stream = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=0))
+    next(stream)
+    weights, _ = new_weights(model_dir)
+    with pytest.raises(RuntimeError, match="requests are still running or queued"):
+        engine.load_weights(weights.items())
+    stream.close()
+    engine.load_weights(weights.items())
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:
@@ -168,7 +229,7 @@ def test_options_the_adapter_sets_are_refused(fake, model_dir: Path) -> None:
 
 def test_without_sglang_the_error_says_what_to_install(monkeypatch, model_dir: Path) -> None:
     monkeypatch.setitem(sys.modules, "sglang", None)
-    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[sglang]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[sglang]' (that is sglang>=0.5.23,<0.6)")):
         SGLangEngine(str(model_dir))
 
 
@@ -320,3 +381,22 @@ def test_a_group_that_cannot_be_joined_fails_the_update_not_the_scheduler(engine
         engine.receive_update(sync_manifest(weights))
     assert engine.loaded_checksum() == "" and not engine.engine._session
     assert len(list(engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=2)))) == len(PROMPTS)
+
+
+def test_an_update_the_model_did_not_apply_is_caught(engine: SGLangEngine, model_dir: Path, tmp_path, monkeypatch):
+    """The checksum covers what the engine's parameters hold after load_weights, not the bytes received: a
+    loader that silently drops a tensor fails the update naming it."""
+    original = FakeEngineModel.load_weights
+
+    def drops_the_norm(self, weights):
+        return original(self, [(name, t) for name, t in weights if name != "model.norm.weight"])
+
+    monkeypatch.setattr(FakeEngineModel, "load_weights", drops_the_norm)
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    weights, _ = new_weights(model_dir, seed=6)
+    manifest = sync_manifest(weights, version=2, transport="filesystem")
+    write_weights(tmp_path, manifest, weights)
+    manifest = dataclasses.replace(manifest, path=str(tmp_path.resolve()))
+    with pytest.raises(FailedPrecondition, match=re.escape("model.norm.weight: the engine's parameters do not hold")):
+        worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    assert worker.reported_version == -1 and engine.loaded_checksum() == ""

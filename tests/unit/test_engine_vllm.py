@@ -1,4 +1,4 @@
-"""The vllm engine adapter, driven through the fake ``vllm`` module (relayrl/rollout/fakes/fake_vllm.py) on the
+"""The vllm engine adapter, driven through the fake ``vllm`` module (tests/fakes/fake_vllm.py) on the
 tiny model: logprobs as the trainer computes them, finish reasons, n samples, the arguments vLLM receives,
 abort, loading weights directly and through the rollout worker's weight sync, and the fake's API surface
 against the one recorded in docs/engines.md."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,11 @@ from engine_testing import (
     sharp_tiny_model,
     sync_manifest,
 )
+from fakes import fake_vllm
 
-from relayrl.errors import FailedPrecondition
+from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
-from relayrl.rollout.external import GroupArgs
-from relayrl.rollout.fakes import fake_vllm
+from relayrl.rollout.external import SUPPORTED_VERSIONS, GroupArgs
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
 from relayrl.rollout.worker import RolloutWorker
@@ -53,11 +54,26 @@ def fake(monkeypatch: pytest.MonkeyPatch):
     return fake_vllm
 
 
-@pytest.fixture
-def engine(fake, model_dir: Path):
-    eng = VLLMEngine(str(model_dir), dtype="float32", max_batch_size=8, seed=0)
+@pytest.fixture(scope="module")
+def shared_engine(model_dir: Path):
+    """One engine (one engine-core process) for the module's tests; ``engine`` resets it around each test."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in fake_vllm.MODULES:
+            patch.setitem(sys.modules, name, fake_vllm)
+        eng = VLLMEngine(str(model_dir), dtype="float32", max_batch_size=8, seed=0)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def engine(fake, shared_engine: VLLMEngine, model_dir: Path):
+    """The shared engine with empty call logs, and the checkpoint's weights again after the test."""
+    llm = shared_engine.llm
+    for log in (llm.llm_engine.added, llm.llm_engine.aborted, llm.llm_engine.steps, llm.rpc_calls):
+        log.clear()
+    llm.prefix_cache_resets = 0
+    yield shared_engine
+    shared_engine.load_weights(load(model_dir).named_parameters())
 
 
 def test_registered_and_created_by_name(fake, model_dir: Path) -> None:
@@ -65,6 +81,8 @@ def test_registered_and_created_by_name(fake, model_dir: Path) -> None:
     eng = create_engine("vllm", model_path=str(model_dir), dtype="float32", max_batch_size=4, seed=0)
     assert (eng.name, eng.vocab_size, eng.max_model_len, eng.eos_token_ids) == ("vllm", 23, 64, frozenset({EOS}))
     assert eng.receives_weights_itself and eng.weight_sync_ranks == 1
+    eng.close()
+    assert eng.llm.llm_engine.engine_core.closed and not eng.llm.llm_engine.engine_core.process.is_alive()
 
 
 def test_generate_n_samples_with_the_trainers_logprobs(engine: VLLMEngine, model_dir: Path) -> None:
@@ -87,15 +105,57 @@ def test_greedy_logprobs_are_at_temperature_one(engine: VLLMEngine, model_dir: P
     assert_trainer_logprobs(load(model_dir), PROMPTS, completions, 1.0)
 
 
-def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine: VLLMEngine, model_dir: Path) -> None:
-    """The documented difference: with top_p < 1 vLLM's processed logprobs are >= relayrl's."""
-    params = SamplingParams(n=4, temperature=1.0, top_p=0.5, max_tokens=8, seed=3)
-    reference = load(model_dir)
-    gaps = []
-    for c in engine.generate(PROMPTS, params):
-        expected = recompute(reference, PROMPTS[c.prompt_index], c.token_ids, 1.0)
-        gaps += [got - want for got, want in zip(c.logprobs, expected, strict=True)]
-    assert min(gaps) > -1e-4 and max(gaps) > 0.01
+def test_settings_whose_logprobs_are_not_the_trainers_are_refused(engine: VLLMEngine, model_dir: Path) -> None:
+    """vLLM's processed logprobs are renormalised over the top-p nucleus and after the min-tokens mask (the fake
+    does as vllm/v1/sample/sampler.py): relayrl refuses those settings rather than train on other logprobs."""
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.5, max_tokens=8, seed=3)
+    with pytest.raises(InvalidArgument, match=r"^params.top_p: the vllm engine reports logprobs renormalised"):
+        list(engine.generate(PROMPTS, params))
+    with pytest.raises(InvalidArgument, match=r"^params.min_tokens: the vllm engine"):
+        list(engine.generate(PROMPTS, dataclasses.replace(params, top_p=1.0, min_tokens=2)))
+    with pytest.raises(InvalidArgument, match=r"^params.temperature: the vllm engine takes at most 2.0"):
+        list(engine.generate(PROMPTS, dataclasses.replace(params, top_p=1.0, temperature=2.5)))
+    assert engine.llm.llm_engine.added == []
+    # what the refusal guards against: the fake, as vLLM, returns other logprobs under top-p
+    direct = fake_vllm.SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8, seed=3, logprobs=0)
+    direct.output_kind = fake_vllm.RequestOutputKind.FINAL_ONLY
+    engine.llm.llm_engine.add_request("direct", fake_vllm.TokensPrompt(prompt_token_ids=PROMPTS[1]), direct)
+    outputs = []
+    while not outputs:
+        outputs = engine.llm.llm_engine.step()
+    (output,) = outputs
+    got = [lp[t].logprob for t, lp in zip(output.outputs[0].token_ids, output.outputs[0].logprobs, strict=True)]
+    expected = recompute(load(model_dir), PROMPTS[1], output.outputs[0].token_ids, 1.0)
+    assert max(g - e for g, e in zip(got, expected, strict=True)) > 0.01
+
+
+def test_ignore_eos_runs_every_sample_to_max_tokens(engine: VLLMEngine, model_dir: Path) -> None:
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    completions = by_key(list(engine.generate(PROMPTS, params)))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 12 for c in completions.values())
+    assert_trainer_logprobs(load(model_dir), PROMPTS, completions, 1.0)
+
+
+def test_the_fakes_sampling_params_apply_vllms_rules() -> None:
+    assert fake_vllm.SamplingParams(temperature=0.001).temperature == fake_vllm.MAX_TEMP
+    greedy = fake_vllm.SamplingParams(temperature=0.0, top_p=0.3, seed=-1, stop_token_ids=[5, 5, 9])
+    assert (greedy.top_p, greedy.seed, greedy.stop_token_ids) == (1.0, None, [5, 9])
+    for bad in ({"temperature": 2.5}, {"top_p": 0.0}, {"min_tokens": 5, "max_tokens": 4}, {"max_tokens": 0}):
+        with pytest.raises(fake_vllm.VLLMValidationError):
+            fake_vllm.SamplingParams(**bad)
+
+
+def test_an_unsupported_vllm_version_is_refused_naming_the_range(fake, model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fake_vllm, "__version__", "0.11.0")
+    with pytest.raises(ImportError, match=re.escape("supports vllm>=0.33.0,<0.34, found 0.11.0")):
+        VLLMEngine(str(model_dir), dtype="float32")
+
+
+def test_the_extras_pin_the_checked_ranges() -> None:
+    """pyproject's vllm/sglang extras admit exactly the versions the adapters were read against."""
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    for package, supported in SUPPORTED_VERSIONS.items():
+        assert re.findall(rf"^{package} = \[(.*)\]", pyproject, flags=re.M) == [f'"{package}{supported}"']
 
 
 def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path, monkeypatch) -> None:
@@ -122,6 +182,7 @@ def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path,
             "top_p": 1.0,
             "max_tokens": 4,
             "stop_token_ids": [5, 9],
+            "ignore_eos": False,
             "seed": 11 + s,
             "logprobs": 0,
             "detokenize": False,
@@ -148,21 +209,48 @@ def test_stop_token_ends_the_sample_and_is_included(engine: VLLMEngine) -> None:
 
 
 def test_should_abort_aborts_the_unfinished_requests(engine: VLLMEngine) -> None:
-    seen: list[EngineCompletion] = []
-    for c in engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=6, seed=0), should_abort=lambda: bool(seen)):
-        seen.append(c)
-    completions = by_key(seen)
-    assert len(completions) == 6
-    aborted = [c for c in seen if c.finish_reason == "abort"]
-    assert len(aborted) == 5 and all(c.token_ids == [] == c.logprobs for c in aborted)
-    assert len(engine.llm.llm_engine.aborted) == 5 and not engine.llm.llm_engine.has_unfinished_requests()
+    llm_engine = engine.llm.llm_engine
+    params = SamplingParams(n=2, max_tokens=6, seed=0, ignore_eos=True)  # nothing finishes before step 6
+    seen = list(engine.generate(PROMPTS, params, should_abort=lambda: len(llm_engine.steps) >= 2))
+    assert len(by_key(seen)) == 6
+    assert all(c.finish_reason == "abort" and c.token_ids == [] == c.logprobs for c in seen)
+    assert len(llm_engine.aborted) == 6 and not llm_engine.has_unfinished_requests()
 
 
 def test_a_consumer_that_stops_early_leaves_nothing_running(engine: VLLMEngine) -> None:
     stream = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=0))
-    next(stream)
+    first = next(stream)
     stream.close()
-    assert len(engine.llm.llm_engine.aborted) == 5 and not engine.llm.llm_engine.has_unfinished_requests()
+    requested = {request_id for request_id, _, _ in engine.llm.llm_engine.added}
+    assert first.finish_reason in ("stop", "length") and set(engine.llm.llm_engine.aborted) <= requested
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_concurrent_calls_share_engine_steps(engine: VLLMEngine, model_dir: Path) -> None:
+    """Four generate calls from four threads: every call gets exactly its samples, with the trainer's logprobs,
+    and the engine ran requests of different calls in the same step (continuous batching across calls)."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+    barrier = threading.Barrier(4)
+    results: dict[int, list[EngineCompletion]] = {}
+
+    def call(index: int) -> None:
+        barrier.wait()
+        results[index] = list(engine.generate(PROMPTS, params))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(results) == [0, 1, 2, 3]
+    reference = load(model_dir)
+    for completions in results.values():
+        keyed = by_key(completions)
+        assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(2)}
+        assert all(len(c.token_ids) == 16 for c in completions)
+        assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)
+    calls_per_step = [len({request_id.split("-")[1] for request_id in step}) for step in engine.llm.llm_engine.steps]
+    assert max(calls_per_step) > 1
 
 
 def test_options_the_adapter_sets_are_refused(fake, model_dir: Path) -> None:
@@ -172,7 +260,7 @@ def test_options_the_adapter_sets_are_refused(fake, model_dir: Path) -> None:
 
 def test_without_vllm_the_error_says_what_to_install(monkeypatch, model_dir: Path) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[vllm]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install 'relayrl[vllm]' (that is vllm>=0.33.0,<0.34)")):
         VLLMEngine(str(model_dir))
 
 
@@ -185,21 +273,27 @@ def test_load_weights_changes_what_is_generated(engine: VLLMEngine, model_dir: P
 
 
 def test_load_weights_refuses_unknown_names_and_shapes_before_loading(engine: VLLMEngine) -> None:
-    model = engine.llm.workers[0].model_runner.get_model()
+    before = engine.llm.fake_probe("loaded_names")
     with pytest.raises(ValueError, match="nope: no such parameter"):
         engine.load_weights([("model.norm.weight", torch.ones(64)), ("nope", torch.zeros(1))])
     with pytest.raises(ValueError, match=re.escape("model.norm.weight: shape")):
         engine.load_weights([("model.norm.weight", torch.ones(3))])
-    assert model.loaded_names == []
+    assert engine.llm.fake_probe("loaded_names") == before
 
 
-def test_named_weights_are_worker_zeros_parameters(engine: VLLMEngine, model_dir: Path) -> None:
-    reference = dict(load(model_dir).named_parameters())
+def test_named_weights_are_worker_zeros_fused_parameters(engine: VLLMEngine, model_dir: Path) -> None:
+    """vLLM's names and layout (fused q/k/v and gate/up, vocabulary padded to 64 rows), across the process."""
+    reference = {name: p.detach() for name, p in load(model_dir).named_parameters()}
     named = dict(engine.named_weights())
-    assert set(named) == set(reference)
-    for name, tensor in named.items():
-        assert tensor.device.type == "cpu"
-        torch.testing.assert_close(tensor, reference[name].detach())
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert f"{attn}qkv_proj.weight" in named and f"{attn}q_proj.weight" not in named and "lm_head.weight" not in named
+    fused_qkv = torch.cat([reference[f"{attn}{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(named[f"{attn}qkv_proj.weight"], fused_qkv, rtol=0, atol=0)
+    fused_gate_up = torch.cat([reference[f"{mlp}gate_proj.weight"], reference[f"{mlp}up_proj.weight"]])
+    torch.testing.assert_close(named[f"{mlp}gate_up_proj.weight"], fused_gate_up, rtol=0, atol=0)
+    embed = named["model.embed_tokens.weight"]
+    assert embed.shape == (64, reference["model.embed_tokens.weight"].shape[1])
+    torch.testing.assert_close(embed[:23], reference["model.embed_tokens.weight"], rtol=0, atol=0)
 
 
 def test_weight_specs_are_the_checkpoints(engine: VLLMEngine, model_dir: Path) -> None:
@@ -252,24 +346,36 @@ def test_filesystem_update_is_read_inside_the_workers(engine: VLLMEngine, model_
 def test_tensor_parallel_workers_join_as_consecutive_ranks(fake, model_dir: Path) -> None:
     eng = VLLMEngine(str(model_dir), dtype="float32", seed=0, tensor_parallel_size=2)
     assert eng.weight_sync_ranks == 2
-    weights, _ = new_weights(model_dir)
+    weights, trained = new_weights(model_dir)
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, group_name="tp", backend="gloo", timeout_s=30) as trainer:
         group = eng.init_weight_sync(GroupArgs("127.0.0.1", trainer.port, 1, 3, "tp", "gloo", 30.0))
-        assert [w.relayrl_receiver.group.rank for w in eng.llm.workers] == [1, 2]
+        assert eng.llm.fake_probe("group_ranks") == [1, 2]
         manifest = sync_manifest(weights)
         join = send_in_background(trainer, manifest, weights)
         stats = eng.receive_update(manifest)
         join()
         group.close()
     assert stats.nbytes == manifest.total_bytes and eng.loaded_checksum() == manifest.checksum
-    loaded = eng.llm.workers[0].model_runner.get_model().loaded_names
-    assert sorted(loaded) == sorted(list(weights) * 2)  # every tensor loaded by both workers
+    assert [sorted(names) for names in eng.llm.fake_probe("loaded_names")] == [sorted(weights)] * 2
     worker = RolloutWorker(eng, "tp", mode="pause", limits=GenerationLimits())
     request = rollout_pb2.InitWeightSyncRequest(
         master_address="127.0.0.1", master_port=1, rank=1, world_size=3, group_name="x", backend="gloo"
     )
     with pytest.raises(FailedPrecondition, match="spans 2 group ranks"):
         worker.init_weight_sync(request)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=8)  # generated from the two ranks' shards
+    assert_trainer_logprobs(trained, PROMPTS, by_key(list(eng.generate(PROMPTS, params))), 1.0)
+    eng.close()
+
+
+def test_the_fake_passes_rpc_arguments_and_results_as_vllms_msgpack_does() -> None:
+    """vllm/v1/serial_utils.py without type information: a tensor arrives as [dtype, shape, data] (its bytes
+    only when below 256, else an out-of-band buffer index whose bytes an untyped decode never reads)."""
+    small, large = torch.arange(4, dtype=torch.float32), torch.zeros(100)
+    assert fake_vllm.msgpack_roundtrip((small, ("a", 1))) == [["float32", [4], small.numpy().tobytes()], ["a", 1]]
+    assert fake_vllm.msgpack_roundtrip([large]) == [["float32", [100], 1]]
+    with pytest.raises(TypeError, match="is not serializable"):
+        fake_vllm.msgpack_roundtrip(object())
 
 
 def test_a_failed_load_is_reported_and_leaves_no_checksum(engine: VLLMEngine, model_dir: Path, tmp_path) -> None:

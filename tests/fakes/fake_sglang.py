@@ -28,13 +28,18 @@ from typing import Any
 
 import torch
 
-from relayrl.rollout.fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
+from fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 
 __version__ = "0.5.23+fake"
 # What a test puts into sys.modules to stand in for SGLang (the adapter's loader imports the last one).
 MODULES = ("sglang", "sglang.srt", "sglang.srt.distributed", "sglang.srt.distributed.parallel_state")
+# sglang/srt/managers/scheduler_components/weight_updater.py: flush_cache_after_weight_update
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
 SAMPLING_EPS = 1e-6  # sglang/srt/sampling/sampling_params.py: temperatures below are greedy
 SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/srt/arg_groups/fields/)
     {
@@ -48,6 +53,7 @@ SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/
         "context_length",
         "enable_deterministic_inference",
         "mem_fraction_static",
+        "speculative_algorithm",
         "log_level",
     }
 )
@@ -83,17 +89,23 @@ _NEUTRAL = {
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
     "n": (1,),
-    "min_new_tokens": (0,),
     "stop": (None,),
-    "ignore_eos": (False,),
 }
 
-_rank = threading.local()
+_rank = threading.local()  # the calling fake scheduler's tp_rank, tp_size, pp_rank
 
 
 def get_tensor_model_parallel_rank() -> int:
     """The TP rank of the calling fake scheduler (a thread here, a process in SGLang)."""
-    return _rank.value
+    return _rank.tp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _rank.tp_size
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _rank.pp_rank
 
 
 class TokenizerManager:
@@ -127,6 +139,10 @@ class Engine:
         self.tokenizer_manager = TokenizerManager(kwargs.get("context_length") or self.hf.max_model_len)
         self.model = FakeEngineModel(self.hf.model)
         self.tp_size = kwargs.get("tp_size", 1)
+        self.pp_size = kwargs.get("pp_size", 1)
+        # sglang/srt/managers/scheduler_components/weight_updater.py: _select_runners ("all": target, then draft)
+        self.runners = ["target", "draft"] if kwargs.get("speculative_algorithm") else ["target"]
+        self.running = 0  # requests admitted and not finished yet
         self.custom_weight_loaders = list(kwargs.get("custom_weight_loader") or [])
         self.deterministic = bool(kwargs.get("enable_deterministic_inference", False))
         self.generate_calls: list[dict[str, Any]] = []
@@ -175,16 +191,23 @@ class Engine:
         self, input_ids: list[list[int]], params: list[dict], rids: list[str], logprob: bool, stream: bool
     ) -> Iterator[dict]:
         manager = self.tokenizer_manager
-        for index, (prompt, item, rid) in enumerate(zip(input_ids, params, rids, strict=True)):
-            if stream and not manager.is_aborted(rid):
-                yield self._chunk(index, rid, prompt, [], [], None)
-            if manager.is_aborted(rid):
-                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-                yield self._chunk(index, rid, prompt, [], [], finish)
-                continue
-            tokens, finish = self._sample(prompt, item)
-            logprobs = self._logprobs(prompt, tokens, item) if logprob else []
-            yield self._chunk(index, rid, prompt, tokens, logprobs, finish)
+        unfinished = len(input_ids)
+        self.running += unfinished
+        try:
+            for index, (prompt, item, rid) in enumerate(zip(input_ids, params, rids, strict=True)):
+                if stream and not manager.is_aborted(rid):
+                    yield self._chunk(index, rid, prompt, [], [], None)
+                self.running -= 1
+                unfinished -= 1
+                if manager.is_aborted(rid):
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                    yield self._chunk(index, rid, prompt, [], [], finish)
+                    continue
+                tokens, finish = self._sample(prompt, item)
+                logprobs = self._logprobs(prompt, tokens, item) if logprob else []
+                yield self._chunk(index, rid, prompt, tokens, logprobs, finish)
+        finally:
+            self.running -= unfinished
 
     def _sample(self, prompt: list[int], item: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
         seed = None
@@ -197,6 +220,8 @@ class Engine:
             max_tokens=item.get("max_new_tokens", 128),
             stop_token_ids=tuple(item.get("stop_token_ids") or ()),
             seed=seed,
+            min_tokens=item.get("min_new_tokens") or 0,
+            ignore_eos=bool(item.get("ignore_eos")),
         )
         (done,) = self.hf.generate([prompt], relay)
         if done.finish_reason == "stop":
@@ -204,9 +229,14 @@ class Engine:
         return done.token_ids, {"type": "length", "length": relay.max_tokens}
 
     def _logprobs(self, prompt: list[int], tokens: list[int], item: dict[str, Any]) -> list[float]:
+        """As SGLang's sampler: after the min-new-tokens penalizer (EOS and stop tokens at -inf for the first
+        ``min_new_tokens`` positions: sglang/srt/sampling/penaltylib/min_new_tokens.py), before top-p."""
         temperature = item.get("temperature", 1.0)
         effective = 1.0 if temperature < SAMPLING_EPS else temperature
-        return token_logprobs(teacher_forced_logits(self.hf.model, prompt, tokens), tokens, effective)
+        logits = teacher_forced_logits(self.hf.model, prompt, tokens)
+        banned = sorted(self.hf.eos_token_ids | set(item.get("stop_token_ids") or ()))
+        logits[: item.get("min_new_tokens") or 0, banned] = float("-inf")
+        return token_logprobs(logits, tokens, effective)
 
     @staticmethod
     def _chunk(
@@ -255,11 +285,15 @@ class Engine:
             raise NotImplementedError(f"Unknown load_format={load_format}")
 
         def on_rank(rank: int) -> None:
-            _rank.value = rank
-            loader(self.model, [(name, t.to("cpu")) for name, t in named_tensors])
+            _rank.pp_rank, _rank.tp_rank = divmod(rank, self.tp_size)
+            _rank.tp_size = self.tp_size
+            for _runner in self.runners:
+                loader(self.model, [(name, t.to("cpu")) for name, t in named_tensors])
 
-        run_on_ranks(self.tp_size, on_rank)
+        run_on_ranks(self.tp_size * self.pp_size, on_rank)
         if flush_cache:
+            if self.running:
+                return False, FLUSH_REFUSED
             self.cache_flushes += 1
         return True, "Success"
 

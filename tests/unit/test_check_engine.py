@@ -1,0 +1,54 @@
+"""``relayrl check-engine`` run for real through the CLI: the hf engine on the tiny model passes every check
+(samples differ, log-probs equal an HF forward, a weight update through the publisher, gRPC and a gloo group
+is verified and changes the outputs); an engine that is not installed exits 2 saying what to install."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_engine(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "check-engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_check_engine_passes_for_the_hf_engine_on_the_tiny_model(tiny_model_dir: Path) -> None:
+    done = check_engine("--engine", "hf", "--model", str(tiny_model_dir), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["engine"] == "hf" and report["device"] == "cpu"
+    names = [check["name"] for check in report["checks"]]
+    assert names == [
+        "samples differ (T=0.7)",
+        "samples differ (T=1.0)",
+        "samples differ (T=1.3)",
+        "log-probs vs HF forward",
+        "weight update (gRPC + broadcast)",
+        "outputs changed by the update",
+        "log-probs after the update",
+    ]
+    assert report["max_logprob_diff"] <= report["tolerance"] == 1e-3
+    assert report["tokens_per_second"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_check_engine_without_vllm_exits_2_with_the_install_command(tiny_model_dir: Path) -> None:
+    done = check_engine("--engine", "vllm", "--model", str(tiny_model_dir))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pip install 'relayrl[vllm]' (that is vllm>=0.33.0,<0.34)" in done.stderr
