@@ -132,6 +132,10 @@ class WorkerRegistry:
         with self.lock:
             self.lock.wait(timeout)
 
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._workers)
+
     def snapshot(self) -> list[WorkerHandle]:
         with self.lock:
             return list(self._workers.values())
