@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench-weightsync clean
+.PHONY: demo test lint proto bench-weightsync bench-controller clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -29,6 +29,10 @@ proto: $(STAMP)
 bench-weightsync: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench weightsync --json > bench/results/weightsync.json
+
+bench-controller: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/relayrl bench controller --json > bench/results/controller.json
 
 clean:
 	rm -rf $(VENV) runs examples/assets

@@ -19,7 +19,8 @@ i.e. what the transport alone allows on this machine.
 
 Prints one JSON object (``--json``) or a short summary: trajectories/s, the Generate round trip as the
 controller sees it (p50/p99, from its ``relayrl_generate_seconds`` histogram), controller RSS at start and at
-its peak, controller CPU seconds.
+its peak, controller CPU seconds (and per trajectory), and the CPU share the paused controller spends on its
+fleet alone (heartbeats, Stats polls) before the run.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from pathlib import Path
 import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from relayrl.assets import prepare_assets
 from relayrl.bench.load import rss_mib
-from relayrl.bench.simulated_workers import VersionFile
+from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.services.channels import open_channel
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, default=1, help="controller.max_staleness")
     parser.add_argument("--response-tokens", type=int, default=16, help="tokens per canned response")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="each simulated worker's heartbeat period")
+    parser.add_argument("--generate-s", type=float, default=0.0, help="seconds a simulated Generate call takes")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="seconds the idle, paused controller is measured")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     parser.add_argument("--workdir", type=Path, help="where the model, data, state and logs go (default: temp)")
     parser.add_argument("--json", action="store_true", help="print the JSON object only")
@@ -75,8 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("workers", "trajectories", "simulators", "n", "batch_groups", "gen_batch", "dispatch_chunk"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if args.response_tokens < 2 or args.heartbeat_s <= 0:
-        parser.error("--response-tokens: must be >= 2; --heartbeat-s: must be > 0")
+    if args.generate_s < 0:
+        parser.error(f"--generate-s: must be >= 0, got {args.generate_s}")
+    if args.response_tokens < 2:
+        parser.error(f"--response-tokens: must be >= 2, got {args.response_tokens}")
+    for name in ("heartbeat_s", "idle_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     return args
 
 
@@ -216,8 +225,9 @@ def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namesp
 def simulator_commands(args: argparse.Namespace, controller: str, model: str, version_file: Path) -> list[list[str]]:
     per_process = math.ceil(args.workers / args.simulators)
     counts = [min(per_process, args.workers - i * per_process) for i in range(args.simulators)]
-    common = ["--controller", controller, "--model", model, "--version-file", str(version_file)]
-    common += ["--response-tokens", str(args.response_tokens), "--heartbeat-s", str(args.heartbeat_s)]
+    responses = json.dumps(canned_responses(AutoTokenizer.from_pretrained(model), args.response_tokens))
+    common = ["--controller", controller, "--responses", responses, "--version-file", str(version_file)]
+    common += ["--heartbeat-s", str(args.heartbeat_s), "--generate-s", str(args.generate_s)]
     module = [sys.executable, "-m", "relayrl.bench.simulated_workers"]
     return [[*module, *common, "--index", str(i), "--count", str(c)] for i, c in enumerate(counts) if c > 0]
 
@@ -246,9 +256,12 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
             job.spawn(roles[-1], argv)
         registered = f"{args.workers} simulated workers to register"
         wait_until(lambda: len(controller_status(address).workers) >= args.workers, 300, registered, job, roles)
+        pid = job.children["controller"].pid
+        idle_cpu = cpu_seconds(pid)
+        time.sleep(args.idle_s)  # paused: what heartbeats and the Stats poll of every worker cost the controller
+        idle_share = (cpu_seconds(pid) - idle_cpu) / args.idle_s
         addresses = sorted(w.address for w in controller_status(address).workers)
         bare = bare_dispatch(addresses, args.trajectories, args, versions.read())  # the paused controller idles
-        pid = job.children["controller"].pid
         rss_start, cpu_start = rss_mib(pid), cpu_seconds(pid)
         started = time.monotonic()
         stub.Resume(controller_pb2.ResumeRunRequest())
@@ -275,6 +288,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "max_staleness": args.max_staleness,
         "response_tokens": args.response_tokens,
         "heartbeat_s": args.heartbeat_s,
+        "generate_s": args.generate_s,
         "steps": len(pulled),
         "seconds": round(seconds, 3),
         "trajectories": generated,
@@ -287,6 +301,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "controller_rss_mib_peak": None if rss_peak is None else round(rss_peak, 1),
         "controller_cpu_seconds": round(cpu, 3),
         "controller_cpu_us_per_trajectory": round(1e6 * cpu / generated, 2),
+        "controller_idle_cpu_share": round(idle_share, 3),
         "ledger": {state: getattr(status.ledger, state) for state in ("trained", "filtered", "failed", "pending")},
         "bare_trajectories_per_second": round(bare, 1),
         "controller_vs_bare": round(rate / bare, 3),

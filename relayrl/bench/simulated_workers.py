@@ -11,20 +11,22 @@ mirrors the real worker (``relayrl/rollout/worker.py`` behind ``relayrl/services
 - ``Pause`` makes ``Generate`` answer ``UNAVAILABLE`` ("worker <id> is paused") until ``Resume``;
 - ``Stats`` answers the controller's poll.
 
-A completion is canned: its first token is a digit drawn at random (so rewards on the digits task vary within
-a group and dynamic sampling has groups to drop), then filler words up to ``--response-tokens``, then EOS.
-Weight updates are simulated too: the simulated trainer writes each new version into a ``VersionFile`` that
-every simulated worker reads (the real path, UpdateWeights + broadcast, is what ``relayrl bench weightsync``
-measures).
+A completion is canned (after ``--generate-s`` seconds per call, 0 by default): its first token is a digit
+drawn at random (so rewards on the digits task vary within a group and dynamic sampling has groups to drop),
+then filler words up to the response length, then EOS. Weight updates are simulated too: the simulated
+trainer writes each new version into a ``VersionFile`` that every simulated worker reads (the real path,
+UpdateWeights + broadcast, is what ``relayrl bench weightsync`` measures).
 
-Run as ``python -m relayrl.bench.simulated_workers --controller ADDR --index I --count N --model M
---version-file F``; it prints ``ready`` once every worker's server is listening.
+Run as ``python -m relayrl.bench.simulated_workers --controller ADDR --index I --count N --responses JSON
+--version-file F`` (``canned_responses`` gives the responses); it prints ``ready`` once every worker's server
+is listening. It imports neither torch nor transformers, so it starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import mmap
 import os
@@ -33,7 +35,6 @@ import struct
 from pathlib import Path
 
 import grpc
-from transformers import AutoTokenizer
 
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
@@ -62,9 +63,8 @@ class VersionFile:
         os.close(self._fd)
 
 
-def canned_responses(model_path: str, response_tokens: int) -> list[list[int]]:
+def canned_responses(tokenizer, response_tokens: int) -> list[list[int]]:
     """Ten responses, one per leading digit: ``"<d> is is ... <eos>"`` of ``response_tokens`` tokens."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     filler = tokenizer.encode("is", add_special_tokens=False)
     responses = []
     for digit in range(10):
@@ -77,8 +77,11 @@ def canned_responses(model_path: str, response_tokens: int) -> list[list[int]]:
 class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
     """One simulated worker id: answers Generate instantly with canned completions."""
 
-    def __init__(self, worker_id: str, versions: VersionFile, responses: list[list[int]], seed: int) -> None:
+    def __init__(
+        self, worker_id: str, versions: VersionFile, responses: list[list[int]], seed: int, generate_s: float = 0.0
+    ) -> None:
         self.worker_id = worker_id
+        self.generate_s = generate_s
         self.versions = versions
         self.responses = responses
         self.logprobs = [[-0.5] * len(r) for r in responses]
@@ -95,6 +98,8 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"min_policy_version: worker has version {version} < {request.min_policy_version}",
             )
+        if self.generate_s:
+            await asyncio.sleep(self.generate_s)
         for prompt in request.prompts:
             for index in range(request.params.n):
                 digit = self.rng.randrange(10)
@@ -147,10 +152,11 @@ async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]],
 
 async def serve(args: argparse.Namespace) -> None:
     versions = VersionFile(args.version_file)
-    responses = canned_responses(args.model, args.response_tokens)
+    responses = json.loads(args.responses)
     workers, servers = [], []
     for i in range(args.count):
-        worker = SimulatedWorker(f"sim-{args.index}-w{i:04d}", versions, responses, seed=args.index * 100_003 + i)
+        worker_id, seed = f"sim-{args.index}-w{i:04d}", args.index * 100_003 + i
+        worker = SimulatedWorker(worker_id, versions, responses, seed, args.generate_s)
         server = grpc.aio.server()
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(worker, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -166,10 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--controller", required=True, help="controller address")
     parser.add_argument("--index", type=int, required=True, help="this simulator's index (in worker ids)")
     parser.add_argument("--count", type=int, required=True, help="simulated workers in this process")
-    parser.add_argument("--model", required=True, help="model directory (its tokenizer builds the canned answers)")
+    parser.add_argument("--responses", required=True, help="the canned responses' token ids, a JSON list of lists")
     parser.add_argument("--version-file", required=True)
-    parser.add_argument("--response-tokens", type=int, default=16)
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    parser.add_argument("--generate-s", type=float, default=0.0, help="each Generate call waits this long first")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s [simulated-workers] %(message)s")
     asyncio.run(serve(args))

@@ -152,11 +152,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         out: queue.Queue = queue.Queue()
 
         def on_group(prompt_id, completions):
-            for completion in completions:
+            for completion, text in zip(completions, ctl.scorer.decode_all(completions)):
                 message = controller_pb2.SubmittedCompletion(completion=completion)
                 if reward_fn is not None:
-                    message.reward = ctl.scorer.score(ctl.scorer.decode(completion), answers[prompt_id])
-                message.completion.text = ctl.scorer.decode(completion)
+                    message.reward = ctl.scorer.score(text, answers[prompt_id])
+                message.completion.text = text
                 out.put(message)
 
         def run():
