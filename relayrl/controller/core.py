@@ -72,7 +72,10 @@ class Controller:
         self.progress = self._load_progress()
         self.registry = WorkerRegistry(ccfg.worker_timeout_s)
         self.dispatcher = Dispatcher(
-            self.registry, chunk_size=ccfg.dispatch_chunk, generate_timeout_s=ccfg.generate_timeout_s
+            self.registry,
+            chunk_size=ccfg.dispatch_chunk,
+            generate_timeout_s=ccfg.generate_timeout_s,
+            max_threads=ccfg.max_workers * self.registry.max_in_flight,  # a thread per call every worker may hold
         )
         self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens)
         self.params = SamplingParams(

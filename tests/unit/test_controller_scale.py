@@ -59,3 +59,35 @@ def test_latency_histogram_and_its_quantiles() -> None:
     assert histogram_quantile(0.5, cumulative) == pytest.approx(0.1 + 0.1 * (2.5 - 1) / 2)  # inside (0.1, 0.2]
     assert histogram_quantile(0.99, cumulative) == 0.4  # in +Inf: the last finite bound
     assert histogram_quantile(0.5, [(0.1, 0), (float("inf"), 0)]) == 0.0
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The part of grpc.ServicerContext a unary handler's errors go through."""
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_registration_limit_counts_new_workers_only(make_config, tmp_path) -> None:
+    from relayrl.config import load_config
+    from relayrl.controller.core import Controller
+    from relayrl.services.controller_server import ControllerServicer
+    from relayrl.v1 import controller_pb2
+
+    controller = Controller(load_config(make_config(controller={"max_workers": 2})), state_dir=tmp_path / "state")
+    servicer = ControllerServicer(controller)
+    try:
+        for worker_id in ("w0", "w1", "w0"):  # the second w0 is a heartbeat of a known worker
+            request = controller_pb2.RegisterWorkerRequest(worker_id=worker_id, address="127.0.0.1:1")
+            servicer.RegisterWorker(request, _Context())
+        newcomer = controller_pb2.RegisterWorkerRequest(worker_id="w2", address="127.0.0.1:1")
+        with pytest.raises(_Aborted) as refused:
+            servicer.RegisterWorker(newcomer, _Context())
+        assert refused.value.args[0].name == "RESOURCE_EXHAUSTED" and "workers" in refused.value.args[1]
+        assert sorted(w.worker_id for w in controller.registry.snapshot()) == ["w0", "w1"]
+    finally:
+        controller.ledger.close()  # never started: no threads to stop
