@@ -14,7 +14,7 @@ when the trainer has pulled batches holding ``--trajectories`` generated traject
 dispatched, scored and went through dynamic sampling; ``trained`` counts those in the batches).
 
 Baseline, same run, same simulated workers: ``bare``, the same Generate calls (same chunks, as many at once as
-the controller may run in a generation round) from a plain gRPC client that only counts what comes back, i.e.
+one generation round of the controller dispatches) from a plain gRPC client that only counts what comes back, i.e.
 what the transport alone allows on this machine.
 
 Prints one JSON object (``--json``) or a short summary: trajectories/s, the Generate round trip as the
@@ -49,7 +49,6 @@ from relayrl.assets import prepare_assets
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import load_config
-from relayrl.controller.workers import MAX_IN_FLIGHT
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -198,14 +197,14 @@ def generate_latency(metrics_port: int) -> dict:
 
 def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namespace, version: int) -> float:
     """Baseline: the same Generate calls straight to the simulated workers, only counted; trajectories/s. As many
-    calls at once as the controller can have in one generation round: a chunk each, MAX_IN_FLIGHT per worker."""
+    calls at once as one generation round of the controller dispatches (a chunk each)."""
     stubs = [rollout_pb2_grpc.RolloutServiceStub(open_channel(a)) for a in addresses]
     params = common_pb2.SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.response_tokens)
     chunk = range(args.dispatch_chunk)
     prompts = [rollout_pb2.PromptInput(prompt_id=f"bare-{i}", token_ids=[3, 4, 5, 6]) for i in chunk]
     request = rollout_pb2.GenerateRequest(prompts=prompts, params=params, min_policy_version=version)
     calls = math.ceil(trajectories / (args.dispatch_chunk * args.n))
-    threads = min(MAX_IN_FLIGHT * args.workers, math.ceil(args.gen_batch / args.dispatch_chunk))
+    threads = math.ceil(args.gen_batch / args.dispatch_chunk)
     counted = [0] * threads
     lock = threading.Lock()
     next_call = itertools.count()

@@ -13,7 +13,6 @@ from relayrl.services.channels import open_channel
 from relayrl.v1 import rollout_pb2_grpc
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
-MAX_IN_FLIGHT = 2  # Generate calls one worker is given at a time
 
 
 @dataclass
@@ -36,9 +35,7 @@ class WorkerHandle:
 class WorkerRegistry:
     """Workers register and heartbeat with RegisterWorker; silence beyond ``timeout_s`` means dead."""
 
-    def __init__(
-        self, timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, channel_options: list | None = None
-    ) -> None:
+    def __init__(self, timeout_s: float, max_in_flight: int = 2, channel_options: list | None = None) -> None:
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
         # Generate streams are read on the dispatch thread itself, not handed over by the channel's spin thread
