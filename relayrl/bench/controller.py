@@ -303,6 +303,8 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "controller_cpu_seconds": round(cpu, 3),
         "controller_cpu_us_per_trajectory": round(1e6 * cpu / generated, 2),
         "controller_idle_cpu_share": round(idle_share, 3),
+        # the run's CPU less what the idle fleet alone costs over as long: the marginal cost of a trajectory
+        "controller_cpu_us_per_trajectory_net": round(1e6 * max(0.0, cpu - idle_share * seconds) / generated, 2),
         "ledger": {state: getattr(status.ledger, state) for state in ("trained", "filtered", "failed", "pending")},
         "bare_trajectories_per_second": round(bare, 1),
         "controller_vs_bare": round(rate / bare, 3),

@@ -30,6 +30,6 @@ def test_bench_controller_reports_every_field(tmp_path) -> None:
     assert 0 < report["dispatch_latency_p50_ms"] <= report["dispatch_latency_p99_ms"]
     assert 0 < report["controller_rss_mib_start"] <= report["controller_rss_mib_peak"]
     assert report["controller_cpu_seconds"] > 0 and report["controller_cpu_us_per_trajectory"] > 0
-    assert report["controller_idle_cpu_share"] >= 0
+    assert report["controller_idle_cpu_share"] >= 0 and report["controller_cpu_us_per_trajectory_net"] >= 0
     ledger = report["ledger"]
     assert ledger["failed"] == 0 and ledger["trained"] >= report["steps"] * 4  # nothing lost, nothing failed
