@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench-weightsync bench-rollout clean
+.PHONY: demo test lint proto bench-weightsync bench-rollout bench-controller clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -33,6 +33,10 @@ bench-weightsync: $(STAMP)
 bench-rollout: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench rollout > bench/results/rollout.json
+
+bench-controller: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/relayrl bench controller --json > bench/results/controller.json
 
 clean:
 	rm -rf $(VENV) runs examples/assets

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -107,20 +108,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_local(_config(args), resume=args.resume)
 
 
+BENCHMARKS = {  # name -> module whose main(argv) runs it
+    "weightsync": "relayrl.bench.weightsync",
+    "load": "relayrl.bench.load",
+    "rollout": "relayrl.bench.rollout",
+    "controller": "relayrl.bench.controller",
+}
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.which == "weightsync":
-        from relayrl.bench.weightsync import main
-
-        return main(rest)
-    if args.which == "load":
-        from relayrl.bench.load import main
-
-        return main(rest)
-    if args.which == "rollout":
-        from relayrl.bench.rollout import main
-
-        return main(rest)
-    raise SystemExit(f"unknown benchmark {args.which!r}")
+    return importlib.import_module(BENCHMARKS[args.which]).main(rest)
 
 
 def cmd_check_engine(args: argparse.Namespace, rest: list[str]) -> int:
@@ -180,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check_engine, passthrough=True)
 
     p = sub.add_parser("bench", help="benchmarks that print JSON", add_help=False)
-    p.add_argument("which", choices=["weightsync", "load", "rollout"])
+    p.add_argument("which", choices=sorted(BENCHMARKS))
     p.set_defaults(func=cmd_bench, passthrough=True)
     return parser
 

@@ -73,13 +73,13 @@ def demo_config(workdir: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def rss_mib(pid: int | None) -> float | None:
-    """Resident memory of ``pid`` from /proc, in MiB; None when unknown."""
+def rss_mib(pid: int | None, field: str = "VmRSS") -> float | None:
+    """Resident memory of ``pid`` from /proc, in MiB (``field="VmHWM"``: its peak so far); None when unknown."""
     if pid is None:
         return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from relayrl.controller.latency import LatencyHistogram
 from relayrl.controller.workers import WorkerHandle, WorkerRegistry
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2, rollout_pb2
@@ -52,6 +53,7 @@ class Dispatcher:
         self.generate_timeout_s = generate_timeout_s
         self.max_attempts = max_attempts
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="dispatch")
+        self.generate_seconds = LatencyHistogram()  # each Generate call, from its start to its stream's end
 
     def run(
         self,
@@ -137,6 +139,7 @@ class Dispatcher:
         )
         samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in chunk}
         error = ""
+        started = time.monotonic()
         call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
         with self.registry.lock:
             worker.calls.add(call)
@@ -154,5 +157,6 @@ class Dispatcher:
         finally:
             with self.registry.lock:
                 worker.calls.discard(call)
+            self.generate_seconds.observe(time.monotonic() - started)
         complete = {pid: group for pid, group in samples.items() if len(group) == params.n}
         return complete, error

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.rewards import resolve_reward
@@ -32,9 +34,20 @@ class Scorer:
         self.fn = resolve_reward(cfg.fn)
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        self._backend_decodes = (
+            isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces
+        )
 
-    def decode(self, completion: common_pb2.Completion) -> str:
-        return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+    def decode_all(self, completions: list[common_pb2.Completion]) -> list[str]:
+        """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion. A fast tokenizer that decodes
+        as its base class does (no clean-up pass) gives the same text from one call to its Rust backend, without
+        the per-token type checks of ``decode`` (half its cost at 1k tokens)."""
+        sequences = [list(c.token_ids) for c in completions]
+        if self._backend_decodes:
+            return self.tokenizer.backend_tokenizer.decode_batch(sequences, skip_special_tokens=True)
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
 
     def score(self, text: str, answer: str) -> float:
         """The reward function's value; a reward function that raises scores 0 and is logged."""
@@ -54,6 +67,6 @@ class Scorer:
 
     def group(self, record: PromptRecord, completions: list[common_pb2.Completion]) -> ScoredGroup:
         completions = sorted(completions, key=lambda c: c.sample_index)
-        scores = [self.score(self.decode(c), record.answer) for c in completions]
+        scores = [self.score(text, record.answer) for text in self.decode_all(completions)]
         rewards = [self.shaped(s, len(c.token_ids)) for s, c in zip(scores, completions)]
         return ScoredGroup(record, completions, scores, rewards)

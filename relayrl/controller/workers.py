@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc.experimental import ChannelOptions
 
 from relayrl.services.channels import open_channel
 from relayrl.v1 import rollout_pb2_grpc
@@ -37,8 +38,10 @@ class WorkerRegistry:
     def __init__(self, timeout_s: float, max_in_flight: int = 2, channel_options: list | None = None) -> None:
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
-        self._channel_options = channel_options or []
+        # Generate streams are read on the dispatch thread itself, not handed over by the channel's spin thread
+        self._channel_options = [*(channel_options or []), (ChannelOptions.SingleThreadedUnaryStream, 1)]
         self._workers: dict[str, WorkerHandle] = {}
+        self._rotation = 0  # where the next ``rotation`` slice starts
         self.lock = threading.Condition()
         self.paused = False  # an operator paused the run: nothing is handed out
 
@@ -132,9 +135,24 @@ class WorkerRegistry:
         with self.lock:
             self.lock.wait(timeout)
 
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._workers)
+
     def snapshot(self) -> list[WorkerHandle]:
         with self.lock:
             return list(self._workers.values())
+
+    def rotation(self, limit: int) -> list[WorkerHandle]:
+        """Up to ``limit`` workers, each call continuing where the last one stopped (registration order), so
+        that polling every worker costs at most ``limit`` calls per round however large the fleet."""
+        with self.lock:
+            workers = list(self._workers.values())
+            if len(workers) <= limit:
+                return workers
+            start = self._rotation % len(workers)
+            self._rotation = start + limit
+            return (workers + workers)[start : start + limit]
 
     def active(self) -> list[WorkerHandle]:
         """Workers that should receive weights: every live worker, draining ones included."""

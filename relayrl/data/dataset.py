@@ -35,16 +35,26 @@ def load_rows(cfg: DataConfig) -> datasets.Dataset:
     return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
 
 
+def _uses_template(tokenizer: Any, mode: str) -> bool:
+    return mode == "always" or (mode == "auto" and bool(getattr(tokenizer, "chat_template", None)))
+
+
 def render_prompt(tokenizer: Any, text: str, mode: str) -> list[int]:
     """Token ids of the prompt: the chat template (as a user turn + generation prompt) when
     ``mode`` is "always", or "auto" and the tokenizer has one; else the raw text."""
-    use_template = mode == "always" or (mode == "auto" and getattr(tokenizer, "chat_template", None))
-    if use_template:
+    if _uses_template(tokenizer, mode):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def render_prompts(tokenizer: Any, texts: list[str], mode: str) -> list[list[int]]:
+    """``render_prompt`` of each text; raw texts go through the tokenizer in one batched call."""
+    if _uses_template(tokenizer, mode):
+        return [render_prompt(tokenizer, text, mode) for text in texts]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 
 class PromptDataset:
@@ -76,13 +86,18 @@ class PromptDataset:
 
     def record(self, draw: int) -> PromptRecord:
         """The prompt of the ``draw``-th draw (0-based, across epochs)."""
-        epoch, position = divmod(draw, len(self.rows))
-        row_index = self._order(epoch)[position]
-        row = self.rows[row_index]
-        text = str(row[self.cfg.prompt_key])
-        return PromptRecord(
-            prompt_id=f"{epoch}:{row_index}",
-            text=text,
-            token_ids=render_prompt(self.tokenizer, text, self.cfg.chat_template),
-            answer=str(row[self.cfg.answer_key]),
-        )
+        return self.records(draw, 1)[0]
+
+    def records(self, start: int, count: int) -> list[PromptRecord]:
+        """The prompts of draws ``start`` .. ``start + count - 1``: one read of the rows, one tokenizer call."""
+        draws = [divmod(draw, len(self.rows)) for draw in range(start, start + count)]
+        row_indices = [self._order(epoch)[position] for epoch, position in draws]
+        rows = self.rows[row_indices]  # {column: [values]}
+        texts = [str(text) for text in rows[self.cfg.prompt_key]]
+        token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template)
+        return [
+            PromptRecord(prompt_id=f"{epoch}:{row}", text=text, token_ids=ids, answer=str(answer))
+            for (epoch, _), row, text, ids, answer in zip(
+                draws, row_indices, texts, token_ids, rows[self.cfg.answer_key], strict=True
+            )
+        ]

@@ -44,9 +44,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     @guarded
     def RegisterWorker(self, request, context):
         check_register_worker(request, self.limits)
-        known = {w.worker_id for w in self.controller.registry.snapshot()}
-        if request.worker_id not in known:
-            check_count("workers", len(known) + 1, self.controller.cfg.controller.max_workers)
+        registry = self.controller.registry
+        if registry.get(request.worker_id) is None:  # a heartbeat of a known worker is O(1), not O(workers)
+            check_count("workers", len(registry) + 1, self.controller.cfg.controller.max_workers)
         self.controller.registry.register(
             request.worker_id, request.address, request.engine or "hf", request.policy_version
         )
@@ -152,11 +152,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         out: queue.Queue = queue.Queue()
 
         def on_group(prompt_id, completions):
-            for completion in completions:
+            for completion, text in zip(completions, ctl.scorer.decode_all(completions)):
                 message = controller_pb2.SubmittedCompletion(completion=completion)
                 if reward_fn is not None:
-                    message.reward = ctl.scorer.score(ctl.scorer.decode(completion), answers[prompt_id])
-                message.completion.text = ctl.scorer.decode(completion)
+                    message.reward = ctl.scorer.score(text, answers[prompt_id])
+                message.completion.text = text
                 out.put(message)
 
         def run():

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -160,6 +160,13 @@ class ControllerCollector(Collector):
         yield from (syncs, seconds)
         yield _gauge(
             "relayrl_weight_sync_last_seconds", "duration of the last step's weight sync", status.last_sync_seconds
+        )
+        buckets, count, total = ctl.dispatcher.generate_seconds.snapshot()
+        yield HistogramMetricFamily(
+            "relayrl_generate_seconds",
+            "Generate calls to rollout workers, from the call to its stream's end, as the controller sees them",
+            buckets=[(repr(bound), n) for bound, n in buckets] + [("+Inf", count)],
+            sum_value=total,
         )
 
 

@@ -1,0 +1,93 @@
+"""The control plane's hot helpers keep their behaviour: batched prompt draws, batched decoding, the registry's
+rotation, the Generate latency histogram and its quantiles."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from relayrl.bench.controller import histogram_quantile
+from relayrl.config import DataConfig, RewardConfig
+from relayrl.controller.latency import LatencyHistogram
+from relayrl.controller.scoring import Scorer
+from relayrl.controller.workers import WorkerRegistry
+from relayrl.data.dataset import PromptDataset, render_prompt
+from relayrl.v1 import common_pb2
+
+
+def test_batched_draws_equal_single_draws_across_an_epoch(tiny_model_dir, digits_path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dataset = PromptDataset(DataConfig(path=str(digits_path)), tokenizer, seed=3)
+    start = len(dataset) - 5  # the batch crosses into the next epoch's shuffled order
+    batch = dataset.records(start, 10)
+    assert batch == [dataset.record(d) for d in range(start, start + 10)]
+    assert [r.prompt_id.split(":")[0] for r in batch] == ["0"] * 5 + ["1"] * 5
+    for record in batch:
+        row = dataset.rows[int(record.prompt_id.split(":")[1])]
+        assert (record.text, record.answer) == (row["prompt"], row["answer"])
+        assert record.token_ids == render_prompt(tokenizer, row["prompt"], "auto")
+
+
+def test_decode_all_is_the_tokenizers_decode(tiny_model_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    scorer = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8)
+    sequences = [[4, 5, tokenizer.eos_token_id], [tokenizer.pad_token_id, 7, 2], []]
+    completions = [common_pb2.Completion(token_ids=ids) for ids in sequences]
+    assert scorer.decode_all(completions) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    tokenizer.clean_up_tokenization_spaces = True  # a clean-up pass: decoded by transformers itself
+    slow = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8)
+    assert slow.decode_all(completions) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+
+
+def test_rotation_visits_every_worker_in_turn() -> None:
+    registry = WorkerRegistry(timeout_s=30)
+    for i in range(5):
+        registry.register(f"w{i}", f"127.0.0.1:{1000 + i}", "hf", 0)
+    assert len(registry) == 5
+    rounds = [[w.worker_id for w in registry.rotation(2)] for _ in range(3)]
+    assert rounds == [["w0", "w1"], ["w2", "w3"], ["w4", "w0"]]
+    assert [w.worker_id for w in registry.rotation(8)] == [f"w{i}" for i in range(5)]  # a small fleet: all
+
+
+def test_latency_histogram_and_its_quantiles() -> None:
+    histogram = LatencyHistogram(buckets=(0.1, 0.2, 0.4))
+    for seconds in (0.05, 0.15, 0.15, 0.3, 9.0):
+        histogram.observe(seconds)
+    buckets, count, total = histogram.snapshot()
+    assert buckets == [(0.1, 1), (0.2, 3), (0.4, 4)] and count == 5 and total == pytest.approx(9.65)
+    cumulative = [*buckets, (float("inf"), count)]
+    assert histogram_quantile(0.5, cumulative) == pytest.approx(0.1 + 0.1 * (2.5 - 1) / 2)  # inside (0.1, 0.2]
+    assert histogram_quantile(0.99, cumulative) == 0.4  # in +Inf: the last finite bound
+    assert histogram_quantile(0.5, [(0.1, 0), (float("inf"), 0)]) == 0.0
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The part of grpc.ServicerContext a unary handler's errors go through."""
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_registration_limit_counts_new_workers_only(make_config, tmp_path) -> None:
+    from relayrl.config import load_config
+    from relayrl.controller.core import Controller
+    from relayrl.services.controller_server import ControllerServicer
+    from relayrl.v1 import controller_pb2
+
+    controller = Controller(load_config(make_config(controller={"max_workers": 2})), state_dir=tmp_path / "state")
+    servicer = ControllerServicer(controller)
+    try:
+        for worker_id in ("w0", "w1", "w0"):  # the second w0 is a heartbeat of a known worker
+            request = controller_pb2.RegisterWorkerRequest(worker_id=worker_id, address="127.0.0.1:1")
+            servicer.RegisterWorker(request, _Context())
+        newcomer = controller_pb2.RegisterWorkerRequest(worker_id="w2", address="127.0.0.1:1")
+        with pytest.raises(_Aborted) as refused:
+            servicer.RegisterWorker(newcomer, _Context())
+        assert refused.value.args[0].name == "RESOURCE_EXHAUSTED" and "workers" in refused.value.args[1]
+        assert sorted(w.worker_id for w in controller.registry.snapshot()) == ["w0", "w1"]
+    finally:
+        controller.ledger.close()  # never started: no threads to stop
