@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench-weightsync clean
+.PHONY: demo test lint proto bench-weightsync bench-e2e clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -29,6 +29,11 @@ proto: $(STAMP)
 bench-weightsync: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench weightsync --json > bench/results/weightsync.json
+
+# relayrl against TRL's GRPOTrainer, alternating, 3 rounds (about 20 minutes on a quiet 2-core machine).
+bench-e2e: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/relayrl bench e2e --json > bench/results/e2e.json
 
 clean:
 	rm -rf $(VENV) runs examples/assets

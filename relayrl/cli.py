@@ -116,6 +116,10 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from relayrl.bench.load import main
 
         return main(rest)
+    if args.which == "e2e":
+        from relayrl.bench.e2e import main
+
+        return main(rest)
     raise SystemExit(f"unknown benchmark {args.which!r}")
 
 
@@ -167,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
 
     p = sub.add_parser("bench", help="benchmarks that print JSON", add_help=False)
-    p.add_argument("which", choices=["weightsync", "load"])
+    p.add_argument("which", choices=["weightsync", "load", "e2e"])
     p.set_defaults(func=cmd_bench, passthrough=True)
     return parser
 
