@@ -261,6 +261,7 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
     out |= {
         "steady_steps": len(steady),
         "s_per_step": wall / len(steady),
+        "samples_per_step": samples / len(steady),
         "samples_per_s": samples / wall,
         "tokens_per_s": tokens / wall,
         "generation_s": statistics.fmean(r["generation_seconds"] for r in steady),
@@ -284,7 +285,7 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
     return out
 
 
-MEDIAN_KEYS = ("s_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
+MEDIAN_KEYS = ("s_per_step", "samples_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
                "response_len_mean", "cores_busy", "control_plane_share")  # fmt: skip
 
 
@@ -318,7 +319,9 @@ def aggregate(rows: list[dict]) -> dict:
         ratios[f"{system}/trl"] = {
             "samples_per_s": _ratio(entry.get("samples_per_s"), trl.get("samples_per_s")),
             "tokens_per_s": _ratio(entry.get("tokens_per_s"), trl.get("tokens_per_s")),
-            "step_speedup": _ratio(trl.get("s_per_step"), entry.get("s_per_step")),
+            "step_speedup": _ratio(trl.get("s_per_step"), entry.get("s_per_step"))
+            if entry.get("samples_per_step") == trl.get("samples_per_step")
+            else None,  # a step is comparable only when both generate the same samples per step
             "wall_to_target_speedup": _ratio(trl.get("wall_s_to_target"), entry.get("wall_s_to_target")),
         }
     return {"systems": systems, "relayrl_vs_trl": ratios}
@@ -364,7 +367,8 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
         "optimizer_steps_per_batch": cfg.trainer.mini_batches,
         "lr": cfg.trainer.lr,
         "clip": [cfg.algorithm.clip_low, cfg.algorithm.clip_high],
-        "loss": f"relayrl algorithm.loss_agg={cfg.algorithm.loss_agg}; TRL loss_type=dapo",
+        "loss": f"relayrl algorithm.loss_agg={cfg.algorithm.loss_agg}, dual-clip clip_c={cfg.algorithm.clip_c} "
+        "(active only where the ratio exceeds it); TRL loss_type=dapo, no dual clip",
         "reward_fn": cfg.controller.reward.fn,
         "dynamic_sampling": f"relayrl {cfg.controller.dynamic_sampling}; TRL none",
         "relayrl_processes": {"rollout_workers": cfg.rollout.workers, "trainer_ranks": cfg.trainer.nproc},
