@@ -30,7 +30,7 @@ bench-weightsync: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench weightsync --json > bench/results/weightsync.json
 
-# relayrl against TRL's GRPOTrainer, alternating, 3 rounds (about 20 minutes on a quiet 2-core machine).
+# relayrl against TRL's GRPOTrainer, alternating, 3 rounds (an estimated 20 minutes on a quiet 2-core machine).
 bench-e2e: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench e2e --json > bench/results/e2e.json
