@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench-weightsync bench-rollout bench-controller clean
+.PHONY: demo test lint proto bench-weightsync bench-rollout bench-controller bench-e2e clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -37,6 +37,11 @@ bench-rollout: $(STAMP)
 bench-controller: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench controller --json > bench/results/controller.json
+
+# relayrl against TRL's GRPOTrainer, alternating, 3 rounds (an estimated 20 minutes on a quiet 2-core machine).
+bench-e2e: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/relayrl bench e2e --json > bench/results/e2e.json
 
 clean:
 	rm -rf $(VENV) runs examples/assets

@@ -113,6 +113,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "load": "relayrl.bench.load",
     "rollout": "relayrl.bench.rollout",
     "controller": "relayrl.bench.controller",
+    "e2e": "relayrl.bench.e2e",
 }
 
 

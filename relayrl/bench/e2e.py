@@ -1,0 +1,454 @@
+"""``relayrl bench e2e``: relayrl against TRL's ``GRPOTrainer``, side by side, on the same machine.
+
+Each workload is one relayrl config (examples/digits.yaml plus overrides). relayrl runs it as a user
+would, ``relayrl up CONFIG --set ...`` in its own run directory, and is read back from
+``<run>/metrics.jsonl``; TRL runs the same model directory, JSONL data, batch shape, sampling and loss
+settings, taken from the same resolved config (``relayrl.bench.trl_runner``, its own process). The
+systems alternate within one invocation: per round every relayrl variant, then TRL.
+
+Workloads:
+- ``gen-heavy``: tiny Qwen2 (hidden 256, 4 layers), 16 prompts x 16 samples of exactly 48 tokens
+  (relayrl ``rollout.ignore_eos``, TRL ``min_new_tokens``; checked from the measured lengths), 1 rollout
+  worker, 1 trainer rank, no dynamic sampling, 2 optimizer steps per batch; relayrl at
+  ``max_staleness`` 0 and 1. Same number of steps for every system.
+- ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
+  relayrl run of the same round generated.
+
+Per run (s/step and rates over the steady steps, after ``--warmup``): s/step = wall time between the
+ends of the last warm-up step and the last step over the steady steps; samples/s, tokens/s (samples x
+mean response length); mean generation / training seconds per step; reward curve; wall time from launch
+and samples to the first step whose trailing ``--target-window``-step mean reward reaches ``--target``
+(else the best such mean); for relayrl the CPU seconds of each role (from /proc) per steady step and the
+control plane's share of a step = controller CPU seconds / steady wall seconds. Per workload: medians
+over rounds per system and relayrl/TRL ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from relayrl.assets import prepare_assets
+from relayrl.bench.cpu import CpuSampler
+from relayrl.config import RelayConfig, load_config
+from relayrl.procs import kill_tree
+from relayrl.trainer.metrics import read_metrics
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
+WORKLOADS = ("gen-heavy", "demo")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One relayrl config and the relayrl variants run on it; TRL runs what the config says."""
+
+    name: str
+    overrides: list[str]  # applied to DEMO_CONFIG for every system
+    variants: dict[str, list[str]]  # relayrl variant name -> its extra overrides
+    samples_budget: bool  # TRL gets the samples the round's relayrl run generated (else the same steps)
+
+
+@dataclass
+class Run:
+    """One system's run in one round: its per-step records and what was measured around them."""
+
+    workload: str
+    system: str  # "relayrl-<variant>" or "trl"
+    round: int
+    launched: float  # epoch seconds
+    wall_s: float
+    returncode: int
+    records: list[dict]
+    log: Path
+    cpu: CpuSampler | None = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="relayrl bench e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once, alternating")
+    parser.add_argument("--steps", type=int, default=12, help="trainer steps of the gen-heavy workload")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of s/step and rates")
+    parser.add_argument("--target", type=float, default=0.9, help="target trailing mean reward")
+    parser.add_argument("--target-window", type=int, default=10, help="steps in the trailing mean")
+    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override, relayrl+TRL")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round, 3 steps, tiny sizes, 1 worker and 1 rank: checks that it runs"
+    )
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run")
+    parser.add_argument("--workdir", type=Path, help="models, data, run dirs and logs (default: a new temp dir)")
+    parser.add_argument("--json", action="store_true", help="print the JSON result to stdout (else a table)")
+    args = parser.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        parser.error(f"--workloads: unknown {unknown} (choose from {list(WORKLOADS)})")
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 3, 1
+    if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0:
+        parser.error("--rounds must be >= 1 and --steps greater than --warmup (>= 0)")
+    return args
+
+
+def workload(name: str, workdir: Path, args: argparse.Namespace) -> Workload:
+    data = f"data.path={workdir / 'digits.jsonl'}"
+    if name == "demo":
+        quick = [f"trainer.steps={args.steps}", "rollout.workers=1", "trainer.nproc=1"] if args.quick else []
+        model = f"model.path={workdir / 'tiny-qwen2'}"
+        return Workload("demo", [model, data, *quick, *args.set], {"default": []}, samples_budget=True)
+    hidden, layers, tokens, prompts, n = (32, 2, 8, 4, 4) if args.quick else (256, 4, 48, 16, 16)
+    overrides = [
+        f"model.path={workdir / f'tiny-qwen2-h{hidden}-l{layers}'}", data,
+        f"model.tiny_hidden_size={hidden}", f"model.tiny_layers={layers}",
+        "rollout.workers=1", f"rollout.n={n}", f"rollout.max_tokens={tokens}", "rollout.ignore_eos=true",
+        f"controller.prompts_per_gen_batch={prompts}", f"controller.train_batch_groups={prompts}",
+        "controller.dynamic_sampling=false",
+        "trainer.nproc=1", "trainer.lr=0.003", "trainer.mini_batches=2", f"trainer.steps={args.steps}",
+        "trainer.checkpoint_every=0",
+        "algorithm.loss_agg=token-mean", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
+        *args.set,
+    ]  # fmt: skip
+    variants = {"k0": ["controller.max_staleness=0"], "k1": ["controller.max_staleness=1"]}
+    return Workload("gen-heavy", overrides, variants, samples_budget=False)
+
+
+def check_mirrorable(cfg: RelayConfig) -> None:
+    """Refuse settings the TRL side cannot reproduce, naming the key."""
+    alg = cfg.algorithm
+    unsupported = {
+        "algorithm.advantage": alg.advantage != "grpo",
+        "algorithm.norm_by_std": not alg.norm_by_std,
+        "algorithm.loss_agg": alg.loss_agg != "token-mean",
+        "algorithm.kl_coef": alg.kl_coef > 0,
+        "algorithm.entropy_coef": alg.entropy_coef != 0,
+        "algorithm.tis_cap": alg.tis_cap is not None,
+        "trainer.epochs": cfg.trainer.epochs != 1,
+        "controller.reward.overlong_buffer": cfg.controller.reward.overlong_buffer > 0,
+        "rollout.stop_token_ids": bool(cfg.rollout.stop_token_ids),
+    }
+    bad = [key for key, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise SystemExit(f"relayrl bench e2e: TRL's GRPOTrainer cannot mirror {bad}; leave them at their defaults")
+    if (cfg.controller.train_batch_groups * cfg.rollout.n) % cfg.trainer.mini_batches:
+        raise SystemExit("trainer.mini_batches: must divide controller.train_batch_groups x rollout.n for TRL")
+
+
+def equal_work(cfg: RelayConfig) -> bool:
+    """Every response exactly ``rollout.max_tokens`` long: EOS never ends one."""
+    return cfg.rollout.ignore_eos or cfg.rollout.min_tokens >= cfg.rollout.max_tokens
+
+
+def trl_spec(cfg: RelayConfig, steps: int, threads: int, run_dir: Path) -> dict:
+    """The trl_runner spec: the same model, data, batch shape, sampling and loss settings as ``cfg``."""
+    return {
+        "model_path": cfg.model.path,
+        "data_path": cfg.data.path,
+        "prompt_key": cfg.data.prompt_key,
+        "answer_key": cfg.data.answer_key,
+        "chat_template": cfg.data.chat_template,
+        "reward_fn": cfg.controller.reward.fn,
+        "prompts_per_step": cfg.controller.train_batch_groups,
+        "n": cfg.rollout.n,
+        "max_tokens": cfg.rollout.max_tokens,
+        "equal_work": equal_work(cfg),
+        "temperature": cfg.rollout.temperature,
+        "top_p": cfg.rollout.top_p,
+        "lr": cfg.trainer.lr,
+        "weight_decay": cfg.trainer.weight_decay,
+        "betas": list(cfg.trainer.betas),
+        "grad_clip": cfg.trainer.grad_clip,
+        "clip_low": cfg.algorithm.clip_low,
+        "clip_high": cfg.algorithm.clip_high,
+        "mini_batches": cfg.trainer.mini_batches,
+        "steps": steps,
+        "seed": cfg.run.seed,
+        "threads": threads,
+        "output_dir": str(run_dir / "trl-output"),
+        "metrics_path": str(run_dir / "metrics.jsonl"),
+    }
+
+
+def launch(argv: list[str], log: Path, env: dict[str, str], timeout_s: float, sample_cpu: bool):
+    """Run ``argv`` to the end (killed past ``timeout_s``); returns (launched, wall_s, returncode, sampler)."""
+    launched, began = time.time(), time.perf_counter()
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    sampler = CpuSampler(proc.pid).start() if sample_cpu else None
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        code = proc.wait()
+        with log.open("a") as out:
+            out.write(f"\n[bench e2e] killed after {timeout_s:.0f} s\n")
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    return launched, time.perf_counter() - began, code, sampler
+
+
+def run_relayrl(wl: Workload, variant: str, rnd: int, workdir: Path, args: argparse.Namespace) -> Run:
+    name = f"{wl.name}-relayrl-{variant}-r{rnd}"
+    sets = [*wl.overrides, *wl.variants[variant], f"run.dir={workdir / 'runs'}", f"run.name={name}"]
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(DEMO_CONFIG)]
+    for item in sets:
+        argv += ["--set", item]
+    log = workdir / "logs" / f"{name}.log"
+    launched, wall_s, code, cpu = launch(argv, log, {}, args.timeout_s, sample_cpu=True)
+    records = read_metrics(workdir / "runs" / name / "metrics.jsonl")
+    return Run(wl.name, f"relayrl-{variant}", rnd, launched, wall_s, code, records, log, cpu)
+
+
+def run_trl(wl: Workload, cfg: RelayConfig, steps: int, rnd: int, workdir: Path, args: argparse.Namespace) -> Run:
+    name = f"{wl.name}-trl-r{rnd}"
+    run_dir = workdir / "runs" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(trl_spec(cfg, steps, args.trl_threads, run_dir), indent=1))
+    argv = [sys.executable, "-m", "relayrl.bench.trl_runner", str(spec_path)]
+    env = {"OMP_NUM_THREADS": str(args.trl_threads), "TOKENIZERS_PARALLELISM": "false"}
+    log = workdir / "logs" / f"{name}.log"
+    launched, wall_s, code, cpu = launch(argv, log, env, args.timeout_s, sample_cpu=True)
+    return Run(wl.name, "trl", rnd, launched, wall_s, code, read_metrics(run_dir / "metrics.jsonl"), log, cpu)
+
+
+def trailing_means(rewards: list[float], window: int) -> list[float]:
+    """Mean of each step's last ``window`` rewards (fewer at the start)."""
+    return [statistics.fmean(rewards[max(0, i + 1 - window) : i + 1]) for i in range(len(rewards))]
+
+
+def reach_target(run: Run, target: float, window: int) -> dict:
+    """Wall seconds from launch and samples generated up to the first step whose trailing ``window``-step
+    mean reward is >= ``target`` (only steps with a full window count); else None and the best such mean."""
+    rewards = [r["reward_mean"] for r in run.records]
+    means = trailing_means(rewards, window)
+    full = means[window - 1 :] if len(means) >= window else means[-1:]
+    best = max(full, default=None)
+    samples = 0
+    for i, record in enumerate(run.records):
+        samples += record["samples_generated"]
+        if i + 1 >= window and means[i] >= target:
+            return {"reached": True, "step": record["step"], "wall_s": record["time"] - run.launched,
+                    "samples": samples, "best_mean": best}  # fmt: skip
+    return {"reached": False, "step": None, "wall_s": None, "samples": None, "best_mean": best}
+
+
+def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_work: bool) -> dict:
+    """The run's figures over its steady steps (after ``args.warmup``)."""
+    records = run.records
+    out = {"system": run.system, "round": run.round, "returncode": run.returncode, "steps": len(records),
+           "wall_s": run.wall_s, "log": str(run.log)}  # fmt: skip
+    if run.returncode != 0 or len(records) <= args.warmup:
+        out["error"] = f"run failed (exit {run.returncode}, {len(records)} steps); see {run.log}"
+        return out
+    steady = records[args.warmup :]
+    start, end = records[args.warmup - 1]["time"] if args.warmup else run.launched, records[-1]["time"]
+    wall = end - start
+    samples = sum(r["samples_generated"] for r in steady)
+    tokens = sum(r["samples_generated"] * r["response_len_mean"] for r in steady)
+    out |= {
+        "steady_steps": len(steady),
+        "s_per_step": wall / len(steady),
+        "samples_per_step": samples / len(steady),
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "generation_s": statistics.fmean(r["generation_seconds"] for r in steady),
+        "train_s": statistics.fmean(r["train_seconds"] for r in steady) if "train_seconds" in steady[0] else None,
+        "response_len_mean": tokens / samples if samples else 0.0,
+        "reward_curve": [round(r["reward_mean"], 4) for r in records],
+        "samples_total": sum(r["samples_generated"] for r in records),
+        "target": reach_target(run, args.target, args.target_window),
+    }
+    if "sync_seconds" in steady[0]:
+        out["sync_s"] = statistics.fmean(r["sync_seconds"] for r in steady)
+    if expect_equal_work:
+        out["equal_work_held"] = all(abs(r["response_len_mean"] - max_tokens) < 1e-6 for r in records)
+    if run.cpu is not None:
+        cpu_wall, cpu = run.cpu.usage(start, end)
+        if cpu_wall > 0:
+            out["cpu_s_per_step"] = {role: sec / cpu_wall * out["s_per_step"] for role, sec in sorted(cpu.items())}
+            out["cores_busy"] = sum(cpu.values()) / cpu_wall
+            if "controller" in cpu:
+                out["control_plane_share"] = cpu["controller"] / cpu_wall
+    return out
+
+
+MEDIAN_KEYS = ("s_per_step", "samples_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
+               "response_len_mean", "cores_busy", "control_plane_share")  # fmt: skip
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Medians over rounds per system, time/samples to target, and each relayrl variant against TRL."""
+    systems: dict[str, dict] = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        ok = [r for r in rows if r["system"] == system and "error" not in r]
+        reached = [r["target"] for r in ok if r["target"]["reached"]]
+        bests = [r["target"]["best_mean"] for r in ok if r["target"]["best_mean"] is not None]
+        entry = {key: median_of(ok, key) for key in MEDIAN_KEYS if median_of(ok, key) is not None}
+        entry |= {
+            "rounds_ok": len(ok),
+            "rounds_failed": sum(1 for r in rows if r["system"] == system and "error" in r),
+            "target_reached_rounds": len(reached),
+            "wall_s_to_target": statistics.median(t["wall_s"] for t in reached) if reached else None,
+            "samples_to_target": statistics.median(t["samples"] for t in reached) if reached else None,
+            "best_trailing_mean": max(bests, default=None),
+        }
+        systems[system] = entry
+    ratios = {}
+    trl = systems.get("trl", {})
+    for system, entry in systems.items():
+        if system == "trl" or not trl:
+            continue
+        ratios[f"{system}/trl"] = {
+            "samples_per_s": _ratio(entry.get("samples_per_s"), trl.get("samples_per_s")),
+            "tokens_per_s": _ratio(entry.get("tokens_per_s"), trl.get("tokens_per_s")),
+            "step_speedup": _ratio(trl.get("s_per_step"), entry.get("s_per_step"))
+            if entry.get("samples_per_step") == trl.get("samples_per_step")
+            else None,  # a step is comparable only when both generate the same samples per step
+            "wall_to_target_speedup": _ratio(trl.get("wall_s_to_target"), entry.get("wall_s_to_target")),
+        }
+    return {"systems": systems, "relayrl_vs_trl": ratios}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def machine(args: argparse.Namespace, cfgs: dict[str, RelayConfig]) -> dict:
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "loadavg_at_start": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("relayrl", "torch", "transformers", "trl", "accelerate", "datasets")},
+        "torch_threads": {
+            "trl": args.trl_threads,
+            **{f"{n}.relayrl.trainer": c.trainer.threads for n, c in cfgs.items()},
+            **{f"{n}.relayrl.rollout": c.rollout.threads for n, c in cfgs.items()},
+        },
+    }
+
+
+def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
+    """What both systems share, and how each gets equal work."""
+    tokens = cfg.rollout.max_tokens
+    out = {
+        "config": str(DEMO_CONFIG),
+        "overrides": wl.overrides,
+        "variants": wl.variants,
+        "model": {"path": cfg.model.path, "hidden_size": cfg.model.tiny_hidden_size, "layers": cfg.model.tiny_layers},
+        "prompts_per_step": cfg.controller.train_batch_groups,
+        "n": cfg.rollout.n,
+        "max_tokens": tokens,
+        "optimizer_steps_per_batch": cfg.trainer.mini_batches,
+        "lr": cfg.trainer.lr,
+        "clip": [cfg.algorithm.clip_low, cfg.algorithm.clip_high],
+        "loss": f"relayrl algorithm.loss_agg={cfg.algorithm.loss_agg}, dual-clip clip_c={cfg.algorithm.clip_c} "
+        "(active only where the ratio exceeds it); TRL loss_type=dapo, no dual clip",
+        "reward_fn": cfg.controller.reward.fn,
+        "dynamic_sampling": f"relayrl {cfg.controller.dynamic_sampling}; TRL none",
+        "relayrl_processes": {"rollout_workers": cfg.rollout.workers, "trainer_ranks": cfg.trainer.nproc},
+        "trl": "GRPOTrainer, use_cpu, float32, no gradient checkpointing, beta 0, constant lr, steps_per_generation "
+        f"{cfg.trainer.mini_batches}, {args.trl_threads} torch threads",
+        "budget": "TRL: the samples the round's relayrl run generated" if wl.samples_budget else "same steps",
+        "warmup_steps": args.warmup,
+        "target": {"trailing_mean_reward": args.target, "window": args.target_window},
+    }
+    if equal_work(cfg):
+        out["equal_work"] = {
+            "relayrl": "rollout.ignore_eos=true (EOS masked in the sampler, vLLM semantics)",
+            "trl": f"generation_kwargs.min_new_tokens={tokens} (transformers masks EOS until then)",
+            "checked": f"every step's response_len_mean == {tokens} in both systems (equal_work_held per run)",
+        }
+    return out
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    loads = [workload(name, workdir, args) for name in args.workloads]
+    cfgs = {wl.name: load_config(DEMO_CONFIG, wl.overrides) for wl in loads}
+    for cfg in cfgs.values():
+        check_mirrorable(cfg)
+        prepare_assets(cfg)  # built once here, before any system runs
+    result = {"bench": "e2e", "workdir": str(workdir), "machine": machine(args, cfgs), "workloads": {}}
+    for wl in loads:
+        cfg = cfgs[wl.name]
+        rows = []
+        for rnd in range(1, args.rounds + 1):
+            relayrl_samples = []
+            for variant in wl.variants:
+                progress(f"{wl.name} round {rnd}/{args.rounds}: relayrl {variant}")
+                run = run_relayrl(wl, variant, rnd, workdir, args)
+                relayrl_samples.append(sum(r["samples_generated"] for r in run.records))
+                rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
+            per_step = cfg.controller.train_batch_groups * cfg.rollout.n
+            steps = cfg.trainer.steps
+            if wl.samples_budget and max(relayrl_samples) > 0:
+                steps = math.ceil(max(relayrl_samples) / per_step)
+            progress(f"{wl.name} round {rnd}/{args.rounds}: TRL ({steps} steps)")
+            run = run_trl(wl, cfg, steps, rnd, workdir, args)
+            rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
+        result["workloads"][wl.name] = {"settings": settings(wl, cfg, args), "runs": rows, **aggregate(rows)}
+    result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    return result
+
+
+def progress(message: str) -> None:
+    print(f"[bench e2e] {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def format_table(result: dict) -> str:
+    lines = []
+    for name, wl in result["workloads"].items():
+        lines.append(f"{name}: system | s/step | samples/s | tokens/s | gen s | train s | to target s | vs TRL")
+        for system, entry in wl["systems"].items():
+            ratio = wl["relayrl_vs_trl"].get(f"{system}/trl", {}).get("samples_per_s")
+            cells = [entry.get(k) for k in ("s_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s")]
+            cells += [entry.get("wall_s_to_target"), ratio]
+            lines.append(f"  {system} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells))
+    return "\n".join(lines)
+
+
+def failed(result: dict) -> list[str]:
+    """Runs that failed or did not do equal work."""
+    bad = []
+    for name, wl in result["workloads"].items():
+        for row in wl["runs"]:
+            if "error" in row or row.get("equal_work_held") is False:
+                bad.append(f"{name}/{row['system']}/round {row['round']}: {row.get('error', 'unequal work')}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run_bench(args)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    problems = failed(result)
+    for problem in problems:
+        print(f"relayrl bench e2e: {problem}", file=sys.stderr)
+    return 1 if problems else 0

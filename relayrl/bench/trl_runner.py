@@ -1,0 +1,186 @@
+"""The TRL side of ``relayrl bench e2e``: TRL's ``GRPOTrainer`` on CPU, run as its own process.
+
+``python -m relayrl.bench.trl_runner SPEC.json`` reads a spec written by ``relayrl.bench.e2e`` (model
+directory, JSONL data, batch shape, sampling and loss settings, all taken from the same relayrl config
+the relayrl side runs) and appends one JSON line per generation round to ``spec["metrics_path"]``, in
+the keys of relayrl's ``metrics.jsonl``: ``step`` (generation round), ``time`` (epoch seconds at its
+end), ``step_seconds``, ``generation_seconds`` (inside ``GRPOTrainer._generate``), ``train_seconds``
+(the rest of the round: scoring, old log-probs, forward/backward, optimizer steps),
+``samples_generated``, ``response_len_mean`` and ``reward_mean``.
+
+One round = ``prompts_per_step`` prompts x ``n`` samples, trained in ``mini_batches`` optimizer steps
+(TRL: ``steps_per_generation``), as relayrl's step trains one batch in ``trainer.mini_batches`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from relayrl.config import DataConfig
+from relayrl.data.dataset import load_rows
+from relayrl.rewards import resolve_reward
+
+
+class RoundLog:
+    """What one generation round measured, filled by the reward function, ``_generate`` and the callback."""
+
+    def __init__(self, metrics_path: Path, mini_batches: int) -> None:
+        self.metrics_path = metrics_path
+        self.mini_batches = mini_batches
+        self.round = 0
+        self.round_started = 0.0
+        self.generation_seconds = 0.0
+        self.rewards: list[float] = []
+        self.lengths: list[int] = []
+
+    def end_round(self, now: float) -> None:
+        step_seconds = now - self.round_started
+        self.round += 1
+        record = {
+            "step": self.round,
+            "time": time.time(),
+            "step_seconds": step_seconds,
+            "generation_seconds": self.generation_seconds,
+            "train_seconds": step_seconds - self.generation_seconds,
+            "samples_generated": len(self.rewards),
+            "response_len_mean": sum(self.lengths) / max(1, len(self.lengths)),
+            "response_len_min": min(self.lengths, default=0),
+            "reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
+        }
+        with self.metrics_path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        self.round_started, self.generation_seconds = now, 0.0
+        self.rewards, self.lengths = [], []
+
+
+class RoundTimer(TrainerCallback):
+    """Closes a round after every ``mini_batches``-th optimizer step (TRL generates once per that many)."""
+
+    def __init__(self, log: RoundLog) -> None:
+        self.log = log
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.log.round_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.log.mini_batches == 0:
+            self.log.end_round(time.perf_counter())
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` that adds the time spent in ``_generate`` to the current round."""
+
+    round_log: RoundLog
+
+    def _generate(self, prompts: list):
+        began = time.perf_counter()
+        try:
+            return super()._generate(prompts)
+        finally:
+            self.round_log.generation_seconds += time.perf_counter() - began
+
+
+def make_reward(name: str, log: RoundLog):
+    """TRL reward function over relayrl's reward ``fn(response, answer)``; records rewards and lengths."""
+    fn = resolve_reward(name)
+
+    def reward(prompts, completions, answer, completion_ids, **_: Any) -> list[float]:
+        values = [fn(text, ref) for text, ref in zip(completions, answer)]
+        log.rewards += values
+        log.lengths += [len(ids) for ids in completion_ids]
+        return values
+
+    reward.__name__ = name
+    return reward
+
+
+def training_rows(spec: dict, tokenizer):
+    """The JSONL rows as TRL's ``prompt``/``answer`` columns; conversational when relayrl would template."""
+    data = DataConfig(path=spec["data_path"], prompt_key=spec["prompt_key"], answer_key=spec["answer_key"])
+    rows = load_rows(data).select_columns([data.prompt_key, data.answer_key])
+    mode = spec["chat_template"]
+    templated = mode == "always" or (mode == "auto" and getattr(tokenizer, "chat_template", None))
+
+    def convert(row: dict) -> dict:
+        text = str(row[data.prompt_key])
+        prompt = [{"role": "user", "content": text}] if templated else text
+        return {"prompt": prompt, "answer": str(row[data.answer_key])}
+
+    return rows.map(convert, remove_columns=rows.column_names)
+
+
+def grpo_config(spec: dict) -> GRPOConfig:
+    """relayrl's settings in TRL's terms (float32 and no gradient checkpointing, as relayrl trains)."""
+    generation_kwargs = {"min_new_tokens": spec["max_tokens"]} if spec["equal_work"] else None
+    per_step = spec["prompts_per_step"] * spec["n"]
+    return GRPOConfig(
+        output_dir=spec["output_dir"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        seed=spec["seed"],
+        max_steps=spec["steps"] * spec["mini_batches"],
+        per_device_train_batch_size=per_step // spec["mini_batches"],
+        gradient_accumulation_steps=1,
+        steps_per_generation=spec["mini_batches"],
+        num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"],
+        temperature=spec["temperature"],
+        top_p=spec["top_p"],
+        generation_kwargs=generation_kwargs,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        weight_decay=spec["weight_decay"],
+        adam_beta1=spec["betas"][0],
+        adam_beta2=spec["betas"][1],
+        max_grad_norm=spec["grad_clip"],
+        loss_type="dapo",
+        epsilon=spec["clip_low"],
+        epsilon_high=spec["clip_high"],
+        beta=0.0,
+        num_iterations=1,
+        scale_rewards="group",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def run(spec: dict) -> None:
+    torch.set_num_threads(spec["threads"])
+    log = RoundLog(Path(spec["metrics_path"]), spec["mini_batches"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    trainer = TimedGRPOTrainer(
+        model=spec["model_path"],
+        reward_funcs=[make_reward(spec["reward_fn"], log)],
+        args=grpo_config(spec),
+        train_dataset=training_rows(spec, tokenizer),
+        processing_class=tokenizer,
+        callbacks=[RoundTimer(log)],
+    )
+    trainer.round_log = log
+    trainer.train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m relayrl.bench.trl_runner SPEC.json", file=sys.stderr)
+        return 2
+    run(json.loads(Path(args[0]).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``relayrl bench e2e``'s arithmetic: steady rates, time to target, medians and ratios, the TRL mirror, CPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from relayrl.bench.cpu import CpuSampler, cpu_seconds, tree_cpu_by_role
+from relayrl.bench.e2e import DEMO_CONFIG, Run, aggregate, check_mirrorable, reach_target, summarize, trl_spec
+from relayrl.config import load_config
+
+
+def records(rewards: list[float], *, samples: int = 4, length: float = 8.0, step_s: float = 2.0) -> list[dict]:
+    timing = {"response_len_mean": length, "generation_seconds": 0.5, "train_seconds": 1.0}
+    return [
+        {"step": i + 1, "time": 100.0 + step_s * (i + 1), "reward_mean": r, "samples_generated": samples, **timing}
+        for i, r in enumerate(rewards)
+    ]
+
+
+def a_run(recs: list[dict], system: str = "trl") -> Run:
+    return Run("w", system, 1, launched=90.0, wall_s=60.0, returncode=0, records=recs, log=Path("log"))
+
+
+ARGS = argparse.Namespace(warmup=2, target=0.9, target_window=3)
+
+
+def test_target_is_the_first_full_window_whose_mean_reaches_it() -> None:
+    run = a_run(records([0.0, 1.0, 1.0, 1.0, 0.5, 1.0]))  # trailing-3 means: -, -, .67, 1.0, .83, .83
+    hit = reach_target(run, 0.9, 3)
+    assert hit["reached"] and hit["step"] == 4 and hit["samples"] == 16
+    assert hit["wall_s"] == pytest.approx(100.0 + 8.0 - 90.0)  # the step's end time, from launch
+    miss = reach_target(run, 1.01, 3)
+    assert not miss["reached"] and miss["wall_s"] is None and miss["best_mean"] == pytest.approx(1.0)
+    short = reach_target(a_run(records([1.0, 1.0])), 0.9, 3)  # fewer steps than the window never count as reached
+    assert not short["reached"] and short["best_mean"] == pytest.approx(1.0)
+
+
+def test_summary_rates_cover_the_steady_steps_only() -> None:
+    row = summarize(a_run(records([0.0] * 6, samples=16, length=8.0)), ARGS, max_tokens=8, expect_equal_work=True)
+    assert row["steady_steps"] == 4 and row["s_per_step"] == pytest.approx(2.0)
+    assert row["samples_per_s"] == pytest.approx(8.0) and row["tokens_per_s"] == pytest.approx(64.0)
+    assert row["generation_s"] == pytest.approx(0.5) and row["train_s"] == pytest.approx(1.0)
+    assert row["equal_work_held"] is True
+    unequal = records([0.0] * 6, length=8.0)
+    unequal[0]["response_len_mean"] = 7.5
+    assert summarize(a_run(unequal), ARGS, max_tokens=8, expect_equal_work=True)["equal_work_held"] is False
+    failed = summarize(a_run(records([0.0] * 2)), ARGS, max_tokens=8, expect_equal_work=False)
+    assert "error" in failed
+
+
+def test_medians_over_rounds_and_ratios_against_trl() -> None:
+    rows = [
+        summarize(a_run(records([1.0] * 5, step_s=s), system), ARGS, 8, False)
+        for system, s in [("relayrl-k0", 1.0), ("relayrl-k0", 3.0), ("relayrl-k0", 2.0), ("trl", 4.0), ("trl", 4.0)]
+    ]
+    out = aggregate(rows)
+    assert out["systems"]["relayrl-k0"]["s_per_step"] == pytest.approx(2.0)
+    assert out["systems"]["relayrl-k0"]["rounds_ok"] == 3 and out["systems"]["trl"]["target_reached_rounds"] == 2
+    ratios = out["relayrl_vs_trl"]["relayrl-k0/trl"]
+    assert ratios["samples_per_s"] == pytest.approx(2.0) and ratios["step_speedup"] == pytest.approx(2.0)
+    assert ratios["wall_to_target_speedup"] > 1.0
+
+
+def test_trl_runs_what_the_relayrl_config_says(tmp_path: Path) -> None:
+    overrides = ["model.path=m", "data.path=d.jsonl", "rollout.ignore_eos=true", "rollout.max_tokens=48"]
+    cfg = load_config(DEMO_CONFIG, overrides)
+    spec = trl_spec(cfg, steps=5, threads=2, run_dir=tmp_path)
+    assert spec["equal_work"] and spec["max_tokens"] == 48 and spec["n"] == cfg.rollout.n
+    assert spec["prompts_per_step"] == cfg.controller.train_batch_groups and spec["mini_batches"] == 2
+    assert (spec["clip_low"], spec["clip_high"], spec["lr"]) == (0.2, 0.28, 0.003)
+    with pytest.raises(SystemExit, match=r"algorithm\.kl_coef"):
+        check_mirrorable(load_config(DEMO_CONFIG, [*overrides, "algorithm.kl_coef=0.1"]))
+
+
+def test_cpu_of_a_process_tree_by_role() -> None:
+    assert cpu_seconds(os.getpid()) > 0 and cpu_seconds(2**22 + 12345) == 0.0
+    assert set(tree_cpu_by_role(os.getpid())) >= {"launcher"}
+    samples = [(1.0, {"controller": 1.0}), (2.0, {"controller": 1.5}), (3.0, {"controller": 2.5})]
+    sampler = CpuSampler(0, samples=samples)
+    assert sampler.usage(0.5, 2.5) == (1.0, {"controller": 0.5})
+    assert sampler.usage(2.5, 2.9) == (0.0, {})
