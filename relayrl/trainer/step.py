@@ -14,7 +14,7 @@ from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
 
-METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "ref_kl", "entropy", "logprob_mismatch", "loss")
+METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "ref_kl", "entropy", "logprob_mismatch")
 
 
 def minibatch_rows(group_ids: torch.Tensor, mini_batches: int) -> list[torch.Tensor]:
@@ -33,7 +33,7 @@ def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
 def train_on_batch(
     backend, batch: TrainBatch, alg: AlgorithmConfig, tcfg: TrainerConfig, *, temperature: float, norm_len: int
 ) -> dict[str, float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = backend.dp_rank, backend.dp_size  # data-parallel: with TP/PP, several ranks share rows
     advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     mask = loss_mask(batch, alg.overlong_filter)
     minibatches = minibatch_rows(batch.group_ids, tcfg.mini_batches)
@@ -51,6 +51,7 @@ def train_on_batch(
         )
 
     sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
+    loss_sum = torch.zeros(1, dtype=torch.float64)  # each rank's share of every mini-batch loss
     mismatch_max = torch.zeros(1, dtype=torch.float64)
     grad_norms = []
     for _epoch in range(tcfg.epochs):
@@ -93,14 +94,19 @@ def train_on_batch(
                 ref_kl,
                 entropy_mean,
                 mismatch,
-                loss.detach(),
             ]
             sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
             sums[-1] += tokens
+            loss_sum += float(loss.detach())
     dist.all_reduce(sums)
+    dist.all_reduce(loss_sum)
     dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     tokens = max(float(sums[-1]), 1.0)
     metrics = {name: float(sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
+    # The mini-batch loss is the sum of the data-parallel shares; every share is held by the
+    # world / dp_size ranks of one model replica. Mean over the optimizer steps.
+    replicas = dist.get_world_size() // world
+    metrics["loss"] = float(loss_sum) / replicas / (tcfg.epochs * len(minibatches))
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["logprob_mismatch_max"] = float(mismatch_max)  # max |trainer - engine| logprob, behaviour policy
     metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
