@@ -1,6 +1,7 @@
 """Run under torchrun with 2 ranks: one training step (two mini-batches) on the same batch and weights with
-the FSDP backend, the Megatron backend at TP=2 and at PP=2; rank 0 writes the losses, the updated full
-weights' checksums and their largest differences to FSDP as JSON (argv[2]). argv[1]: the tiny model dir."""
+the FSDP backend, then the Megatron backend at TP=2 and at PP=2. Rank 0 writes JSON (argv[2]): losses and
+gradient norms, and for Megatron the checksums of the weights the publisher's arena receives and of the
+Megatron HF export, and their largest difference to FSDP's HF export. argv[1]: the tiny model dir."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.config import AlgorithmConfig, MegatronConfig, ModelConfig, TrainerConfig
 from relayrl.trainer.backends import create_backend
@@ -45,14 +47,20 @@ def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> Trai
     )
 
 
-def one_step(model_dir: str, trainer: TrainerConfig, batch: TrainBatch) -> tuple[dict, dict | None]:
-    """(metrics, full updated HF weights on rank 0 else None)."""
+def one_step(model_dir: str, trainer: TrainerConfig, batch: TrainBatch, export: Path) -> tuple[dict, dict | None]:
+    """(metrics, on rank 0 the full updated HF weights as the publisher's arena receives them, else None);
+    the backend's Hugging Face export goes to ``export``."""
     backend = create_backend(ModelConfig(path=model_dir), trainer, with_reference=False)
     metrics = train_on_batch(backend, batch, AlgorithmConfig(), trainer, temperature=1.0, norm_len=8)
     specs = backend.weight_specs()
     into = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in specs} if dist.get_rank() == 0 else None
     backend.gather_weights(into)
+    backend.export_hf(export, AutoTokenizer.from_pretrained(model_dir))
     return metrics, into
+
+
+def exported(directory: Path) -> dict[str, torch.Tensor]:
+    return dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
 
 
 def main(model_dir: str, out: str) -> None:
@@ -65,18 +73,23 @@ def main(model_dir: str, out: str) -> None:
 
     batch = make_batch(len(build_tokenizer()))
     base = {"lr": 1e-3, "mini_batches": 2, "nproc": 2}
-    metrics, reference = one_step(model_dir, TrainerConfig(**base), batch)
+    work = Path(out).parent
+    metrics, _ = one_step(model_dir, TrainerConfig(**base), batch, work / "fsdp")
     results = {"fsdp": {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}}
-    if reference is not None:
-        results["fsdp"]["checksum"] = weights_checksum(reference.items())
+    reference = exported(work / "fsdp") if dist.get_rank() == 0 else None
     for label, layout in LAYOUTS.items():
-        metrics, weights = one_step(model_dir, TrainerConfig(**base, backend="megatron", megatron=layout), batch)
+        trainer = TrainerConfig(**base, backend="megatron", megatron=layout)
+        metrics, received = one_step(model_dir, trainer, batch, work / label)
         ps.destroy_model_parallel()
         results[label] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
-        if weights is not None:
-            results[label]["checksum"] = weights_checksum(weights.items())
-            results[label]["names"] = list(weights) == list(reference)
-            results[label]["max_abs_diff"] = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+        if received is not None:
+            own = exported(work / label)
+            results[label] |= {
+                "names": list(received) == list(reference),  # the same manifest order as FSDP
+                "received_checksum": weights_checksum(received.items()),
+                "export_checksum": weights_checksum(own.items()),
+                "max_abs_diff": max(float((received[k] - reference[k]).abs().max()) for k in reference),
+            }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

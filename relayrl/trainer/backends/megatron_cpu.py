@@ -13,6 +13,7 @@ its path and need no replacement.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -162,25 +163,27 @@ SITES = (
 
 def site_owner(site: PatchSite):
     """The module or class that holds ``site.name`` (ImportError / AttributeError when upstream moved it)."""
-    import importlib
-
     owner = importlib.import_module(site.module)
     return getattr(owner, site.owner) if site.owner else owner
 
 
-_APPLIED = False
+ORIGINALS: dict[PatchSite, Callable] = {}  # what each site held before apply_cpu_compat replaced it
+
+
+def original(site: PatchSite) -> Callable:
+    """The upstream callable at ``site`` (as shipped, even after the replacement)."""
+    return ORIGINALS.get(site) or getattr(site_owner(site), site.name)
 
 
 def apply_cpu_compat() -> bool:
-    """Replace every site when no CUDA device exists; idempotent. Returns whether it applied them."""
-    global _APPLIED
+    """Replace every site when no CUDA device exists; idempotent. Returns whether the replacements are on."""
     if torch.cuda.is_available():
         return False
-    if not _APPLIED:
-        for site in SITES:
+    for site in SITES:
+        if site not in ORIGINALS:
+            ORIGINALS[site] = getattr(site_owner(site), site.name)
             setattr(site_owner(site), site.name, site.replacement)
-        _install_rng_tracker()
-        _APPLIED = True
+    _install_rng_tracker()
     return True
 
 
