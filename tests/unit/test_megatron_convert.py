@@ -44,6 +44,8 @@ def test_llama_without_attention_bias_has_no_qkv_bias_unit():
 def test_unsupported_models_and_layouts_fail_naming_the_field():
     with pytest.raises(ValueError, match="hidden_act"):
         check_supported(qwen2(hidden_act="gelu"))
+    with pytest.raises(ValueError, match=r"tensor_parallel: 4 does not divide the model's num_key_value_heads \(2\)"):
+        check_supported(qwen2(), tp=4)
     with pytest.raises(ValueError, match="pipeline_parallel: 3 does not divide"):
         layer_stages(4, 3)
 

@@ -57,7 +57,7 @@ class MegatronBackend:
         self.dtype = DTYPES[model_cfg.dtype]
         hf_model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=self.dtype)
         self.hf_config = hf_model.config
-        check_supported(self.hf_config)
+        check_supported(self.hf_config, self.tp)
         hf_params = dict(hf_model.named_parameters())
         # Names the rollout engines know, in Hugging Face order (tied embeddings appear once): FSDP's manifest.
         self.weight_names = list(hf_params)

@@ -8,8 +8,15 @@ import torch.nn.functional as F
 from relayrl.trainer.backends.megatron_convert import SUPPORTED_MODEL_TYPES
 
 
-def check_supported(hf_config) -> None:
-    """Dense Qwen2/Llama with SiLU gated MLPs and plain RoPE; anything else is a clear error."""
+def check_supported(hf_config, tp: int = 1) -> None:
+    """Dense Qwen2/Llama with SiLU gated MLPs and plain RoPE, heads and key/value heads divisible by TP;
+    anything else is a clear error."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(hf_config, field) % tp:
+            raise ValueError(
+                f"trainer.megatron.tensor_parallel: {tp} does not divide the model's {field} "
+                f"({getattr(hf_config, field)})"
+            )
     kind = hf_config.model_type
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model.path: the megatron backend supports {SUPPORTED_MODEL_TYPES}, not {kind!r}")
