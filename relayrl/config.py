@@ -238,10 +238,13 @@ class RelayConfig(Section):
                 f"trainer.nproc ({trainer.nproc}) must be a multiple of trainer.megatron.tensor_parallel x "
                 f"pipeline_parallel ({trainer.megatron.model_parallel}): nproc = TP x PP x DP"
             )
-        if samples % self.trainer.data_parallel:
+        if samples % trainer.data_parallel:
+            ranks = f"trainer.nproc = {trainer.nproc}"
+            if trainer.backend == "megatron":
+                ranks += f" / (TP x PP = {trainer.megatron.model_parallel})"
             raise ValueError(
-                f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by "
-                f"the trainer's {self.trainer.data_parallel} data-parallel ranks"
+                f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by the trainer's "
+                f"{trainer.data_parallel} data-parallel ranks ({ranks})"
             )
         if self.rollout.n < 2 and self.algorithm.advantage in {"grpo", "rloo", "reinforce_pp_baseline"}:
             raise ValueError(f"rollout.n must be >= 2 for the group-relative advantage {self.algorithm.advantage!r}")

@@ -1,5 +1,5 @@
 """Run under torchrun with 2 ranks: one training step (two mini-batches) on the same batch and weights with
-the FSDP backend, then the Megatron backend at TP=2 and at PP=2. Rank 0 writes JSON (argv[2]): losses and
+the FSDP backend, then the Megatron backend at TP=2, at PP=2 and at DP=2. Rank 0 writes JSON (argv[2]): losses and
 gradient norms, and for Megatron the checksums of the weights the publisher's arena receives and of the
 Megatron HF export, and their largest difference to FSDP's HF export. argv[1]: the tiny model dir."""
 
@@ -20,7 +20,11 @@ from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
 from relayrl.weightsync.checksum import weights_checksum
 
-LAYOUTS = {"tp2": MegatronConfig(tensor_parallel=2), "pp2": MegatronConfig(pipeline_parallel=2)}
+LAYOUTS = {  # 2 ranks each: TP=2, PP=2, and DP=2 (TP = PP = 1)
+    "tp2": MegatronConfig(tensor_parallel=2),
+    "pp2": MegatronConfig(pipeline_parallel=2),
+    "dp2": MegatronConfig(),
+}
 
 
 def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> TrainBatch:

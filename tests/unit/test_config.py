@@ -81,6 +81,18 @@ def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
             {"controller": {"train_batch_groups": 3}, "rollout": {"n": 3}, "trainer": {"nproc": 2}},
             ["9 samples", "trainer.nproc = 2"],
         ),
+        (
+            {"trainer": {"nproc": 6, "backend": "megatron", "megatron": {"tensor_parallel": 4}}},
+            ["trainer.nproc (6) must be a multiple of", "pipeline_parallel (4)", "TP x PP x DP"],
+        ),
+        (
+            {
+                "controller": {"train_batch_groups": 3},
+                "rollout": {"n": 3},
+                "trainer": {"nproc": 4, "backend": "megatron", "megatron": {"pipeline_parallel": 2}},
+            },
+            ["9 samples", "2 data-parallel ranks", "trainer.nproc = 4 / (TP x PP = 2)"],
+        ),
         ({"rollout": {"n": 1}}, ["rollout.n must be >= 2", "'grpo'"]),
         (
             {"rollout": {"max_tokens": 8}, "controller": {"reward": {"overlong_buffer": 8}}},
@@ -170,3 +182,15 @@ def test_controller_serve_refuses_a_weak_token_without_printing_it(tmp_path) -> 
     assert result.returncode == 2
     assert "RELAYRL_AUTH_TOKEN: the auth token needs at least 16 characters" in result.stderr
     assert weak not in result.stderr + result.stdout
+
+
+def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
+    cfg = parse_config(
+        with_sections(
+            controller={"train_batch_groups": 3},
+            rollout={"n": 2},
+            trainer={"nproc": 4, "backend": "megatron", "megatron": {"tensor_parallel": 2}},
+        )
+    )  # 6 samples: divisible by DP = 4 / 2 = 2, though not by nproc
+    assert cfg.trainer.data_parallel == 2
+    assert cfg.trainer.model_copy(update={"backend": "fsdp"}).data_parallel == 4

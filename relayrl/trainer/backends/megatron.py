@@ -171,7 +171,7 @@ class MegatronBackend:
                 piece = local[unit.local_name].detach().contiguous()
                 pieces = [torch.empty_like(piece) for _ in range(self.tp)]
                 dist.all_gather(pieces, piece, group=tp_group)
-                full = merge(unit, [p.cpu() for p in pieces], self.geo) if self.tp_rank == 0 else None
+                full = merge(unit, pieces, self.geo) if self.tp_rank == 0 else None
             owner = self._stage_rank0(unit.stage)
             if rank == 0:
                 for name in unit.hf_names:
@@ -190,7 +190,7 @@ class MegatronBackend:
 
     def _recv_like(self, name: str, src: int) -> torch.Tensor:
         _, shape, dtype = next(spec for spec in self._specs if spec[0] == name)
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)  # NCCL sends between devices
         dist.recv(tensor, src=src)
         return tensor
 

@@ -25,12 +25,12 @@ class FromLastStage(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, next_rank: int):
-        ctx.shape, ctx.dtype, ctx.next_rank = output.shape, output.dtype, next_rank
+        ctx.shape, ctx.dtype, ctx.device, ctx.next_rank = output.shape, output.dtype, output.device, next_rank
         return logprob.clone(), entropy.clone()
 
     @staticmethod
     def backward(ctx, _grad_logprob, _grad_entropy):
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
         dist.recv(grad, src=ctx.next_rank)
         return grad, None, None, None
 
@@ -42,7 +42,7 @@ def run_stage(model, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden
 
     batch, length = input_ids.shape
     if not ps.is_pipeline_first_stage():
-        received = torch.empty((length, batch, hidden_size), dtype=dtype)
+        received = torch.empty((length, batch, hidden_size), dtype=dtype, device=input_ids.device)
         dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
         if torch.is_grad_enabled():
             received.requires_grad_(True)
@@ -69,7 +69,7 @@ def share_from_last_stage(
     if ps.is_pipeline_last_stage():
         dist.broadcast(torch.stack([r.detach() for r in results]).contiguous(), src=last, group=group)
         return results
-    both = torch.empty((2, *shape), dtype=torch.float32)
+    both = torch.empty((2, *shape), dtype=torch.float32, device=output.device)
     dist.broadcast(both, src=last, group=group)
     if not torch.is_grad_enabled():
         return both[0], both[1]
