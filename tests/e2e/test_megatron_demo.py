@@ -19,7 +19,7 @@ from relayrl.weightsync.checksum import weights_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = 50
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two `relayrl up` runs, 2 trainer ranks each
 
 
 def mean_reward(records: list[dict]) -> float:
