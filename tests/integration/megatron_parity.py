@@ -1,7 +1,8 @@
-"""Run under torchrun with 2 ranks: one training step (two mini-batches) on the same batch and weights with
-the FSDP backend, then the Megatron backend at TP=2, at PP=2 and at DP=2. Rank 0 writes JSON (argv[2]): losses and
-gradient norms, and for Megatron the checksums of the weights the publisher's arena receives and of the
-Megatron HF export, and their largest difference to FSDP's HF export. argv[1]: the tiny model dir."""
+"""Run under torchrun with 2 ranks: one training step (two mini-batches, every loss term) on the same batch
+and weights with the FSDP backend, then the Megatron backend at TP=2, at PP=2 and at DP=2. Rank 0 writes
+JSON (argv[2]): losses, gradient norms and metrics, and for Megatron the checksums of the weights the
+publisher's arena receives and of the Megatron HF export, and their largest difference to FSDP's HF
+export. argv[1]: the tiny model dir."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
 from relayrl.weightsync.checksum import weights_checksum
 
+# Every term of the loss: PPO clip, KL to the reference model, the entropy bonus (its vocab-parallel gradient).
+ALGORITHM = AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01)
+COMPARED = ("loss", "grad_norm", "entropy", "ref_kl", "ppo_kl", "clip_frac")
 LAYOUTS = {  # 2 ranks each: TP=2, PP=2, and DP=2 (TP = PP = 1)
     "tp2": MegatronConfig(tensor_parallel=2),
     "pp2": MegatronConfig(pipeline_parallel=2),
@@ -54,8 +58,8 @@ def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> Trai
 def one_step(model_dir: str, trainer: TrainerConfig, batch: TrainBatch, export: Path) -> tuple[dict, dict | None]:
     """(metrics, on rank 0 the full updated HF weights as the publisher's arena receives them, else None);
     the backend's Hugging Face export goes to ``export``."""
-    backend = create_backend(ModelConfig(path=model_dir), trainer, with_reference=False)
-    metrics = train_on_batch(backend, batch, AlgorithmConfig(), trainer, temperature=1.0, norm_len=8)
+    backend = create_backend(ModelConfig(path=model_dir), trainer, with_reference=ALGORITHM.kl_coef > 0)
+    metrics = train_on_batch(backend, batch, ALGORITHM, trainer, temperature=0.7, norm_len=8)
     specs = backend.weight_specs()
     into = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in specs} if dist.get_rank() == 0 else None
     backend.gather_weights(into)
@@ -79,13 +83,13 @@ def main(model_dir: str, out: str) -> None:
     base = {"lr": 1e-3, "mini_batches": 2, "nproc": 2}
     work = Path(out).parent
     metrics, _ = one_step(model_dir, TrainerConfig(**base), batch, work / "fsdp")
-    results = {"fsdp": {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}}
+    results = {"fsdp": {key: metrics[key] for key in COMPARED}}
     reference = exported(work / "fsdp") if dist.get_rank() == 0 else None
     for label, layout in LAYOUTS.items():
         trainer = TrainerConfig(**base, backend="megatron", megatron=layout)
         metrics, received = one_step(model_dir, trainer, batch, work / label)
         ps.destroy_model_parallel()
-        results[label] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+        results[label] = {key: metrics[key] for key in COMPARED}
         if received is not None:
             own = exported(work / label)
             results[label] |= {

@@ -24,7 +24,8 @@ def test_megatron_tp2_pp2_dp2_step_equals_fsdp(tmp_path, tiny_model_dir):
     fsdp = results["fsdp"]
     for label in ("tp2", "pp2", "dp2"):
         mine = results[label]
-        assert abs(mine["loss"] - fsdp["loss"]) <= 1e-5, (label, mine, fsdp)
+        for key in ("loss", "entropy", "ref_kl", "ppo_kl", "clip_frac"):
+            assert abs(mine[key] - fsdp[key]) <= 1e-5, (label, key, mine, fsdp)
         assert abs(mine["grad_norm"] - fsdp["grad_norm"]) <= 1e-5 * max(1.0, fsdp["grad_norm"]), (label, mine, fsdp)
         assert mine["max_abs_diff"] <= 1e-5, (label, mine)
         assert mine["names"], label
