@@ -14,7 +14,8 @@ from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
 
-METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "ref_kl", "entropy", "logprob_mismatch")
+METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy", "logprob_mismatch")  # token-weighted means
+SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: each rank holds a share
 
 
 def minibatch_rows(group_ids: torch.Tensor, mini_batches: int) -> list[torch.Tensor]:
@@ -51,7 +52,7 @@ def train_on_batch(
         )
 
     sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
-    loss_sum = torch.zeros(1, dtype=torch.float64)  # each rank's share of every mini-batch loss
+    shares = torch.zeros(len(SHARES), dtype=torch.float64)
     mismatch_max = torch.zeros(1, dtype=torch.float64)
     grad_norms = []
     for _epoch in range(tcfg.epochs):
@@ -91,22 +92,22 @@ def train_on_batch(
                 pg["clip_frac"],
                 pg["dual_clip_frac"],
                 pg["approx_kl"],
-                ref_kl,
                 entropy_mean,
                 mismatch,
             ]
             sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
             sums[-1] += tokens
-            loss_sum += float(loss.detach())
+            shares += torch.tensor([float(loss.detach()), float(ref_kl)], dtype=torch.float64)
     dist.all_reduce(sums)
-    dist.all_reduce(loss_sum)
+    dist.all_reduce(shares)
     dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     tokens = max(float(sums[-1]), 1.0)
     metrics = {name: float(sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
-    # The mini-batch loss is the sum of the data-parallel shares; every share is held by the
+    # A mini-batch's loss (and KL term) is the sum of its data-parallel shares; each share is held by the
     # world / dp_size ranks of one model replica. Mean over the optimizer steps.
     replicas = dist.get_world_size() // world
-    metrics["loss"] = float(loss_sum) / replicas / (tcfg.epochs * len(minibatches))
+    for i, name in enumerate(SHARES):
+        metrics[name] = float(shares[i]) / replicas / (tcfg.epochs * len(minibatches))
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["logprob_mismatch_max"] = float(mismatch_max)  # max |trainer - engine| logprob, behaviour policy
     metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
