@@ -1,12 +1,13 @@
 # The image the Kubernetes manifests run (ghcr.io/relayrl/relayrl:0.1.0, CPU). For GPUs build on a
-# CUDA base and install a CUDA torch plus the `vllm` or `sglang` extra (tag :0.1.0-cuda).
+# CUDA base and install a CUDA torch plus the `vllm` or `sglang` extra, and `megatron` for
+# trainer.backend: megatron (tag :0.1.0-cuda).
 #   docker build -t ghcr.io/relayrl/relayrl:0.1.0 .
 FROM python:3.11-slim
 WORKDIR /opt/relayrl
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY relayrl ./relayrl
-RUN pip install --no-cache-dir '.[k8s]'
+RUN pip install --no-cache-dir '.[k8s,megatron]'
 COPY examples ./examples
 ENV PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ENTRYPOINT []

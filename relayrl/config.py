@@ -134,10 +134,22 @@ class WandbConfig(Section):
     name: str | None = None  # default: run.name
 
 
+class MegatronConfig(Section):
+    """Megatron-core parallelism: trainer.nproc = tensor_parallel x pipeline_parallel x data parallel."""
+
+    tensor_parallel: int = Field(1, ge=1)  # must divide the attention heads' query groups
+    pipeline_parallel: int = Field(1, ge=1)  # must divide the layers
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
 class TrainerConfig(Section):
     steps: int = Field(100, ge=1)
     nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
-    backend: Literal["fsdp"] = "fsdp"  # Megatron-core is planned, not implemented
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)  # used when backend is megatron
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -156,6 +168,11 @@ class TrainerConfig(Section):
     pull_timeout_s: float = Field(600.0, gt=0)
     tensorboard: bool = False  # also write metrics as TensorBoard events to <run dir>/tensorboard
     wandb: WandbConfig | None = None  # also log metrics to Weights & Biases (skipped when wandb is not installed)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: every rank with FSDP, nproc / (TP x PP) with Megatron."""
+        return self.nproc // self.megatron.model_parallel if self.backend == "megatron" else self.nproc
 
 
 class AlgorithmConfig(Section):
@@ -243,10 +260,19 @@ class RelayConfig(Section):
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds controller.train_batch_groups "
                 f"({self.controller.train_batch_groups}): a mini-batch holds whole groups"
             )
-        if samples % self.trainer.nproc:
+        trainer = self.trainer
+        if trainer.backend == "megatron" and trainer.nproc % trainer.megatron.model_parallel:
             raise ValueError(
-                f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by "
-                f"trainer.nproc = {self.trainer.nproc}"
+                f"trainer.nproc ({trainer.nproc}) must be a multiple of trainer.megatron.tensor_parallel x "
+                f"pipeline_parallel ({trainer.megatron.model_parallel}): nproc = TP x PP x DP"
+            )
+        if samples % trainer.data_parallel:
+            ranks = f"trainer.nproc = {trainer.nproc}"
+            if trainer.backend == "megatron":
+                ranks += f" / (TP x PP = {trainer.megatron.model_parallel})"
+            raise ValueError(
+                f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by the trainer's "
+                f"{trainer.data_parallel} data-parallel ranks ({ranks})"
             )
         if self.rollout.n < 2 and self.algorithm.advantage in {"grpo", "rloo", "reinforce_pp_baseline"}:
             raise ValueError(f"rollout.n must be >= 2 for the group-relative advantage {self.algorithm.advantage!r}")

@@ -24,7 +24,7 @@ from relayrl.errors import PAUSED_DETAIL
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, call_with_retry
 from relayrl.threads import torch_threads
-from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
 from relayrl.trainer.on_demand import OnDemandSync
@@ -90,7 +90,7 @@ def save_checkpoint(backend, run_dir: Path, step: int, cursor: int) -> None:
     backend.save_checkpoint(directory, {"step": step, "policy_version": step, "data_cursor": cursor})
 
 
-def publish_weights(backend: FSDPBackend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
+def publish_weights(backend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
     """Collective: every rank gathers the full weights; rank 0 (the one with a syncer) gathers them into
     the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks)."""
     if syncer is None:
@@ -147,7 +147,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     torch.set_num_threads(torch_threads(cfg, "trainer"))
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
-    backend = FSDPBackend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
+    backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     start_step = cursor = 0

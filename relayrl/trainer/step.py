@@ -26,7 +26,8 @@ from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
 
-METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "ref_kl", "entropy", "loss")
+METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
+SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: each rank holds a share
 
 
 def minibatch_rows(group_ids: torch.Tensor, mini_batches: int) -> list[torch.Tensor]:
@@ -45,7 +46,7 @@ def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
 def train_on_batch(
     backend, batch: TrainBatch, alg: AlgorithmConfig, tcfg: TrainerConfig, *, temperature: float, norm_len: int
 ) -> dict[str, float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = backend.dp_rank, backend.dp_size  # data-parallel: with TP/PP, several ranks share rows
     advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     mask = loss_mask(batch, alg.overlong_filter)
     minibatches = minibatch_rows(batch.group_ids, tcfg.mini_batches)
@@ -69,6 +70,7 @@ def train_on_batch(
         )
 
     sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
+    shares = torch.zeros(len(SHARES), dtype=torch.float64)
     mismatch_max = torch.zeros(1, dtype=torch.float64)
     mismatch_sums = torch.zeros(2, dtype=torch.float64)  # (|gap| summed over tokens, tokens) where measured
     grad_norms = []
@@ -107,14 +109,21 @@ def train_on_batch(
                 mismatch_max = torch.maximum(mismatch_max, gap.max().double().cpu().reshape(1))
                 mismatch_sums += torch.tensor([float(gap.sum()), tokens], dtype=torch.float64)
             entropy_mean = (entropy.detach() * m).sum() / max(tokens, 1)
-            values = [pg["clip_frac"], pg["dual_clip_frac"], pg["approx_kl"], ref_kl, entropy_mean, loss.detach()]
+            values = [pg["clip_frac"], pg["dual_clip_frac"], pg["approx_kl"], entropy_mean]
             sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
             sums[-1] += tokens
+            shares += torch.tensor([float(loss.detach()), float(ref_kl)], dtype=torch.float64)
     dist.all_reduce(sums)
+    dist.all_reduce(shares)
     dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     dist.all_reduce(mismatch_sums)
     tokens = max(float(sums[-1]), 1.0)
     metrics = {name: float(sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
+    # A mini-batch's loss (and KL term) is the sum of its data-parallel shares; each share is held by the
+    # world / dp_size ranks of one model replica. Mean over the optimizer steps.
+    replicas = dist.get_world_size() // world
+    for i, name in enumerate(SHARES):
+        metrics[name] = float(shares[i]) / replicas / (tcfg.epochs * len(minibatches))
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["logprob_mismatch"] = float(mismatch_sums[0]) / max(float(mismatch_sums[1]), 1.0)
     metrics["logprob_mismatch_max"] = float(mismatch_max)  # max |trainer - engine| logprob, behaviour policy

@@ -19,7 +19,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ["cpu-demo", "gpu-vllm"]
+OVERLAYS = ["cpu-demo", "gpu-vllm", "gpu-megatron"]
 VERSIONS = sorted({kubernetes_validate.latest_version(), "1.32.0"})
 LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/component", "app.kubernetes.io/part-of")
 CONFIG_MOUNT = "/etc/relayrl"
@@ -340,3 +340,19 @@ def test_gpu_vllm_requests_gpus():
     assert cfg["weight_sync"]["backend"] == "nccl"
     # the controller's state survives restarts here
     assert "persistentVolumeClaim" in volume_for_mount(w["controller"], "/var/lib/relayrl/controller")
+
+
+def test_gpu_megatron_trains_with_megatron_on_every_gpu():
+    docs = render("gpu-megatron")
+    w = workloads(docs)
+    trainer = container(w["trainer"])
+    assert trainer["image"] == "ghcr.io/relayrl/relayrl:0.1.0-cuda"
+    env = env_of(trainer)
+    world = int(env["NNODES"]["value"]) * int(env["NPROC_PER_NODE"]["value"])
+    assert env["NPROC_PER_NODE"]["value"] == trainer["resources"]["limits"]["nvidia.com/gpu"]
+    cfg = run_config(docs)
+    layout = cfg["trainer"]["megatron"]
+    assert cfg["trainer"]["backend"] == "megatron"
+    assert cfg["trainer"]["nproc"] == world  # = TP x PP x DP
+    assert world % (layout["tensor_parallel"] * layout["pipeline_parallel"]) == 0
+    assert w["trainer"]["metadata"]["labels"]["app.kubernetes.io/instance"] == "gpu-megatron"

@@ -1,4 +1,5 @@
-"""The whole system as separate processes: controller + 2 rollout workers + a 2-rank FSDP2 trainer.
+"""The whole system as separate processes: controller + 2 rollout workers + a 2-rank FSDP2 trainer (and a
+Megatron-core trainer with 2 pipeline stages: workers cannot tell which backend trained their weights).
 
 After every weight sync each worker's loaded weights hash to the trainer's checksum for that
 version, and the engine's logprobs equal the trainer's recomputed logprobs within 1e-3 (fp32).
@@ -21,9 +22,16 @@ from .jobs import launch, tail, wait_exit
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "filesystem"])
-def test_three_steps_with_verified_weights_and_logprobs(make_config, transport):
-    job, cfg = launch(make_config("e2e", trainer={"steps": 3}, weight_sync={"transport": transport}))
+MEGATRON_PP2 = {"backend": "megatron", "megatron": {"pipeline_parallel": 2}}
+
+
+@pytest.mark.parametrize(
+    ("transport", "trainer"),
+    [("broadcast", {}), ("filesystem", {}), ("broadcast", MEGATRON_PP2)],
+    ids=["broadcast", "filesystem", "megatron-pp2"],
+)
+def test_three_steps_with_verified_weights_and_logprobs(make_config, transport, trainer):
+    job, cfg = launch(make_config("e2e", trainer={"steps": 3, **trainer}, weight_sync={"transport": transport}))
     try:
         assert wait_exit(job, "trainer", 300) == 0, tail(job, "trainer")
 

@@ -81,6 +81,18 @@ def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
             {"controller": {"train_batch_groups": 3}, "rollout": {"n": 3}, "trainer": {"nproc": 2}},
             ["9 samples", "trainer.nproc = 2"],
         ),
+        (
+            {"trainer": {"nproc": 6, "backend": "megatron", "megatron": {"tensor_parallel": 4}}},
+            ["trainer.nproc (6) must be a multiple of", "pipeline_parallel (4)", "TP x PP x DP"],
+        ),
+        (
+            {
+                "controller": {"train_batch_groups": 3},
+                "rollout": {"n": 3},
+                "trainer": {"nproc": 4, "backend": "megatron", "megatron": {"pipeline_parallel": 2}},
+            },
+            ["9 samples", "2 data-parallel ranks", "trainer.nproc = 4 / (TP x PP = 2)"],
+        ),
         ({"rollout": {"n": 1}}, ["rollout.n must be >= 2", "'grpo'"]),
         (
             {"rollout": {"max_tokens": 8}, "controller": {"reward": {"overlong_buffer": 8}}},
@@ -194,3 +206,15 @@ def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) 
     assert torch_threads(cfg, "trainer", cores=8, colocated=colocated) == trainer
     fixed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"threads": 3})})
     assert torch_threads(fixed, "rollout", cores=8, colocated=colocated) == 3
+
+
+def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
+    cfg = parse_config(
+        with_sections(
+            controller={"train_batch_groups": 3},
+            rollout={"n": 2},
+            trainer={"nproc": 4, "backend": "megatron", "megatron": {"tensor_parallel": 2}},
+        )
+    )  # 6 samples: divisible by DP = 4 / 2 = 2, though not by nproc
+    assert cfg.trainer.data_parallel == 2
+    assert cfg.trainer.model_copy(update={"backend": "fsdp"}).data_parallel == 4

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.config import ModelConfig, TrainerConfig
 from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +55,8 @@ class FSDPBackend:
         )
         # Names the rollout engines know: parameters once each (tied embeddings appear once).
         self.weight_names = [name for name, _ in self.model.named_parameters()]
+        # Every rank is a data-parallel rank (the training step shards rows by these).
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
     def logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
@@ -93,12 +96,7 @@ class FSDPBackend:
         """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            tmp = directory / "trainer_state.json.tmp"
-            tmp.write_text(json.dumps(trainer_state))
-            tmp.replace(directory / "trainer_state.json")
-        dist.barrier()
+        write_trainer_state(directory, trainer_state)
 
     def load_checkpoint(self, directory: Path) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -1,0 +1,69 @@
+"""The demo on the Megatron-core backend, as a user runs it: `relayrl up examples/digits.yaml --set
+trainer.backend=megatron --set trainer.megatron.tensor_parallel=2`, killed (SIGKILL, every process) after
+its first checkpoint and continued with `--resume`: the curve continues from the checkpoint and the policy
+learns as the FSDP demo does; the weights the workers last received are the exported `final/`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from relayrl.procs import kill_tree
+from relayrl.trainer.metrics import read_metrics
+from relayrl.weightsync.checksum import weights_checksum
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = 50
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two `relayrl up` runs, 2 trainer ranks each
+
+
+def mean_reward(records: list[dict]) -> float:
+    return sum(r["reward_mean"] for r in records) / len(records)
+
+
+def test_megatron_tp2_demo_learns_and_resumes_after_a_kill(tmp_path):
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
+    for override in (
+        f"run.dir={tmp_path / 'runs'}",
+        f"model.path={tmp_path / 'assets/tiny-qwen2'}",
+        f"data.path={tmp_path / 'assets/digits/train.jsonl'}",
+        "trainer.backend=megatron",
+        "trainer.megatron.tensor_parallel=2",
+        f"trainer.checkpoint_every={CHECKPOINT}",
+    ):
+        argv += ["--set", override]
+    run_dir = tmp_path / "runs" / "digits"
+    metrics = run_dir / "metrics.jsonl"
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen(argv, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while len(read_metrics(metrics)) < CHECKPOINT + 5:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint + 5 steps within 900 s"
+            time.sleep(1)
+    finally:
+        kill_tree(first.pid)  # the launcher, the controller, the workers, torchrun and its ranks
+        first.wait()
+    before = read_metrics(metrics)
+    assert (run_dir / "checkpoints" / f"step_{CHECKPOINT}" / "trainer_state.json").exists()
+
+    done = subprocess.run([*argv, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log"))
+    assert done.returncode == 0, done.stderr[-3000:] + logs
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, 121))
+    assert records[:CHECKPOINT] == before[:CHECKPOINT]  # the steps up to the checkpoint are kept as they were
+    resumed = records[CHECKPOINT]
+    assert resumed["data_cursor_start"] == before[CHECKPOINT - 1]["data_cursor_end"]  # the data continues
+    # the policy continues: right after the resume it scores like the killed run did there, far above random
+    assert mean_reward(records[CHECKPOINT : CHECKPOINT + 5]) >= 0.2 > mean_reward(records[:10])
+    assert mean_reward(records[-10:]) >= 0.85  # learns like the FSDP demo
+    assert all(r["workers_synced"] == 2 for r in records[CHECKPOINT:])
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    assert weights_checksum(final.named_parameters()) == records[-1]["weights_checksum"]
