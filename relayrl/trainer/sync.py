@@ -152,6 +152,9 @@ class WeightPublisher:
                 for w in plan.workers
                 if w.worker_id not in failed and (only is None or w.worker_id in only)
             ]
+            # a receiver that cannot be reached is left out before the broadcast, which would wait for it
+            failed.update(self._unreachable(dict(members)))
+            members = [(wid, addr) for wid, addr in members if wid not in failed]
             if not members:
                 break
             if self.cfg.transport == "filesystem":
@@ -167,7 +170,9 @@ class WeightPublisher:
             broken = {wid: reason for wid, reason in outcome.items() if reason is not None}
             if not broken:
                 break
-            failed.update(self._probe(broken, dict(members)))
+            addresses = dict(members)
+            dead = self._unreachable({wid: addresses[wid] for wid in broken})
+            failed.update({wid: broken[wid] for wid in dead})
             self.close()
         for wid, reason in failed.items():
             log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
@@ -209,14 +214,20 @@ class WeightPublisher:
                 self._layout_holders.discard(wid)
         return outcome
 
-    def _probe(self, broken: dict[str, str], addresses: dict[str, str]) -> dict[str, str]:
-        """Of the workers whose update failed, those that do not answer Stats are dead: leave them out."""
+    def _unreachable(self, workers: dict[str, str]) -> dict[str, str]:
+        """Of ``workers`` (id -> address), those that do not answer Stats within min(5 s, timeout_s), probed at
+        once: a refused connection fails in milliseconds, a frozen process at the deadline."""
+        deadline = min(5.0, self.cfg.timeout_s)
+        probes = {
+            wid: self._stub(addr).Stats.future(rollout_pb2.StatsRequest(), timeout=deadline)
+            for wid, addr in workers.items()
+        }
         dead = {}
-        for wid, reason in broken.items():
+        for wid, probe in probes.items():
             try:
-                self._stub(addresses[wid]).Stats(rollout_pb2.StatsRequest(), timeout=min(5.0, self.cfg.timeout_s))
-            except grpc.RpcError:
-                dead[wid] = reason
+                probe.result()
+            except grpc.RpcError as err:
+                dead[wid] = f"unreachable: {err.code().name}: {err.details()}"
         return dead
 
 
