@@ -71,7 +71,10 @@ class Controller:
         self.progress = self._load_progress()
         self.registry = WorkerRegistry(ccfg.worker_timeout_s)
         self.dispatcher = Dispatcher(
-            self.registry, chunk_size=ccfg.dispatch_chunk, generate_timeout_s=ccfg.generate_timeout_s
+            self.registry,
+            chunk_size=ccfg.dispatch_chunk,
+            generate_timeout_s=ccfg.generate_timeout_s,
+            straggler_factor=ccfg.straggler_factor,
         )
         self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens)
         self.params = SamplingParams(
