@@ -104,3 +104,17 @@ def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its
             time.sleep(0.01)
     assert respawned == ["rollout-0", "rollout-0"]  # a trainer that finished (code 0) is left alone
     assert read_restarts(tmp_path) == {"rollout-0": 2, "trainer": 0}
+
+
+def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_probed_again():
+    from relayrl.config import WeightSyncConfig
+    from relayrl.trainer.sync import WeightPublisher
+    from relayrl.weightsync.group import free_port
+
+    publisher = WeightPublisher(WeightSyncConfig(timeout_s=60), controller=None, weights_dir="unused")
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    first = publisher._unreachable({"rollout-1": dead})
+    assert first["rollout-1"].startswith("unreachable: UNAVAILABLE")  # refused at once, not DEADLINE_EXCEEDED
+    again = publisher._unreachable({"rollout-1": dead})
+    assert "not probed again" in again["rollout-1"]
+    assert publisher._unreachable({"rollout-1": "127.0.0.1:1"}) != {}  # a new address (a restart) is probed
