@@ -41,9 +41,8 @@ class RestartBudget:
         """backoff_s * 2**restarts, capped at backoff_max_s."""
         return min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** self.counts.get(role, 0))
 
-    def record(self, role: str) -> int:
+    def record(self, role: str) -> None:
         self.counts[role] = self.counts.get(role, 0) + 1
-        return self.counts[role]
 
 
 def read_restarts(run_dir: Path) -> dict[str, int]:
@@ -84,6 +83,7 @@ class Supervisor:
                 self.exit_codes.setdefault(role, []).append(code)
                 logfile = self.job.logs / f"{role}.log"
                 if self.budget.exhausted(role):
+                    self.write_state()
                     raise RestartBudgetExhausted(
                         f"{role} exited with code {code} after {self.budget.counts.get(role, 0)} restarts "
                         f"(supervisor.max_restarts = {self.budget.cfg.max_restarts}); see {logfile}"
