@@ -118,3 +118,15 @@ def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_prob
     again = publisher._unreachable({"rollout-1": dead})
     assert "not probed again" in again["rollout-1"]
     assert publisher._unreachable({"rollout-1": "127.0.0.1:1"}) != {}  # a new address (a restart) is probed
+
+
+def test_relayrl_status_shows_the_restarts():
+    from rich.console import Console
+
+    from relayrl.ops.render import status_tables
+    from relayrl.v1 import controller_pb2
+
+    console = Console(width=200, record=True)
+    for table in status_tables(controller_pb2.StatusResponse(restarts={"rollout-1": 2, "controller": 0})):
+        console.print(table)
+    assert "rollout-1 2" in console.export_text() and "controller 0" not in console.export_text()
