@@ -93,7 +93,8 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
-    return run_trainer(_config(args), controller, resume=args.resume)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun --max-restarts brought us back
+    return run_trainer(_config(args), controller, resume=args.resume or restarted)
 
 
 def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:

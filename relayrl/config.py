@@ -121,6 +121,8 @@ class ControllerConfig(Section):
     dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call
     # Generate calls one worker holds at once: its engine batches them all (continuous batching)
     worker_max_calls: int = Field(16, ge=1)
+    # a chunk in flight longer than this x the median of recent chunks is also sent to an idle worker; 0: never
+    straggler_factor: float = Field(3.0, ge=0)
     rpc_threads: int = Field(32, ge=4)  # RPCs served at once (a SubmitPrompts stream holds one); more wait in order
     max_workers: int = Field(1024, ge=1)  # registered rollout workers; RegisterWorker beyond: RESOURCE_EXHAUSTED
     max_pull_timeout_s: float = Field(3600.0, gt=0)  # longest PullBatch.timeout_s accepted
@@ -210,6 +212,21 @@ class WeightSyncConfig(Section):
     on_demand_interval_s: float = Field(1.0, gt=0)
 
 
+class SupervisorConfig(Section):
+    """How ``relayrl up`` (and the Slurm job) keep roles alive and place them on GPUs.
+
+    A role that exits unasked is restarted after ``backoff_s * 2**k`` seconds (k = its restarts so far,
+    at most ``backoff_max_s``); the death after ``max_restarts`` restarts ends the run. Trainer ranks are
+    restarted by torchrun itself (``--max-restarts``, resuming from the newest checkpoint) within the same budget.
+    """
+
+    max_restarts: int = Field(3, ge=0)  # per role
+    backoff_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(30.0, ge=0)
+    # GPUs on this node for placement (CUDA_VISIBLE_DEVICES per child); null: what torch sees, 0: no placement
+    gpus: int | None = Field(None, ge=0)
+
+
 class SecurityConfig(Section):
     """Bearer-token authentication and TLS for every relayrl server and client.
 
@@ -250,6 +267,7 @@ class RelayConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")

@@ -2,7 +2,9 @@
 
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
 stops every child in order (trainer, workers, controller) with SIGTERM, and SIGKILL after a grace
-period. Each child logs to ``<run dir>/logs/<role>.log``.
+period. Each child logs to ``<run dir>/logs/<role>.log``. While the run goes on, a child that dies is
+restarted within its budget (relayrl.ops.supervise); on a GPU node each child sees only its own devices
+(relayrl.ops.placement).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
+from relayrl.ops.placement import node_devices, place
 from relayrl.ops.scaler import LocalScaler
+from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.procs import kill_tree
 from relayrl.services.channels import open_channel
 from relayrl.threads import COLOCATED_ENV, torch_threads
@@ -45,13 +49,26 @@ class LocalJob:
     logs: Path
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     controller_address: str = ""
+    devices: dict[str, str] = field(default_factory=dict)  # role -> CUDA_VISIBLE_DEVICES (GPU nodes)
+    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # role -> argv, env
 
     def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``role`` (its log appended to, its devices placed); ``respawn`` repeats it."""
+        self.commands[role] = (list(argv), dict(env or {}))
         log_file = (self.logs / f"{role}.log").open("ab")
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", **(env or {})}
+        placed = {"CUDA_VISIBLE_DEVICES": self.devices[role]} if role in self.devices else {}
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", **placed, **(env or {})}
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
+        log_file.close()  # the child holds its own descriptor
         self.children[role] = proc
         return proc
+
+    def respawn(self, role: str) -> subprocess.Popen:
+        """Start ``role`` again as it was started; the trainer continues from its newest checkpoint."""
+        argv, env = self.commands[role]
+        if role == "trainer" and "--resume" not in argv:
+            argv = [*argv, "--resume"]
+        return self.spawn(role, argv, env)
 
     def relay(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "relayrl.cli", *args]
@@ -123,6 +140,7 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
 
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
+    job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = free_port()
     job.controller_address = f"127.0.0.1:{port}"
     common = ["--config", str(config_path)]
@@ -161,10 +179,11 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
     stub = controller_pb2_grpc.ControllerServiceStub(open_channel(job.controller_address))
     with Progress(*columns, console=console, transient=False) as progress:
         scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=progress.console.print)
+        supervisor = Supervisor(job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, progress))
         task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
-        while job.children["trainer"].poll() is None:
+        while job.children["trainer"].poll() != 0:
             scaler.tick()  # `relayrl scale rollout N`
-            job.check_alive([r for r in job.children if r != "trainer"])
+            supervisor.tick(leave=scaler.draining)  # a dead role restarted, or the run ends here
             records = read_metrics(metrics_path)
             if records:
                 last = records[-1]
@@ -179,9 +198,17 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
         records = read_metrics(metrics_path)
         if records:
             progress.update(task, completed=records[-1]["step"])
-    code = job.children["trainer"].returncode
-    if code != 0:
-        raise LaunchError(f"trainer exited with code {code}; see {job.logs / 'trainer.log'}")
+
+
+def supervisor_log(job: LocalJob, progress: Progress):
+    """Restart events go to the console and to ``<logs>/supervisor.log``, timestamped."""
+
+    def on_event(message: str) -> None:
+        progress.console.print(f"[yellow]supervisor: {message}[/yellow]")
+        with (job.logs / "supervisor.log").open("a") as out:
+            out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+    return on_event
 
 
 def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
@@ -212,6 +239,7 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
 
 def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
     started = time.monotonic()
+    place(cfg, node_devices(cfg.supervisor.gpus))  # refuse GPU over-subscription before touching the run dir
     config_path = prepare_run_dir(cfg, resume)
     stop_signal: list[str] = []
 
@@ -233,7 +261,7 @@ def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
         if job is not None:
             job.stop(["trainer", *[r for r in job.children if r.startswith("rollout")], "controller"])
         return 0 if stop_signal else 130
-    except LaunchError as err:
+    except (LaunchError, RestartBudgetExhausted) as err:
         console.print(f"[red]relayrl up failed: {err}[/red]")
         if job is not None:
             job.stop()

@@ -76,6 +76,7 @@ class Controller:
             chunk_size=ccfg.dispatch_chunk,
             generate_timeout_s=ccfg.generate_timeout_s,
             max_threads=ccfg.max_workers * self.registry.max_in_flight,  # a thread per call every worker may hold
+            straggler_factor=ccfg.straggler_factor,
         )
         self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens)
         self.params = SamplingParams(

@@ -3,11 +3,17 @@
 A prompt's group is complete when all ``n`` samples arrived from one worker. When a worker fails
 mid-stream (dead, cancelled, deadline, version refused) the prompts whose groups are incomplete are
 sent again, to any worker, up to ``max_attempts`` times; after that they are reported as failed.
+
+Stragglers: once nothing waits to be sent, a chunk in flight longer than ``straggler_factor`` x the median
+duration of the recent chunks is also sent to an idle worker. Each prompt's first complete group wins
+(claimed once, so no group is kept twice); when one call has delivered the chunk, the other is cancelled.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,6 +38,36 @@ class PromptJob:
 
 
 @dataclass
+class Attempt:
+    """One Generate call for a chunk; ``twin`` is the other call for the same chunk (straggler copy)."""
+
+    chunk: list[PromptJob]
+    worker: WorkerHandle
+    started: float = field(default_factory=time.monotonic)
+    twin: Attempt | None = None
+    call: grpc.Call | None = None
+    cancelled: bool = False
+
+
+class GroupClaims:
+    """Each prompt's first complete group wins; ``on_group`` hears only the winners."""
+
+    def __init__(self, on_group: Callable[[str, list[common_pb2.Completion]], None] | None) -> None:
+        self.on_group = on_group
+        self.won: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, prompt_id: str, group: list[common_pb2.Completion]) -> bool:
+        with self._lock:
+            if prompt_id in self.won:
+                return False
+            self.won.add(prompt_id)
+        if self.on_group is not None:
+            self.on_group(prompt_id, group)
+        return True
+
+
+@dataclass
 class DispatchResult:
     groups: dict[str, list[common_pb2.Completion]] = field(default_factory=dict)  # prompt id -> n samples
     failed: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
@@ -47,11 +83,14 @@ class Dispatcher:
         generate_timeout_s: float,
         max_attempts: int = 3,
         max_threads: int = 32,
+        straggler_factor: float = 3.0,
     ) -> None:
         self.registry = registry
         self.chunk_size = chunk_size
         self.generate_timeout_s = generate_timeout_s
         self.max_attempts = max_attempts
+        self.straggler_factor = straggler_factor  # 0: never send a chunk twice
+        self.chunk_seconds: deque[float] = deque(maxlen=32)  # durations of recent complete chunks
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="dispatch")
         self.generate_seconds = LatencyHistogram()  # each Generate call, from its start to its stream's end
 
@@ -71,15 +110,17 @@ class Dispatcher:
         """
         start = time.monotonic()
         result = DispatchResult()
+        claims = GroupClaims(on_group)
         pending: deque[list[PromptJob]] = deque(
             list(prompts[i : i + self.chunk_size]) for i in range(0, len(prompts), self.chunk_size)
         )
-        running: dict[Future, tuple[list[PromptJob], WorkerHandle]] = {}
+        running: dict[Future, Attempt] = {}
         idle_since = time.monotonic()
         while pending or running:
             if should_stop():
-                for chunk, _ in running.values():
-                    pending.append(chunk)
+                for attempt in running.values():
+                    self._cancel(attempt)
+                    pending.append(attempt.chunk)
                 for chunk in pending:
                     for job in chunk:
                         result.failed[job.prompt_id] = "stopped before generation finished"
@@ -88,9 +129,9 @@ class Dispatcher:
                 worker = self.registry.acquire(min_version)
                 if worker is None:
                     break
-                chunk = pending.popleft()
-                future = self._pool.submit(self._generate_chunk, worker, chunk, params, min_version, on_group)
-                running[future] = (chunk, worker)
+                self._submit(running, Attempt(pending.popleft(), worker), params, min_version, claims)
+            if not pending:
+                self._copy_stragglers(running, params, min_version, claims)
             if self.registry.paused:  # a paused run is not idle: its prompts wait for Resume
                 idle_since = time.monotonic()
             if not running:
@@ -104,45 +145,90 @@ class Dispatcher:
             idle_since = time.monotonic()
             done, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                chunk, worker = running.pop(future)
-                self.registry.release(worker)
+                attempt = running.pop(future)
+                self.registry.release(attempt.worker)
                 groups, error = future.result()
-                if error.startswith("UNAVAILABLE") and f"worker {worker.worker_id} is" not in error:
+                result.groups.update(groups)
+                if attempt.cancelled:
+                    continue  # its twin delivered the chunk
+                if not error:
+                    self.chunk_seconds.append(time.monotonic() - attempt.started)
+                if error.startswith("UNAVAILABLE") and f"worker {attempt.worker.worker_id} is" not in error:
                     # unreachable, not merely paused/draining (those answer "worker <id> is ..."): stop choosing
                     # it; a live worker's next heartbeat re-adds it
-                    self.registry.remove(worker.worker_id)
-                result.groups.update(groups)
-                retry = [job for job in chunk if job.prompt_id not in groups]
+                    self.registry.remove(attempt.worker.worker_id)
+                retry = [job for job in attempt.chunk if job.prompt_id not in claims.won]
+                if (twin := attempt.twin) is not None and not twin.cancelled:
+                    twin.twin = None  # the other call now answers for the chunk alone
+                    if not retry:
+                        self._cancel(twin)
+                    continue
                 for job in retry:
                     job.attempts += 1
                     if job.attempts >= self.max_attempts:
                         result.failed[job.prompt_id] = f"{self.max_attempts} attempts failed, last: {error}"
                 if retry := [job for job in retry if job.prompt_id not in result.failed]:
-                    log.warning("re-dispatching %d prompts after %s on %s", len(retry), error, worker.worker_id)
+                    log.warning("re-dispatching %d prompts after %s on %s", len(retry), error, attempt.worker.worker_id)
                     pending.append(retry)
         result.seconds = time.monotonic() - start
         return result
 
+    def _submit(
+        self, running: dict[Future, Attempt], attempt: Attempt, params: SamplingParams, min_version: int, claims
+    ) -> None:
+        future = self._pool.submit(self._generate_chunk, attempt, params, min_version, claims)
+        running[future] = attempt
+
+    def _copy_stragglers(
+        self, running: dict[Future, Attempt], params: SamplingParams, min_version: int, claims: GroupClaims
+    ) -> None:
+        """Send each chunk in flight longer than straggler_factor x the recent median to an idle worker too."""
+        if self.straggler_factor <= 0 or len(self.chunk_seconds) < 3:
+            return
+        limit = self.straggler_factor * statistics.median(self.chunk_seconds)
+        now = time.monotonic()
+        for attempt in list(running.values()):
+            rest = [job for job in attempt.chunk if job.prompt_id not in claims.won]
+            if attempt.twin is not None or attempt.cancelled or not rest or now - attempt.started <= limit:
+                continue
+            worker = self.registry.acquire(min_version, idle_other_than=attempt.worker)
+            if worker is None:
+                return
+            copy = Attempt(rest, worker, twin=attempt)
+            attempt.twin = copy
+            log.warning(
+                "%s has had %d prompts for %.1fs (> %.0fx the median chunk): also sending them to %s",
+                attempt.worker.worker_id, len(rest), now - attempt.started, self.straggler_factor, worker.worker_id,
+            )  # fmt: skip
+            self._submit(running, copy, params, min_version, claims)
+
+    def _cancel(self, attempt: Attempt) -> None:
+        with self.registry.lock:
+            attempt.cancelled = True
+            if attempt.call is not None:
+                attempt.call.cancel()
+
     def _generate_chunk(
-        self,
-        worker: WorkerHandle,
-        chunk: list[PromptJob],
-        params: SamplingParams,
-        min_version: int,
-        on_group: Callable[[str, list[common_pb2.Completion]], None] | None,
+        self, attempt: Attempt, params: SamplingParams, min_version: int, claims: GroupClaims
     ) -> tuple[dict[str, list[common_pb2.Completion]], str]:
-        """Stream one Generate call; returns the complete groups and the error that ended it, if any."""
+        """Stream one Generate call; returns the groups it completed first (claimed) and the error that ended
+        it, if any."""
         request = rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.PromptInput(prompt_id=j.prompt_id, token_ids=j.token_ids) for j in chunk],
+            prompts=[rollout_pb2.PromptInput(prompt_id=j.prompt_id, token_ids=j.token_ids) for j in attempt.chunk],
             params=params.to_proto(),
             min_policy_version=min_version,
         )
-        samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in chunk}
+        worker = attempt.worker
+        samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in attempt.chunk}
+        won: dict[str, list[common_pb2.Completion]] = {}
         error = ""
         started = time.monotonic()
         call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
         with self.registry.lock:
             worker.calls.add(call)
+            attempt.call = call
+            if attempt.cancelled:
+                call.cancel()
         try:
             for completion in call:
                 if completion.finish_reason == common_pb2.FINISH_REASON_ABORT:
@@ -150,13 +236,12 @@ class Dispatcher:
                     continue
                 group = samples[completion.prompt_id]
                 group.append(completion)
-                if on_group is not None and len(group) == params.n:
-                    on_group(completion.prompt_id, group)
+                if len(group) == params.n and claims.claim(completion.prompt_id, group):
+                    won[completion.prompt_id] = group
         except grpc.RpcError as err:
             error = f"{err.code().name}: {err.details()}"
         finally:
             with self.registry.lock:
                 worker.calls.discard(call)
             self.generate_seconds.observe(time.monotonic() - started)
-        complete = {pid: group for pid, group in samples.items() if len(group) == params.n}
-        return complete, error
+        return won, error

@@ -107,9 +107,10 @@ class WorkerRegistry:
         with self.lock:
             return self._workers.get(worker_id)
 
-    def acquire(self, min_version: int) -> WorkerHandle | None:
+    def acquire(self, min_version: int, *, idle_other_than: WorkerHandle | None = None) -> WorkerHandle | None:
         """The least-loaded ready worker at ``min_version`` or newer with a free slot (least recently used
-        among equals); its load is taken.
+        among equals); its load is taken. With ``idle_other_than``: only a worker with nothing in flight
+        that is not that one (a straggler's chunk goes there too).
         None while the registry is paused."""
         with self.lock:
             if self.paused:
@@ -117,7 +118,10 @@ class WorkerRegistry:
             candidates = [
                 w
                 for w in self._workers.values()
-                if w.state == READY and w.policy_version >= min_version and w.in_flight < self.max_in_flight
+                if w.state == READY
+                and w.policy_version >= min_version
+                and w.in_flight < self.max_in_flight
+                and (idle_other_than is None or (w.in_flight == 0 and w.worker_id != idle_other_than.worker_id))
             ]
             if not candidates:
                 return None

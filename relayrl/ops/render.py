@@ -44,6 +44,7 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
         ("rollout workers", f"{len(status.workers)} registered, desired {desired}"),
         ("dataset cursor", str(status.dataset_cursor)),
         ("last sync", f"{status.last_sync_seconds:.2f}s, {_ago(status.last_sync_unix)}"),
+        ("restarts", ", ".join(f"{role} {n}" for role, n in sorted(status.restarts.items()) if n) or "none"),
     ):
         run.add_row(key, value)
     workers = Table(title="rollout workers")

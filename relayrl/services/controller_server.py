@@ -15,6 +15,7 @@ from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import PromptJob
 from relayrl.data.dataset import render_prompt
 from relayrl.errors import PAUSED_DETAIL, InvalidArgument, Unavailable
+from relayrl.ops.supervise import read_restarts
 from relayrl.rewards import resolve_reward
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.services.channels import configure_client
@@ -85,7 +86,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     @guarded
     def Status(self, request, context):
-        return self.controller.status()
+        status = self.controller.status()
+        status.restarts.update(read_restarts(self.controller.cfg.run_dir))  # written by the supervisor, if any
+        return status
 
     @guarded
     def Pause(self, request, context):

@@ -68,6 +68,7 @@ class WeightPublisher:
         self.group: WeightBroadcastGroup | None = None
         self.members: list[tuple[str, str]] = []  # (worker id, address) in group-rank order
         self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
+        self._silent_until: dict[str, tuple[float, str]] = {}  # address -> (monotonic time, why): not probed again
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self._stubs:
@@ -162,6 +163,9 @@ class WeightPublisher:
                 for w in plan.workers
                 if w.worker_id not in failed and (only is None or w.worker_id in only)
             ]
+            # a receiver that cannot be reached is left out before the broadcast, which would wait for it
+            failed.update(self._unreachable(dict(members)))
+            members = [(wid, addr) for wid, addr in members if wid not in failed]
             if not members:
                 break
             if self.cfg.transport == "filesystem":
@@ -177,7 +181,9 @@ class WeightPublisher:
             broken = {wid: reason for wid, reason in outcome.items() if reason is not None}
             if not broken:
                 break
-            failed.update(self._probe(broken, dict(members)))
+            addresses = dict(members)
+            dead = self._unreachable({wid: addresses[wid] for wid in broken})
+            failed.update({wid: broken[wid] for wid in dead})
             self.close()
         for wid, reason in failed.items():
             log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
@@ -221,15 +227,34 @@ class WeightPublisher:
                 self._layout_holders.discard(wid)
         return outcome, expected
 
-    def _probe(self, broken: dict[str, str], addresses: dict[str, str]) -> dict[str, str]:
-        """Of the workers whose update failed, those that do not answer Stats are dead: leave them out."""
-        dead = {}
-        for wid, reason in broken.items():
+    def _unreachable(self, workers: dict[str, str]) -> dict[str, str]:
+        """Of ``workers`` (id -> address), those that do not answer Stats within min(5 s, timeout_s), probed at
+        once: a refused connection fails in milliseconds, a frozen process at the deadline. An address that
+        failed is not probed again for ``timeout_s`` (a frozen worker costs one probe per period, not one per
+        update); a restarted worker has a new address."""
+        now = time.monotonic()
+        dead = {wid: why for wid, addr in workers.items() if (why := self._silent(addr, now))}
+        deadline = min(5.0, self.cfg.timeout_s)
+        probes = {
+            wid: self._stub(addr).Stats.future(rollout_pb2.StatsRequest(), timeout=deadline)
+            for wid, addr in workers.items()
+            if wid not in dead
+        }
+        for wid, probe in probes.items():
             try:
-                self._stub(addresses[wid]).Stats(rollout_pb2.StatsRequest(), timeout=min(5.0, self.cfg.timeout_s))
-            except grpc.RpcError:
-                dead[wid] = reason
+                probe.result()
+            except grpc.RpcError as err:
+                dead[wid] = f"unreachable: {err.code().name}: {err.details()}"
+                self._silent_until[workers[wid]] = (time.monotonic() + self.cfg.timeout_s, dead[wid])
         return dead
+
+    def _silent(self, address: str, now: float) -> str:
+        """Why ``address`` is still left out without a probe ("" once its period is over)."""
+        until, why = self._silent_until.get(address, (0.0, ""))
+        if now >= until:
+            self._silent_until.pop(address, None)
+            return ""
+        return f"{why} (not probed again for {until - now:.0f}s)"
 
 
 def _failures(futures: dict[str, Future]) -> dict[str, str]:

@@ -236,6 +236,30 @@ def test_trainer_indexed_job_with_rank0_rendezvous(overlay: str):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_role_is_restarted_and_rejoins(overlay: str):
+    """Kubernetes is the supervisor here: controller and workers restart always (probes on grpc.health.v1 catch
+    a hung one), a dead trainer rank or container is restarted within a budget and resumes from its checkpoint."""
+    docs = render(overlay)
+    w = workloads(docs)
+    for role, port in (("controller", CONTROLLER_PORT), ("rollout", ROLLOUT_PORT)):
+        assert pod_spec(w[role]).get("restartPolicy", "Always") == "Always", role
+        assert container(w[role])["livenessProbe"]["grpc"]["port"] == port, role
+        assert container(w[role])["readinessProbe"]["grpc"]["port"] == port, role
+    # a restarted controller container finds its ledger and cursor in a volume, not in its own filesystem
+    state_dir = arg_after(container(w["controller"])["args"], "--state-dir")
+    assert volume_for_mount(w["controller"], state_dir)
+    # a restarted worker pod keeps its name and DNS and re-registers by heartbeat (--controller)
+    assert w["rollout"]["spec"]["podManagementPolicy"] == "Parallel"
+    job = w["trainer"]
+    assert pod_spec(job)["restartPolicy"] == "OnFailure"
+    assert job["spec"]["backoffLimit"] >= 1
+    args = container(job)["args"]
+    assert int(arg_after(args, "--max-restarts")) >= 1
+    assert args.index("--max-restarts") < args.index("-m")  # torchrun's flag, not the trainer's
+    assert "--resume" in args[args.index("-m") :]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_controller_deployment_service_and_addresses(overlay: str):
     docs = render(overlay)
     dep = one(docs, "Deployment")

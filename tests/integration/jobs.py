@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, start_job
-from relayrl.procs import kill_tree
+from relayrl.procs import descendants, kill_tree
 from relayrl.trainer.metrics import read_metrics
 
 
@@ -90,3 +94,41 @@ def assert_nothing_lost(job: LocalJob, cfg, *, finished: bool = True) -> None:
     assert not twice, f"trained twice: {twice[:5]}"
     if finished:
         assert controller_status(job.controller_address).ledger.pending == 0
+
+
+def start_up(config_path: Path, *, resume: bool = False) -> subprocess.Popen:
+    """``relayrl up CONFIG`` as a user starts it, in its own session; its stderr is kept for the assertion message."""
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(config_path), *(["--resume"] if resume else [])]
+    env = {**os.environ, "COLUMNS": "400"}  # rich wraps its messages at the console width
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
+
+
+def supervised_roles(cfg) -> dict[str, dict]:
+    """role -> {pid, restarts, exit_codes, log}: ``relayrl up``'s supervisor state file."""
+    path = cfg.run_dir / "supervisor.json"
+    return json.loads(path.read_text())["roles"] if path.exists() else {}
+
+
+def rank_pid(trainer_pid: int, rank: int) -> int:
+    """The pid of torchrun rank ``rank`` below the trainer role's process."""
+    for pid in descendants(trainer_pid):
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
+                return pid
+    raise AssertionError(f"no trainer rank {rank} below pid {trainer_pid}")
+
+
+def trained_counts(cfg) -> Counter:
+    """prompt id -> how many times the ledger says it was trained."""
+    return Counter(pid for pid, fates in ledger_fates(cfg).items() for state in fates if state == "trained")
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str]:
+    """Wait for ``relayrl up`` (reading its stderr, so it never blocks on a full pipe); its code and stderr's end."""
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    return proc.returncode, err.decode(errors="replace")[-3000:]

@@ -18,7 +18,8 @@ Each process records its arguments in ``<run dir>/stub/<role>-<pid>.argv.json``.
 
 Failure knobs: ``RELAYRL_STUB_TRAINER_EXIT=N`` makes the trainer exit N after its metrics;
 ``RELAYRL_STUB_ROLLOUT_CRASH=1`` makes rollout workers exit 7 right after registering (and the
-trainer then waits, as a real one would, until it is stopped).
+trainer then waits, as a real one would, until it is stopped); ``RELAYRL_STUB_TRAINER_REGISTRATIONS=N``
+makes the trainer wait for N registrations (a restarted worker registers again) before its metrics.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def trainer_run(args: argparse.Namespace) -> int:
         print("stub trainer: weight_sync.master_address is not torchrun's master address", file=sys.stderr)
         return 5
     registrations = run_dir / "controller" / "registrations.txt"
+    wanted = int(os.environ.get("RELAYRL_STUB_TRAINER_REGISTRATIONS", "1"))
     deadline = time.monotonic() + 120
-    while not (registrations.exists() and registrations.read_text().strip()):
+    while not (registrations.exists() and len(registrations.read_text().split("\n")) > wanted):
         if time.monotonic() > deadline:
             print("stub trainer: no rollout worker registered", file=sys.stderr)
             return 3

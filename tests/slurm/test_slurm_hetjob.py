@@ -386,6 +386,29 @@ def test_relayrl_sbatch_rollout_crash_stops_trainer(cluster: Cluster, tmp_path: 
     assert "rollout step ended" in job.diag
 
 
+def test_relayrl_sbatch_restarts_a_killed_rollout_step(cluster: Cluster, tmp_path: Path, stub_workdir: Path):
+    """SIGKILL the rollout step mid-run: the batch script starts it again in het group 0, the worker registers
+    again, and the job still COMPLETES; the restart is counted where `relayrl status` reads it."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    out_dir.mkdir()
+    env = {**_relayrl_env(run_dir, "config.yaml"), "RELAYRL_STUB_TRAINER_REGISTRATIONS": "2"}
+    job_id = cluster.submit(SBATCH, cwd=stub_workdir, env=env, args=(f"--output={out_dir}/slurm-%j.out",))
+    registrations = run_dir / "controller" / "registrations.txt"
+    deadline = time.monotonic() + 180
+    while not (registrations.exists() and registrations.read_text().strip()):
+        assert time.monotonic() < deadline, _diagnostics(run_dir, out_dir)
+        time.sleep(0.5)
+    steps = cluster.run("squeue", "-s", "-h", "-j", job_id, "-o", "%i %j").stdout.split("\n")
+    rollout = [line.split()[0] for line in steps if line.endswith(" relayrl-rollout")]
+    assert len(rollout) == 1, steps
+    assert cluster.run("scancel", "--signal=KILL", rollout[0]).returncode == 0
+    job = RelayrlJob(job_id, cluster.wait(job_id, timeout=300), run_dir, _diagnostics(run_dir, out_dir))
+    _assert_completed(job)
+    assert "restart 1/" in job.diag
+    assert json.loads((run_dir / "supervisor.json").read_text())["roles"]["rollout"]["restarts"] == 1
+    assert {r["het_group"] for r in _roles(run_dir)["rollout"]} == {0}
+
+
 def _cli_help(role: str) -> str:
     cmd = [sys.executable, "-m", "relayrl.cli", role, "serve", "--help"]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).stdout

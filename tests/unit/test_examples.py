@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
+from relayrl.ops.placement import place
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -31,6 +32,9 @@ def test_gsm8k_example_is_a_dapo_run_on_vllm() -> None:
     assert cfg.controller.reward.overlong_buffer > 0 and cfg.rollout.max_tokens == 1024 and cfg.rollout.n >= 8
     assert (cfg.weight_sync.backend, cfg.weight_sync.bucket_mib, cfg.weight_sync.mode) == ("nccl", 512, "pause")
     assert cfg.trainer.nproc >= 4
+    # `relayrl up` places it on one 8-GPU node by itself
+    placed = place(cfg, [str(i) for i in range(8)])
+    assert placed == {"rollout-0": "0", "rollout-1": "1", "rollout-2": "2", "rollout-3": "3", "trainer": "4,5,6,7"}
 
 
 def test_a_hub_dataset_subset_reaches_load_dataset(monkeypatch) -> None:

@@ -1,0 +1,117 @@
+"""Restarting the roles of a local job that die, the way a kubelet restarts a pod's containers.
+
+``Supervisor.tick()`` runs in the launcher's watch loop. A role whose process exited unasked (any
+rollout worker or the controller; the trainer only with a non-zero code) is restarted with the argv and
+environment it was first started with, after ``backoff_s * 2**k`` seconds (k = its restarts so far, at most
+``backoff_max_s``); the trainer comes back with ``--resume``. The death after ``max_restarts`` restarts raises
+``RestartBudgetExhausted`` naming the role and its log. Every restart is logged and counted in
+``<run dir>/supervisor.json`` (role -> pid, restarts, last exit codes), which ``relayrl status`` shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relayrl.config import SupervisorConfig
+
+log = logging.getLogger(__name__)
+STATE_FILE = "supervisor.json"
+
+
+class RestartBudgetExhausted(RuntimeError):
+    pass
+
+
+@dataclass
+class RestartBudget:
+    """Per-role restart counts and the backoff before the next one."""
+
+    cfg: SupervisorConfig
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def exhausted(self, role: str) -> bool:
+        return self.counts.get(role, 0) >= self.cfg.max_restarts
+
+    def delay_s(self, role: str) -> float:
+        """backoff_s * 2**restarts, capped at backoff_max_s."""
+        return min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** self.counts.get(role, 0))
+
+    def record(self, role: str) -> None:
+        self.counts[role] = self.counts.get(role, 0) + 1
+
+
+def read_restarts(run_dir: Path) -> dict[str, int]:
+    """role -> restarts so far, from the supervisor's state file ({} when there is none)."""
+    try:
+        roles = json.loads((run_dir / STATE_FILE).read_text())["roles"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {role: int(entry["restarts"]) for role, entry in roles.items()}
+
+
+class Supervisor:
+    """``job``: the launcher's LocalJob (``children``, ``respawn(role)``, ``logs``); ``run_dir`` gets the state file."""
+
+    def __init__(
+        self, job, cfg: SupervisorConfig, run_dir: Path, *, on_event: Callable[[str], None] = log.warning
+    ) -> None:
+        self.job, self.run_dir, self.on_event = job, run_dir, on_event
+        self.budget = RestartBudget(cfg)
+        self.due: dict[str, float] = {}  # role -> when its restart is due (monotonic)
+        self.exit_codes: dict[str, list[int]] = {}
+        self._written: dict[str, int] = {}
+        self.write_state()
+
+    def died(self, role: str) -> bool:
+        code = self.job.children[role].poll()
+        return code is not None and not (role == "trainer" and code == 0)
+
+    def tick(self, leave: Container[str] = ()) -> None:
+        """Schedule or perform the restarts that are due; roles in ``leave`` (being stopped on purpose) are not
+        touched. Raises RestartBudgetExhausted for a role that died once more than its budget allows."""
+        now = time.monotonic()
+        for role in list(self.job.children):
+            if role in leave or not self.died(role):
+                continue
+            if role not in self.due:
+                code = self.job.children[role].returncode
+                self.exit_codes.setdefault(role, []).append(code)
+                logfile = self.job.logs / f"{role}.log"
+                if self.budget.exhausted(role):
+                    self.write_state()
+                    raise RestartBudgetExhausted(
+                        f"{role} exited with code {code} after {self.budget.counts.get(role, 0)} restarts "
+                        f"(supervisor.max_restarts = {self.budget.cfg.max_restarts}); see {logfile}"
+                    )
+                self.due[role] = now + self.budget.delay_s(role)
+                self.on_event(
+                    f"{role} exited with code {code}; restart {self.budget.counts.get(role, 0) + 1}/"
+                    f"{self.budget.cfg.max_restarts} in {self.budget.delay_s(role):.1f}s (log: {logfile})"
+                )
+            elif now >= self.due[role]:
+                del self.due[role]
+                self.budget.record(role)
+                self.job.respawn(role)
+                self.on_event(f"{role} restarted (pid {self.job.children[role].pid})")
+        if {role: proc.pid for role, proc in self.job.children.items()} != self._written:
+            self.write_state()  # a restart, or a worker the scaler started or stopped
+
+    def write_state(self) -> None:
+        self._written = {role: proc.pid for role, proc in self.job.children.items()}
+        roles = {
+            role: {
+                "pid": proc.pid,
+                "restarts": self.budget.counts.get(role, 0),
+                "exit_codes": self.exit_codes.get(role, []),
+                "log": str(self.job.logs / f"{role}.log"),
+            }
+            for role, proc in self.job.children.items()
+        }
+        path = self.run_dir / STATE_FILE
+        path.with_suffix(".tmp").write_text(json.dumps({"roles": roles}, indent=2))
+        path.with_suffix(".tmp").replace(path)

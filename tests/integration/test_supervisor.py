@@ -1,0 +1,131 @@
+"""``relayrl up`` as a supervisor: roles killed under it are restarted and the run completes (issue #12).
+
+Each test runs ``relayrl up`` as a user does and breaks its children by the pids of its state file
+(``<run dir>/supervisor.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import time
+
+import pytest
+
+from relayrl.config import load_config
+from relayrl.launcher import controller_status
+from relayrl.procs import kill_tree
+from relayrl.trainer.metrics import read_metrics
+
+from .jobs import finish, ledger_fates, rank_pid, start_up, supervised_roles, trained_counts, wait_steps, wait_until
+
+pytestmark = pytest.mark.slow
+
+RESTART_FAST = {"backoff_s": 0.5, "max_restarts": 2}
+
+
+@pytest.mark.timeout(1500)  # about 3 minutes on a quiet 2-core machine; a busy one takes several times that
+def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
+    """SIGKILL rollout-1 at step 10, the controller at step 20 and trainer rank 1 at step 30 of 60: every one
+    is restarted, the run completes, and the ledger and metrics are exact."""
+    steps, groups = 60, 4
+    config = make_config(
+        "chaos",
+        trainer={"steps": steps, "checkpoint_every": 5},
+        controller={"dynamic_sampling": False, "train_batch_groups": groups},
+        supervisor=RESTART_FAST,
+    )
+    cfg = load_config(config)
+    up = start_up(config)
+    try:
+        wait_steps(cfg, 10, timeout_s=600)
+        kill_tree(supervised_roles(cfg)["rollout-1"]["pid"])
+        wait_steps(cfg, 20, timeout_s=600)
+        kill_tree(supervised_roles(cfg)["controller"]["pid"])
+        wait_steps(cfg, 30, timeout_s=600)
+        address = (cfg.run_dir / "controller.address").read_text()
+        counted = dict(controller_status(address).restarts)  # what `relayrl status` shows
+        assert counted == {"controller": 1, "rollout-0": 0, "rollout-1": 1, "trainer": 0}, counted
+        kill_tree(rank_pid(supervised_roles(cfg)["trainer"]["pid"], rank=1))
+        code, err = finish(up)
+    finally:
+        if up.poll() is None:
+            kill_tree(up.pid)
+    assert code == 0, err
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # none repeated, none skipped
+    restarts = {role: entry["restarts"] for role, entry in supervised_roles(cfg).items()}
+    assert restarts == {"controller": 1, "rollout-0": 0, "rollout-1": 1, "trainer": 1}, restarts
+    assert any("rollout-1" in r["rollout_workers"] for r in records[11:]), "the restarted worker never served"
+    # ...and served only at the current version: every step trained on the previous step's weights
+    assert all(r["rollout_version_min"] == r["step"] - 1 for r in records), "a trajectory of an older version"
+    trained = trained_counts(cfg)
+    assert sum(trained.values()) == len(trained) == steps * groups  # exactly, none twice
+    pending = [pid for pid, fates in ledger_fates(cfg).items() if fates[-1] not in {"trained", "filtered", "failed"}]
+    assert not pending, pending[:5]
+    timeout_s = cfg.weight_sync.timeout_s
+    assert all(r["sync_seconds"] < timeout_s / 2 for r in records), "a weight sync waited for a dead receiver"
+    median = statistics.median(r["step_seconds"] for r in records)
+    after_kill = max(r["step_seconds"] for r in records[10:12])  # the kill lands in step 11 (or 12)
+    print(json.dumps({"median_step_s": median, "step_after_worker_kill_s": after_kill}))
+    assert after_kill <= 3 * median  # its chunk re-dispatched, no collective timeout paid
+
+
+@pytest.mark.timeout(1500)
+def test_up_rides_out_a_frozen_worker(make_config):
+    """SIGSTOP rollout-1 for 45 s: the weight sync leaves it out after one probe; one step off-policy
+    (max_staleness 1) it still gets the next batch's chunks (one prompt each), which also go to the other worker
+    after 3x the median chunk time; no step waits for its heartbeat to time out, and the run completes once it
+    is back, with exact sample and ledger counts."""
+    steps, groups, n, sync_timeout = 40, 4, 4, 10
+    config = make_config(
+        "frozen",
+        trainer={"steps": steps},
+        rollout={"n": n},
+        controller={"dynamic_sampling": False, "train_batch_groups": groups, "dispatch_chunk": 1, "max_staleness": 1},
+        weight_sync={"timeout_s": sync_timeout},
+    )
+    cfg = load_config(config)
+    up = start_up(config)
+    try:
+        wait_steps(cfg, 6, timeout_s=600)  # the next batch is being generated now
+        pid = supervised_roles(cfg)["rollout-1"]["pid"]
+        kill_tree(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        wait_until(lambda: time.monotonic() - frozen_at > 45, timeout_s=60, what="45 s frozen")
+        kill_tree(pid, signal.SIGCONT)
+        code, err = finish(up)
+    finally:
+        if up.poll() is None:
+            kill_tree(up.pid)
+    assert code == 0, err
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["samples_trained"] == groups * n for r in records)  # no duplicate samples from copied chunks
+    trained = trained_counts(cfg)
+    assert sum(trained.values()) == len(trained) == steps * groups  # no group trained twice
+    median_generation = statistics.median(r["generation_seconds"] for r in records)
+    slowest = max(r["step_seconds"] for r in records[1:])  # step 1 includes the workers' first load
+    copied = (cfg.run_dir / "logs" / "controller.log").read_text().count("also sending")
+    print(json.dumps({"slowest_step_s": slowest, "median_generation_s": median_generation, "chunks_copied": copied}))
+    assert slowest <= 3 * median_generation + sync_timeout, (slowest, median_generation)
+    assert copied >= 1, "no chunk of the frozen worker was sent to the other one"
+
+
+@pytest.mark.timeout(1200)
+def test_up_ends_when_a_role_exhausts_its_restart_budget(make_config):
+    config = make_config("budget", trainer={"steps": 1000}, supervisor={"backoff_s": 0.2, "max_restarts": 1})
+    cfg = load_config(config)
+    up = start_up(config)
+    try:
+        wait_steps(cfg, 1, timeout_s=600)
+        for restarts in (0, 1):
+            wait_until(lambda r=restarts: supervised_roles(cfg)["rollout-0"]["restarts"] == r, what="restart")
+            kill_tree(supervised_roles(cfg)["rollout-0"]["pid"])
+        code, err = finish(up, timeout_s=120)
+    finally:
+        if up.poll() is None:
+            kill_tree(up.pid)
+    assert code == 1
+    assert "rollout-0 exited with code -9 after 1 restarts" in err and "rollout-0.log" in err, err

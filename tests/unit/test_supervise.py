@@ -1,0 +1,132 @@
+"""The supervisor's pieces without a run: restart budget and backoff, GPU placement and the env children get."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from relayrl.config import ConfigError, SupervisorConfig, parse_config
+from relayrl.launcher import LocalJob
+from relayrl.ops.placement import place
+from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, Supervisor, read_restarts
+
+GPU_RUN = {
+    "model": {"path": "m"},
+    "data": {"path": "d"},
+    "rollout": {"engine": "vllm", "workers": 4, "n": 8, "engine_options": {"tensor_parallel_size": 1}},
+    "controller": {"train_batch_groups": 8},
+    "trainer": {"nproc": 4},
+}
+
+
+def gpu_config(**rollout_options):
+    raw = yaml.safe_load(yaml.safe_dump(GPU_RUN))
+    raw["rollout"]["engine_options"].update(rollout_options)
+    return parse_config(raw)
+
+
+def test_backoff_doubles_up_to_its_cap_and_the_budget_runs_out():
+    budget = RestartBudget(SupervisorConfig(max_restarts=3, backoff_s=1.0, backoff_max_s=3.0))
+    delays = []
+    while not budget.exhausted("rollout-0"):
+        delays.append(budget.delay_s("rollout-0"))
+        budget.record("rollout-0")
+    assert delays == [1.0, 2.0, 3.0]
+    assert not budget.exhausted("rollout-1")
+
+
+def test_eight_gpus_four_workers_and_a_four_rank_trainer_get_disjoint_devices(tmp_path):
+    devices = place(gpu_config(), [str(i) for i in range(8)])
+    assert devices == {
+        "rollout-0": "0",
+        "rollout-1": "1",
+        "rollout-2": "2",
+        "rollout-3": "3",
+        "trainer": "4,5,6,7",
+    }
+    # ...and that is the environment each child is started with
+    job = LocalJob(gpu_config(), tmp_path / "config.yaml", tmp_path, devices=devices)
+    show = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
+    for role in devices:
+        job.spawn(role, show).wait(timeout=60)
+    seen = {role: (tmp_path / f"{role}.log").read_text().strip() for role in devices}
+    assert seen == devices
+    used = [d for ids in seen.values() for d in ids.split(",")]
+    assert sorted(used) == sorted(set(used))
+
+
+def test_tensor_parallel_workers_that_do_not_fit_are_refused_with_the_numbers():
+    with pytest.raises(ConfigError, match=r"needs 12 GPUs \(4 rollout workers x 2 \+ 4 trainer ranks\).*has 8"):
+        place(gpu_config(tensor_parallel_size=2), [str(i) for i in range(8)])
+    assert place(gpu_config(), []) == {}  # a CPU node: nothing placed
+
+
+def test_relayrl_up_refuses_over_subscription_before_starting_anything(tmp_path):
+    config = tmp_path / "gpu.yaml"
+    config.write_text(yaml.safe_dump({**GPU_RUN, "run": {"dir": str(tmp_path / "runs")}}))
+    sets = ["rollout.engine_options.tensor_parallel_size=2", "supervisor.gpus=8"]
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(config), *(a for s in sets for a in ("--set", s))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "supervisor.gpus: the run needs 12 GPUs" in done.stderr and "node has 8" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+class Died:
+    """A child that already exited with ``code``."""
+
+    def __init__(self, code: int, pid: int = 1) -> None:
+        self.returncode, self.pid = code, pid
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its_budget(tmp_path):
+    respawned = []
+    job = SimpleNamespace(children={"rollout-0": Died(-9), "trainer": Died(0)}, logs=tmp_path / "logs")
+
+    def respawn(role):
+        respawned.append(role)
+        job.children[role] = Died(-9, pid=100 + len(respawned))
+
+    job.respawn = respawn
+    supervisor = Supervisor(job, SupervisorConfig(max_restarts=2, backoff_s=0.05), tmp_path)
+    deadline = time.monotonic() + 10
+    with pytest.raises(RestartBudgetExhausted, match=r"rollout-0 exited with code -9 after 2 restarts.*rollout-0\.log"):
+        while time.monotonic() < deadline:
+            supervisor.tick()
+            time.sleep(0.01)
+    assert respawned == ["rollout-0", "rollout-0"]  # a trainer that finished (code 0) is left alone
+    assert read_restarts(tmp_path) == {"rollout-0": 2, "trainer": 0}
+
+
+def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_probed_again():
+    from relayrl.config import WeightSyncConfig
+    from relayrl.trainer.sync import WeightPublisher
+    from relayrl.weightsync.group import free_port
+
+    publisher = WeightPublisher(WeightSyncConfig(timeout_s=60), controller=None, weights_dir="unused")
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    first = publisher._unreachable({"rollout-1": dead})
+    assert first["rollout-1"].startswith("unreachable: UNAVAILABLE")  # refused at once, not DEADLINE_EXCEEDED
+    again = publisher._unreachable({"rollout-1": dead})
+    assert "not probed again" in again["rollout-1"]
+    assert publisher._unreachable({"rollout-1": "127.0.0.1:1"}) != {}  # a new address (a restart) is probed
+
+
+def test_relayrl_status_shows_the_restarts():
+    from rich.console import Console
+
+    from relayrl.ops.render import status_tables
+    from relayrl.v1 import controller_pb2
+
+    console = Console(width=200, record=True)
+    for table in status_tables(controller_pb2.StatusResponse(restarts={"rollout-1": 2, "controller": 0})):
+        console.print(table)
+    assert "rollout-1 2" in console.export_text() and "controller 0" not in console.export_text()
