@@ -96,6 +96,20 @@ class RolloutConfig(Section):
             raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
 
+    @model_validator(mode="after")
+    def _engine_logprobs_are_the_trainers(self) -> RolloutConfig:
+        """Settings under which the engine's logprobs are not the trainer's fail at start (docs/engines.md)."""
+        if self.engine != "hf" and self.min_tokens > 0:
+            raise ValueError(
+                f"rollout.min_tokens ({self.min_tokens}): the {self.engine} engine's logprobs are "
+                "renormalised after its min-tokens mask; use 0 (rollout.ignore_eos gives equal lengths)"
+            )
+        if self.engine == "vllm" and self.top_p < 1:
+            raise ValueError(f"rollout.top_p ({self.top_p}): vLLM's logprobs are renormalised over the nucleus; use 1")
+        if self.engine == "vllm" and self.temperature > 2:
+            raise ValueError(f"rollout.temperature ({self.temperature}): vLLM takes at most 2")
+        return self
+
 
 class RewardConfig(Section):
     fn: str = "exact_match"  # registry name or "module:function"

@@ -2,8 +2,9 @@
 
 A rollout worker talks to one ``InferenceEngine``: it generates completions with per-token logprobs and
 exposes its live weights so a weight update can be loaded in place. Requests reach ``generate`` already
-validated (``relayrl.rollout.sampling.validate_request``); the worker serialises ``generate`` and
-``load_weights`` (pause, load, resume), engines need not be thread-safe.
+validated (``relayrl.rollout.sampling.validate_request``). The worker calls ``generate`` from several threads at
+once (one per Generate call) and expects the engine to batch them (continuous batching); it never runs
+``load_weights`` (or a weight update) while a ``generate`` call is in flight (pause, load, resume).
 """
 
 from __future__ import annotations

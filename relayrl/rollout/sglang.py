@@ -1,7 +1,8 @@
 """The ``sglang`` engine: SGLang's offline ``sglang.Engine``, with relayrl's weight sync inside its schedulers.
 
-Generation: every (prompt, sample) becomes one item of a single ``Engine.generate(input_ids=...,
-sampling_params=[...], return_logprob=True, stream=True, rid=[...])`` call. Every item carries its own
+Generation: every (prompt, sample) becomes one item of a single ``Engine.async_generate(input_ids=...,
+sampling_params=[...], return_logprob=True, stream=True, rid=[...])`` call, streamed on SGLang's event loop by one
+adapter thread, so concurrent calls reach SGLang's scheduler together and share its batches. Every item carries its own
 ``sampling_seed``: ``seed + sample_index`` for a seeded request, a fresh random one otherwise (under
 ``enable_deterministic_inference`` SGLang gives every seedless request seed 42, and its sampling noise depends
 only on seed, position and vocabulary column, so the n samples of a prompt would all be the same).
@@ -21,13 +22,18 @@ caller). The call runs inside SGLang's weight-update session: ``begin_weight_upd
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import itertools
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -57,6 +63,7 @@ log = logging.getLogger(__name__)
 LOADER = "relayrl.rollout.sglang.receive_in_scheduler"
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _RESERVED = ("model_path", "custom_weight_loader", "random_seed", "max_running_requests", "skip_tokenizer_init")
+POLL_S = 0.05  # how often a streaming generate call checks should_abort while no chunk arrives
 SEED_BOUND = 1 << 31  # sampling seeds drawn for seedless requests are in [0, SEED_BOUND)
 
 # The receiver of each scheduler (by local rank) in this process (a real scheduler process holds exactly one).
@@ -140,6 +147,7 @@ class SGLangEngine(InferenceEngine):
         self._group: GroupArgs | None = None
         self._checksum = ""
         self._seeds = random.Random(seed)
+        self._runner = _LoopRunner(self.engine.loop)
 
     def generate(
         self,
@@ -147,34 +155,40 @@ class SGLangEngine(InferenceEngine):
         params: SamplingParams,
         should_abort: Callable[[], bool] | None = None,
     ) -> Iterator[EngineCompletion]:
-        """See ``InferenceEngine.generate``; aborted samples carry the tokens generated so far. InvalidArgument
-        for ``min_tokens > 0`` (SGLang's logprobs are then not the trainer's, see ``refuse_unmatched_logprobs``)."""
+        """See ``InferenceEngine.generate``; thread-safe: every call streams ``Engine.async_generate`` on SGLang's
+        event loop (``_LoopRunner``), so the items of concurrent calls reach its scheduler together and share
+        batches. Aborted samples carry the tokens generated so far. InvalidArgument for ``min_tokens > 0``
+        (SGLang's logprobs are then not the trainer's, see ``refuse_unmatched_logprobs``)."""
         refuse_unmatched_logprobs(params, "sglang", top_p=False)
         batch = uuid.uuid4().hex[:12]
         items = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
         rids = [f"relayrl-{batch}-{p}-{s}" for p, s in items]
         pending = dict(zip(rids, items, strict=True))
-        chunks = self.engine.generate(
-            input_ids=[list(prompts[p]) for p, _ in items],
-            sampling_params=[self._sampling_params(params, self._sampling_seed(params, s)) for _, s in items],
-            return_logprob=True,
-            stream=True,
-            rid=rids,
-        )
-        aborting = False
-        try:
-            for chunk in chunks:
-                meta = chunk["meta_info"]
-                if meta["finish_reason"] is not None and meta["id"] in pending:
-                    p, s = pending.pop(meta["id"])
-                    yield _completion(p, s, chunk)
-                if pending and not aborting and should_abort is not None and should_abort():
-                    aborting = True
-                    for rid in pending:
-                        self.engine.tokenizer_manager.abort_request(rid=rid)
-        finally:
-            for rid in pending:  # the consumer stopped early: leave nothing running in the engine
-                self.engine.tokenizer_manager.abort_request(rid=rid)
+        request = {
+            "input_ids": [list(prompts[p]) for p, _ in items],
+            "sampling_params": [self._sampling_params(params, self._sampling_seed(params, s)) for _, s in items],
+            "return_logprob": True,
+            "stream": True,
+            "rid": rids,
+        }
+        with self._runner.streaming():
+            chunks = self._runner.stream(self.engine.async_generate, request)
+            aborting = False
+            try:
+                for chunk in chunks:
+                    if chunk is not None:
+                        meta = chunk["meta_info"]
+                        if meta["finish_reason"] is not None and meta["id"] in pending:
+                            p, s = pending.pop(meta["id"])
+                            yield _completion(p, s, chunk)
+                    if pending and not aborting and should_abort is not None and should_abort():
+                        aborting = True
+                        self._runner.abort(self.engine.tokenizer_manager, list(pending))
+            finally:
+                if pending:  # the consumer stopped early: abort, and drain so nothing keeps running
+                    self._runner.abort(self.engine.tokenizer_manager, list(pending))
+                    for _ in chunks:
+                        pass
 
     def _sampling_seed(self, params: SamplingParams, sample_index: int) -> int:
         """``seed + sample_index`` for a seeded request; otherwise a fresh seed from the engine's generator."""
@@ -214,7 +228,8 @@ class SGLangEngine(InferenceEngine):
         loader, through its IPC channel: meant for small updates; weight sync uses ``receive_update``)."""
         pairs = [(name, t.detach().to("cpu")) for name, t in weights]
         check_weights(self._specs, pairs)
-        self._in_session(lambda: self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=True))
+        with self._runner.exclusive():
+            self._in_session(lambda: self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=True))
 
     # -- weight sync handed over by the rollout worker (see docs/engines.md) -------------------------------
     def init_weight_sync(self, args: GroupArgs) -> EngineGroup:
@@ -236,9 +251,12 @@ class SGLangEngine(InferenceEngine):
             "result": prefix,
         }
         carrier = [(json.dumps(request), torch.empty(0))]
-        self._in_session(
-            lambda: self.engine.update_weights_from_tensor(named_tensors=carrier, load_format=LOADER, flush_cache=True)
-        )
+        with self._runner.exclusive():
+            self._in_session(
+                lambda: self.engine.update_weights_from_tensor(
+                    named_tensors=carrier, load_format=LOADER, flush_cache=True
+                )
+            )
         results = []
         for rank in range(self.weight_sync_ranks):
             path = Path(f"{prefix}.rank{rank}.json")
@@ -268,6 +286,88 @@ class SGLangEngine(InferenceEngine):
     def close(self) -> None:
         self.engine.shutdown()
         shutil.rmtree(self._receipts, ignore_errors=True)
+
+
+class _LoopRunner:
+    """Runs SGLang's event loop (``Engine.loop``, where its tokenizer manager lives) in one adapter thread while
+    any ``generate`` call streams, so calls from several threads submit to SGLang concurrently (it batches them);
+    when the last call ends the loop is stopped again, so that the Engine's synchronous methods
+    (``loop.run_until_complete``: the weight updates) can run it: ``exclusive()`` waits for no call to stream
+    and keeps new ones out meanwhile."""
+
+    _END = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._cond = threading.Condition()
+        self._streams = 0
+        self._exclusive = False
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._streams += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-sglang-loop", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._streams -= 1
+                if not self._streams:
+                    self.loop.call_soon_threadsafe(self.loop.stop)
+                    self._thread.join()
+                    self._thread = None
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._streams or self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def stream(self, async_generate: Callable[..., Any], request: dict[str, Any]) -> Iterator[dict | None]:
+        """The chunks of ``await async_generate(**request)`` (run on the loop), with None every POLL_S while
+        none arrives (so the caller can check for an abort); raises what the stream raised."""
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in await async_generate(**request):
+                    chunks.put(chunk)
+            except BaseException as exc:  # handed to the calling thread
+                chunks.put(exc)
+            finally:
+                chunks.put(self._END)
+
+        asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        while True:
+            try:
+                item = chunks.get(timeout=POLL_S)
+            except queue.Empty:
+                yield None
+                continue
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"sglang engine: {item}") from item
+            yield item
+
+    def abort(self, tokenizer_manager: Any, rids: list[str]) -> None:
+        """``tokenizer_manager.abort_request(rid=)`` for each, on the loop (the manager is not thread-safe)."""
+        for rid in rids:
+            self.loop.call_soon_threadsafe(functools.partial(tokenizer_manager.abort_request, rid=rid))
 
 
 def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any]) -> EngineCompletion:

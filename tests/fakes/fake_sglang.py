@@ -1,35 +1,41 @@
-"""A fake ``sglang`` module (SGLang 0.5.23's API, the part relayrl's ``sglang`` adapter uses), generating with
-HFEngine.
+"""A fake ``sglang`` module (SGLang 0.5.23's API, the part relayrl's ``sglang`` adapter uses), generating with the
+tiny model it loads.
 
-Mirrored, with SGLang's names, signatures and return shapes: ``Engine(**server_args)``;
-``Engine.generate(..., input_ids, sampling_params, return_logprob, stream, rid, ...)`` yielding chunks
-``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-"output_token_logprobs": [(logprob, token_id, None)]}, "index"}`` (a non-final chunk, then the final one per
-item); ``Engine.tokenizer_manager.context_len`` / ``abort_request(rid, abort_all)``;
-``begin_weight_update`` / ``end_weight_update`` / ``update_weights_from_tensor(named_tensors, load_format,
-flush_cache)`` returning ``(success, message)`` (refused outside a session, as 0.5.23 does; ``load_format``
-None loads with the model's ``load_weights``, one of ``custom_weight_loader`` is called as
-``loader(model, named_tensors)`` on every TP rank at once); ``shutdown``; and ``sglang.srt.distributed.parallel_state
-.get_tensor_model_parallel_rank``. Logprobs: log softmax(logits / T) before top-p (T = 1 when greedy), as
-SGLang's sampler returns them, by a teacher-forced forward. ``sampling_seed`` counts only with
-``enable_deterministic_inference`` (then 42 when unset), as in SGLang.
+Mirrored, with SGLang's names, signatures and return shapes: ``Engine(**server_args)`` with its event loop
+``Engine.loop``; ``Engine.async_generate(..., input_ids, sampling_params, return_logprob, stream, rid, ...)``
+(``stream=True``: an async generator of chunks ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "output_token_logprobs": [(logprob, token_id, None)]}, "index"}``, a
+non-final chunk when an item is admitted and the final one when it finishes) and the synchronous
+``Engine.generate`` over ``loop.run_until_complete``; a scheduler that batches continuously across calls (every
+step advances every running item one token; ``steps`` records them); ``Engine.tokenizer_manager.context_len`` /
+``abort_request(rid, abort_all)``; ``begin_weight_update`` / ``end_weight_update`` /
+``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` returning ``(success, message)``
+(refused outside a session; a flush fails while requests run or wait; ``load_format`` None loads with the
+model's ``load_weights``, one of ``custom_weight_loader`` is called as ``loader(model, named_tensors)`` once per
+runner (target, and draft under ``speculative_algorithm``) on every scheduler, TP x PP, at once); ``shutdown``;
+and ``sglang.srt.distributed.parallel_state``'s rank functions. Logprobs: log softmax(logits / T) before top-p
+(T = 1 when greedy) and after the min-new-tokens penalizer, as SGLang's sampler returns them, by a
+teacher-forced forward. ``sampling_seed`` counts only with ``enable_deterministic_inference`` (then 42 when
+unset), as in SGLang. docs/engines.md lists each behaviour with its upstream file.
 
 Not emulated (NotImplementedError): penalties, top-k, min-p, n > 1, stop strings, single (unbatched) input;
-SGLang's fused parameter names and TP shards (every fake rank shares one full model with Hugging Face names).
-Tests read ``Engine.server_args``, ``Engine.generate_calls``, ``tokenizer_manager.aborted``.
+SGLang's fused parameter names and TP shards (every fake scheduler shares one full model with Hugging Face
+names). Tests read ``Engine.server_args``, ``generate_calls``, ``steps``, ``tokenizer_manager.aborted``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
-from relayrl.rollout.hf import HFEngine
+from relayrl.rollout.hf import HFEngine, sample_step, stop_token_set
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 
 __version__ = "0.5.23+fake"
@@ -121,6 +127,20 @@ class TokenizerManager:
         return "*" in self.aborted or rid in self.aborted
 
 
+@dataclass
+class _Item:
+    """One batch item (a request) in the fake scheduler."""
+
+    index: int
+    rid: str
+    prompt: list[int]
+    params: dict[str, Any]
+    logprob: bool
+    outbox: asyncio.Queue
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+
+
 class Engine:
     """The offline engine; kwargs are ServerArgs fields. ``dtype="auto"`` loads float32 (as the tiny models)."""
 
@@ -142,7 +162,14 @@ class Engine:
         self.pp_size = kwargs.get("pp_size", 1)
         # sglang/srt/managers/scheduler_components/weight_updater.py: _select_runners ("all": target, then draft)
         self.runners = ["target", "draft"] if kwargs.get("speculative_algorithm") else ["target"]
-        self.running = 0  # requests admitted and not finished yet
+        self.loop = asyncio.new_event_loop()  # Engine._ensure_event_loop (a fresh one: tests run in threads)
+        self.max_running = kwargs.get("max_running_requests") or 256
+        self.waiting: list[_Item] = []
+        self.batch: list[_Item] = []
+        self.steps: list[list[str]] = []  # the request ids of every scheduler step
+        self._scheduler: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._seeds = torch.Generator().manual_seed(kwargs.get("random_seed") or 0)
         self.custom_weight_loaders = list(kwargs.get("custom_weight_loader") or [])
         self.deterministic = bool(kwargs.get("enable_deterministic_inference", False))
         self.generate_calls: list[dict[str, Any]] = []
@@ -163,6 +190,38 @@ class Engine:
         stream: bool = False,
         rid: list[str] | str | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
+        """The synchronous wrapper, as SGLang's: each chunk by ``self.loop.run_until_complete`` (so it cannot be
+        used from two threads at once, nor while the loop runs elsewhere)."""
+        kwargs = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        kwargs.update(prompt=prompt, image_data=image_data, lora_path=lora_path, top_logprobs_num=top_logprobs_num)
+        chunks = self.loop.run_until_complete(self.async_generate(**kwargs, stream=True, rid=rid))
+
+        def wrapper() -> Iterator[dict]:
+            while True:
+                try:
+                    yield self.loop.run_until_complete(chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+
+        if stream:
+            return wrapper()
+        return [c for c in wrapper() if c["meta_info"]["finish_reason"] is not None]
+
+    async def async_generate(
+        self,
+        prompt: list[str] | str | None = None,
+        sampling_params: list[dict] | dict | None = None,
+        input_ids: list[list[int]] | list[int] | None = None,
+        image_data: Any = None,
+        return_logprob: list[bool] | bool | None = False,
+        logprob_start_len: list[int] | int | None = None,
+        top_logprobs_num: list[int] | int | None = None,
+        lora_path: list[str | None] | None = None,
+        stream: bool = False,
+        rid: list[str] | str | None = None,
+    ) -> Any:
+        """``stream=True``: an async generator of chunks (a non-final chunk when an item is admitted, its final
+        chunk when it finishes, items interleaved as the scheduler finishes them); otherwise the final chunks."""
         if prompt is not None or image_data is not None or lora_path is not None or top_logprobs_num:
             raise NotImplementedError("the fake sglang generates from input_ids only, without top logprobs")
         if not input_ids or not isinstance(input_ids[0], list):
@@ -175,8 +234,95 @@ class Engine:
         self.generate_calls.append(
             {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob, "rid": rids}
         )
-        chunks = self._chunks(input_ids, params, rids, bool(return_logprob), stream)
-        return chunks if stream else [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
+        self._ensure_scheduler()
+        outbox: asyncio.Queue = asyncio.Queue()
+        for index, (ids, item, request_id) in enumerate(zip(input_ids, params, rids, strict=True)):
+            logprob = bool(return_logprob)
+            self.waiting.append(_Item(index, request_id, list(ids), item, logprob, outbox, self._seed(item)))
+        self._wake.set()
+        chunks = self._stream(outbox, count)
+        if stream:
+            return chunks
+        return [c async for c in chunks if c["meta_info"]["finish_reason"] is not None]
+
+    @staticmethod
+    async def _stream(outbox: asyncio.Queue, count: int) -> Any:
+        finished = 0
+        while finished < count:
+            chunk = await outbox.get()
+            finished += chunk["meta_info"]["finish_reason"] is not None
+            yield chunk
+
+    @property
+    def running(self) -> int:
+        """Requests admitted or queued and not finished (what makes a cache flush fail)."""
+        return len(self.waiting) + len(self.batch)
+
+    def _seed(self, item: dict[str, Any]) -> torch.Generator:
+        """Under deterministic inference the request's ``sampling_seed``, 42 when it has none (same seed, same
+        sample); otherwise the engine's own random stream."""
+        if self.deterministic:
+            seed = item.get("sampling_seed") if item.get("sampling_seed") is not None else 42
+        else:
+            seed = int(torch.randint(1 << 62, (1,), generator=self._seeds))
+        return torch.Generator().manual_seed(seed)
+
+    def _ensure_scheduler(self) -> None:
+        """The scheduler task, started on the running loop by the first request (as ``auto_create_handle_loop``)."""
+        if self._scheduler is None or self._scheduler.done():
+            self._wake = asyncio.Event()
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        """Continuous batching: every step advances every running item by one token; waiting items (of any
+        call) join between steps, up to ``max_running_requests``; aborted items finish with what they have."""
+        while True:
+            if not self.waiting and not self.batch:
+                self._wake.clear()
+                await self._wake.wait()
+            while self.waiting and len(self.batch) < self.max_running:
+                item = self.waiting.pop(0)
+                self.batch.append(item)
+                item.outbox.put_nowait(self._chunk(item.index, item.rid, item.prompt, [], [], None))
+            self.steps.append([item.rid for item in self.batch])
+            still = []
+            for item in self.batch:
+                finish = self._advance(item)
+                if finish is None:
+                    still.append(item)
+                else:
+                    logprobs = self._logprobs(item.prompt, item.tokens, item.params) if item.logprob else []
+                    chunk = self._chunk(item.index, item.rid, item.prompt, item.tokens, logprobs, finish)
+                    item.outbox.put_nowait(chunk)
+            self.batch = still
+            await asyncio.sleep(0)
+
+    @torch.no_grad()
+    def _advance(self, item: _Item) -> dict[str, Any] | None:
+        """One token for ``item``; its finish reason when it is done (SGLang's ``FINISH_*.to_json``)."""
+        if self.tokenizer_manager.is_aborted(item.rid):
+            return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        params = item.params
+        temperature = params.get("temperature", 1.0)
+        relay = RelaySamplingParams(
+            temperature=0.0 if temperature < SAMPLING_EPS else temperature,
+            top_p=params.get("top_p", 1.0),
+            max_tokens=params.get("max_new_tokens", 128),
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            min_tokens=params.get("min_new_tokens") or 0,
+            ignore_eos=bool(params.get("ignore_eos")),
+        )
+        logits = self.hf.model(input_ids=torch.tensor([item.prompt + item.tokens])).logits[:, -1]
+        banned = None
+        if len(item.tokens) < relay.min_tokens:
+            banned = torch.tensor(sorted(self.hf.eos_token_ids | set(relay.stop_token_ids)))
+        token = int(sample_step(logits, relay, item.generator, banned=banned)[0][0])
+        item.tokens.append(token)
+        if token in stop_token_set(self.hf.eos_token_ids, relay):
+            return {"type": "stop", "matched": token}
+        if len(item.tokens) >= relay.max_tokens:
+            return {"type": "length", "length": relay.max_tokens}
+        return None
 
     @staticmethod
     def _check_sampling(item: dict[str, Any]) -> None:
@@ -208,25 +354,6 @@ class Engine:
                 yield self._chunk(index, rid, prompt, tokens, logprobs, finish)
         finally:
             self.running -= unfinished
-
-    def _sample(self, prompt: list[int], item: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-        seed = None
-        if self.deterministic:
-            seed = item.get("sampling_seed") if item.get("sampling_seed") is not None else 42
-        relay = RelaySamplingParams(
-            n=1,
-            temperature=0.0 if item.get("temperature", 1.0) < SAMPLING_EPS else item.get("temperature", 1.0),
-            top_p=item.get("top_p", 1.0),
-            max_tokens=item.get("max_new_tokens", 128),
-            stop_token_ids=tuple(item.get("stop_token_ids") or ()),
-            seed=seed,
-            min_tokens=item.get("min_new_tokens") or 0,
-            ignore_eos=bool(item.get("ignore_eos")),
-        )
-        (done,) = self.hf.generate([prompt], relay)
-        if done.finish_reason == "stop":
-            return done.token_ids, {"type": "stop", "matched": done.token_ids[-1]}
-        return done.token_ids, {"type": "length", "length": relay.max_tokens}
 
     def _logprobs(self, prompt: list[int], tokens: list[int], item: dict[str, Any]) -> list[float]:
         """As SGLang's sampler: after the min-new-tokens penalizer (EOS and stop tokens at -inf for the first

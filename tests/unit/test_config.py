@@ -99,6 +99,8 @@ def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
             ["controller.reward.overlong_buffer (8)", "rollout.max_tokens (8)"],
         ),
         ({"rollout": {"n": 16, "limits": {"max_n": 8}}}, ["rollout.n (16)", "rollout.limits.max_n (8)"]),
+        ({"rollout": {"engine": "vllm", "top_p": 0.9}}, ["rollout.top_p (0.9)", "nucleus"]),
+        ({"rollout": {"engine": "sglang", "min_tokens": 4}}, ["rollout.min_tokens (4)", "rollout.ignore_eos"]),
         ({"security": {"tls_cert": "c.pem"}}, ["security: ", "tls_cert and tls_key"]),
         ({"security": {"tls_ca": "ca.pem"}}, ["security: ", "tls_ca needs tls_cert"]),
         (

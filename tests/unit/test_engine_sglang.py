@@ -9,6 +9,7 @@ import dataclasses
 import os
 import re
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -185,14 +186,49 @@ def test_pipeline_parallel_schedulers_get_distinct_ranks(fake, model_dir: Path) 
 
 
 def test_the_fake_refuses_to_flush_while_requests_are_queued(engine: SGLangEngine, model_dir: Path) -> None:
-    """As SGLang 0.5.23: the update is applied but the call fails when requests are still running or queued."""
-    stream = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=0))
-    next(stream)
+    """As SGLang 0.5.23: the update is applied but the call fails when requests are still running or queued
+    (the adapter runs updates only once no call streams)."""
+    fake_engine = engine.engine
+    item = {"max_new_tokens": 4, "temperature": 1.0}
+    fake_engine.loop.run_until_complete(
+        fake_engine.async_generate(input_ids=[PROMPTS[0]], sampling_params=[item], stream=True)
+    )
+    assert fake_engine.running == 1
     weights, _ = new_weights(model_dir)
-    with pytest.raises(RuntimeError, match="requests are still running or queued"):
-        engine.load_weights(weights.items())
-    stream.close()
-    engine.load_weights(weights.items())
+    assert fake_engine.begin_weight_update() == (True, "Success")
+    ok, message = fake_engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=True)
+    fake_engine.end_weight_update()
+    assert not ok and message == fake_sglang.FLUSH_REFUSED
+
+
+def test_concurrent_calls_share_scheduler_batches(engine: SGLangEngine, model_dir: Path) -> None:
+    """Four generate calls from four threads: each gets exactly its samples with the trainer's logprobs, and
+    SGLang's scheduler ran items of different calls in the same step."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+    barrier = threading.Barrier(4)
+    results: dict[int, list[EngineCompletion]] = {}
+
+    def call(index: int) -> None:
+        barrier.wait()
+        results[index] = list(engine.generate(PROMPTS, params))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(results) == [0, 1, 2, 3]
+    reference = load(model_dir)
+    for completions in results.values():
+        keyed = by_key(completions)
+        assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(2)}
+        assert all(len(c.token_ids) == 16 for c in completions)
+        assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)
+    calls_per_step = [len({rid.split("-")[1] for rid in step}) for step in engine.engine.steps]
+    assert max(calls_per_step) > 1
+    weights, _ = new_weights(model_dir)
+    engine.load_weights(weights.items())  # updates run once no call streams
+    assert engine.engine.cache_flushes == 1
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:
@@ -206,13 +242,11 @@ def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> Non
 
 
 def test_should_abort_aborts_the_unfinished_items(engine: SGLangEngine) -> None:
-    seen: list[EngineCompletion] = []
-    for c in engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=6, seed=0), should_abort=lambda: bool(seen)):
-        seen.append(c)
-    completions = by_key(seen)
-    assert len(completions) == 6
-    assert [c.finish_reason for c in seen].count("abort") == 5
-    assert len(engine.engine.tokenizer_manager.aborted) == 5
+    params = SamplingParams(n=2, max_tokens=40, seed=0, ignore_eos=True)  # nothing finishes before step 40
+    seen = list(engine.generate(PROMPTS, params, should_abort=lambda: len(engine.engine.steps) >= 1))
+    assert len(by_key(seen)) == 6
+    assert all(c.finish_reason == "abort" and len(c.token_ids) == len(c.logprobs) < 40 for c in seen)
+    assert len(engine.engine.tokenizer_manager.aborted) == 6 and engine.engine.running == 0
 
 
 def test_a_consumer_that_stops_early_leaves_nothing_running(engine: SGLangEngine) -> None:
@@ -341,7 +375,7 @@ def test_the_fake_and_the_adapter_keep_to_the_documented_api(fake, model_dir: Pa
     docs = documented("sglang.")
     targets = {
         "sglang.Engine": accepted(fake_sglang.Engine, fake_sglang.SERVER_ARGS),
-        "sglang.Engine.generate": accepted(fake_sglang.Engine.generate),
+        "sglang.Engine.async_generate": accepted(fake_sglang.Engine.async_generate),
         "sglang.SamplingParams": set(fake_sglang.SAMPLING_FIELDS),
         "sglang.Engine.update_weights_from_tensor": accepted(fake_sglang.Engine.update_weights_from_tensor),
         "sglang.TokenizerManager.abort_request": accepted(fake_sglang.TokenizerManager.abort_request),
@@ -352,7 +386,7 @@ def test_the_fake_and_the_adapter_keep_to_the_documented_api(fake, model_dir: Pa
 
     used: dict[str, set[str]] = {}
     for owner, attr, key in [
-        (fake_sglang.Engine, "generate", "sglang.Engine.generate"),
+        (fake_sglang.Engine, "async_generate", "sglang.Engine.async_generate"),
         (fake_sglang.Engine, "update_weights_from_tensor", "sglang.Engine.update_weights_from_tensor"),
         (fake_sglang.TokenizerManager, "abort_request", "sglang.TokenizerManager.abort_request"),
         (fake_sglang, "Engine", "sglang.Engine"),
