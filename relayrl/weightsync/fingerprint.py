@@ -189,6 +189,7 @@ class Fingerprinter:
             _PLANS[key] = _plan(manifest, chunk_bytes, self.device)
         self._plans = _PLANS[key]
         self._acc = torch.zeros(len(manifest.tensors), 2, dtype=torch.int64, device=self.device)
+        self._weights = torch.arange(1, -(-chunk_bytes // BLOCK) + 1, dtype=torch.int64, device=self.device)
 
     def add(self, bucket: int, start: int, data: torch.Tensor) -> None:
         plan = self._plans[(bucket, start)]
@@ -202,11 +203,12 @@ class Fingerprinter:
         if plan.blocks > whole:
             last = _padded_block_sum(data[whole * BLOCK : whole * BLOCK + plan.last_tail])
             blocks = torch.cat([blocks, last.reshape(1)])
-        weights = torch.arange(plan.first_block + 1, plan.first_block + plan.blocks + 1, device=self.device)
-        prefix = torch.zeros(2, plan.blocks + 1, dtype=torch.int64, device=self.device)
+        prefix = torch.empty(2, plan.blocks + 1, dtype=torch.int64, device=self.device)
+        prefix[:, 0] = 0
         torch.cumsum(blocks, 0, out=prefix[0, 1:])
-        torch.cumsum(blocks * weights, 0, out=prefix[1, 1:])
-        segments = prefix[:, plan.ends] - prefix[:, plan.starts]  # (2, tensors): sum r, sum (b+1) r
+        torch.cumsum(blocks.mul_(self._weights[: plan.blocks]), 0, out=prefix[1, 1:])
+        segments = prefix[:, plan.ends] - prefix[:, plan.starts]  # sum r, sum (local b + 1) r
+        segments[1] += plan.first_block * segments[0]  # bucket-relative: sum (b + 1) r
         self._acc.index_add_(0, plan.ids, segments.t())
 
     def digest(self) -> bytes:
