@@ -55,6 +55,7 @@ from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_
 from relayrl.weightsync.group import free_port
 
 TARGET_TRAJECTORIES_PER_S = 10_000  # issue #9: the control plane on the 2-core development machine
+BARE_TRAJECTORIES = 20_000  # the baseline is a rate: this many trajectories measure it (the paused controller idles)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -262,7 +263,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         time.sleep(args.idle_s)  # paused: what heartbeats and the Stats poll of every worker cost the controller
         idle_share = (cpu_seconds(pid) - idle_cpu) / args.idle_s
         addresses = sorted(w.address for w in controller_status(address).workers)
-        bare = bare_dispatch(addresses, args.trajectories, args, versions.read())  # the paused controller idles
+        bare = bare_dispatch(addresses, min(args.trajectories, BARE_TRAJECTORIES), args, versions.read())
         rss_start, cpu_start = rss_mib(pid), cpu_seconds(pid)
         started = time.monotonic()
         stub.Resume(controller_pb2.ResumeRunRequest())

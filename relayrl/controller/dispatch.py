@@ -140,7 +140,10 @@ class Dispatcher:
         samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in chunk}
         error = ""
         started = time.monotonic()
-        call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
+        try:
+            call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
+        except ValueError as err:  # its channel was closed: the worker was removed after it was acquired
+            return {}, f"UNAVAILABLE: worker removed ({err})"
         with self.registry.lock:
             worker.calls.add(call)
         try:
