@@ -49,6 +49,7 @@ from relayrl.assets import prepare_assets
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import load_config
+from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -198,8 +199,9 @@ def generate_latency(metrics_port: int) -> dict:
 
 def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namespace, version: int) -> float:
     """Baseline: the same Generate calls straight to the simulated workers, only counted; trajectories/s. As many
-    calls at once as one generation round of the controller dispatches (a chunk each)."""
-    stubs = [rollout_pb2_grpc.RolloutServiceStub(open_channel(a)) for a in addresses]
+    calls at once as one generation round of the controller dispatches (a chunk each), on channels configured as
+    the controller's."""
+    stubs = [rollout_pb2_grpc.RolloutServiceStub(open_channel(a, WORKER_CHANNEL_OPTIONS)) for a in addresses]
     params = common_pb2.SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.response_tokens)
     chunk = range(args.dispatch_chunk)
     prompts = [rollout_pb2.PromptInput(prompt_id=f"bare-{i}", token_ids=[3, 4, 5, 6]) for i in chunk]
@@ -216,7 +218,7 @@ def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namesp
                 call = next(next_call)
             if call >= calls:
                 return
-            counted[thread] += sum(1 for _ in stubs[call % len(stubs)].Generate(request, timeout=60))
+            counted[thread] += sum(1 for _ in stubs[call % len(stubs)].Generate(request, timeout=args.timeout))
 
     started = time.monotonic()
     with ThreadPoolExecutor(threads) as pool:
