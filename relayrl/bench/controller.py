@@ -128,6 +128,7 @@ class Pulled:
     trained: int  # samples in the batch
     generated: int  # trajectories generated for it (kept and dropped groups)
     groups_filtered: int
+    response_len_mean: float  # tokens per generated response, as the controller counted them
 
 
 def pull(stub, step: int, deadline: float) -> controller_pb2.Batch:
@@ -147,7 +148,15 @@ def simulated_trainer(stub, versions: VersionFile, trajectories: int, deadline: 
     for step in itertools.count(1):
         batch = pull(stub, step, deadline)
         stats = batch.stats
-        pulled.append(Pulled(time.monotonic(), len(batch.samples), stats.samples_generated, stats.groups_filtered))
+        pulled.append(
+            Pulled(
+                time.monotonic(),
+                len(batch.samples),
+                stats.samples_generated,
+                stats.groups_filtered,
+                stats.response_len_mean,
+            )
+        )
         plan = stub.GetWeightSyncPlan(controller_pb2.GetWeightSyncPlanRequest(version=step), timeout=30)
         versions.write(step)
         report = controller_pb2.ReportStepRequest(
@@ -298,6 +307,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "trajectories": generated,
         "trajectories_trained": trained,
         "groups_filtered": sum(p.groups_filtered for p in pulled),
+        "response_tokens_mean": round(sum(p.response_len_mean * p.generated for p in pulled) / generated, 2),
         "trajectories_per_second": round(rate, 1),
         "trained_trajectories_per_second": round(trained / seconds, 1),
         **latency,

@@ -65,7 +65,7 @@ class VersionFile:
 
 def canned_responses(tokenizer, response_tokens: int) -> list[list[int]]:
     """Ten responses, one per leading digit: ``"<d> is is ... <eos>"`` of ``response_tokens`` tokens."""
-    filler = tokenizer.encode("is", add_special_tokens=False)
+    filler = [tokenizer.convert_tokens_to_ids("is")]  # a word of the tiny demo vocabulary (relayrl.models.tiny)
     responses = []
     for digit in range(10):
         ids = tokenizer.encode(str(digit), add_special_tokens=False)
