@@ -49,12 +49,14 @@ from relayrl.assets import prepare_assets
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import load_config
+from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.group import free_port
 
 TARGET_TRAJECTORIES_PER_S = 10_000  # issue #9: the control plane on the 2-core development machine
+BARE_TRAJECTORIES = 20_000  # the baseline is a rate: this many trajectories measure it (the paused controller idles)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,6 +128,7 @@ class Pulled:
     trained: int  # samples in the batch
     generated: int  # trajectories generated for it (kept and dropped groups)
     groups_filtered: int
+    response_len_mean: float  # tokens per generated response, as the controller counted them
 
 
 def pull(stub, step: int, deadline: float) -> controller_pb2.Batch:
@@ -145,7 +148,15 @@ def simulated_trainer(stub, versions: VersionFile, trajectories: int, deadline: 
     for step in itertools.count(1):
         batch = pull(stub, step, deadline)
         stats = batch.stats
-        pulled.append(Pulled(time.monotonic(), len(batch.samples), stats.samples_generated, stats.groups_filtered))
+        pulled.append(
+            Pulled(
+                time.monotonic(),
+                len(batch.samples),
+                stats.samples_generated,
+                stats.groups_filtered,
+                stats.response_len_mean,
+            )
+        )
         plan = stub.GetWeightSyncPlan(controller_pb2.GetWeightSyncPlanRequest(version=step), timeout=30)
         versions.write(step)
         report = controller_pb2.ReportStepRequest(
@@ -197,8 +208,9 @@ def generate_latency(metrics_port: int) -> dict:
 
 def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namespace, version: int) -> float:
     """Baseline: the same Generate calls straight to the simulated workers, only counted; trajectories/s. As many
-    calls at once as one generation round of the controller dispatches (a chunk each)."""
-    stubs = [rollout_pb2_grpc.RolloutServiceStub(open_channel(a)) for a in addresses]
+    calls at once as one generation round of the controller dispatches (a chunk each), on channels configured as
+    the controller's."""
+    stubs = [rollout_pb2_grpc.RolloutServiceStub(open_channel(a, WORKER_CHANNEL_OPTIONS)) for a in addresses]
     params = common_pb2.SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.response_tokens)
     chunk = range(args.dispatch_chunk)
     prompts = [rollout_pb2.PromptInput(prompt_id=f"bare-{i}", token_ids=[3, 4, 5, 6]) for i in chunk]
@@ -215,7 +227,7 @@ def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namesp
                 call = next(next_call)
             if call >= calls:
                 return
-            counted[thread] += sum(1 for _ in stubs[call % len(stubs)].Generate(request, timeout=60))
+            counted[thread] += sum(1 for _ in stubs[call % len(stubs)].Generate(request, timeout=args.timeout))
 
     started = time.monotonic()
     with ThreadPoolExecutor(threads) as pool:
@@ -262,7 +274,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         time.sleep(args.idle_s)  # paused: what heartbeats and the Stats poll of every worker cost the controller
         idle_share = (cpu_seconds(pid) - idle_cpu) / args.idle_s
         addresses = sorted(w.address for w in controller_status(address).workers)
-        bare = bare_dispatch(addresses, args.trajectories, args, versions.read())  # the paused controller idles
+        bare = bare_dispatch(addresses, min(args.trajectories, BARE_TRAJECTORIES), args, versions.read())
         rss_start, cpu_start = rss_mib(pid), cpu_seconds(pid)
         started = time.monotonic()
         stub.Resume(controller_pb2.ResumeRunRequest())
@@ -295,6 +307,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "trajectories": generated,
         "trajectories_trained": trained,
         "groups_filtered": sum(p.groups_filtered for p in pulled),
+        "response_tokens_mean": round(sum(p.response_len_mean * p.generated for p in pulled) / generated, 2),
         "trajectories_per_second": round(rate, 1),
         "trained_trajectories_per_second": round(trained / seconds, 1),
         **latency,

@@ -65,7 +65,7 @@ class VersionFile:
 
 def canned_responses(tokenizer, response_tokens: int) -> list[list[int]]:
     """Ten responses, one per leading digit: ``"<d> is is ... <eos>"`` of ``response_tokens`` tokens."""
-    filler = tokenizer.encode("is", add_special_tokens=False)
+    filler = [tokenizer.convert_tokens_to_ids("is")]  # a word of the tiny demo vocabulary (relayrl.models.tiny)
     responses = []
     for digit in range(10):
         ids = tokenizer.encode(str(digit), add_special_tokens=False)
@@ -132,22 +132,34 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]], interval_s: float) -> None:
-    """RegisterWorker for every worker once per ``interval_s``, spread evenly over the interval."""
+    """RegisterWorker for every worker once per ``interval_s``, spread evenly over the interval. Each beat is its
+    own task, so a slow answer delays no other worker's beat (a real worker beats from its own thread)."""
     async with grpc.aio.insecure_channel(controller) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         warned = False
+
+        async def beat(worker: SimulatedWorker, address: str) -> None:
+            nonlocal warned
+            request = controller_pb2.RegisterWorkerRequest(
+                worker_id=worker.worker_id, address=address, policy_version=worker.versions.read()
+            )
+            try:
+                await stub.RegisterWorker(request, timeout=interval_s * 10)
+            except grpc.aio.AioRpcError as err:
+                if not warned:
+                    log.warning("RegisterWorker failed (%s); retrying", err.code().name)
+                    warned = True
+
+        tasks: set[asyncio.Task] = set()
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time()
         while True:
             for worker, address in workers:
-                request = controller_pb2.RegisterWorkerRequest(
-                    worker_id=worker.worker_id, address=address, policy_version=worker.versions.read()
-                )
-                try:
-                    await stub.RegisterWorker(request, timeout=10)
-                except grpc.aio.AioRpcError as err:
-                    if not warned:
-                        log.warning("RegisterWorker failed (%s); retrying", err.code().name)
-                        warned = True
-                await asyncio.sleep(interval_s / len(workers))
+                task = asyncio.create_task(beat(worker, address))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                next_beat += interval_s / len(workers)
+                await asyncio.sleep(max(0.0, next_beat - loop.time()))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -223,7 +223,10 @@ class Dispatcher:
         won: dict[str, list[common_pb2.Completion]] = {}
         error = ""
         started = time.monotonic()
-        call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
+        try:
+            call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
+        except ValueError as err:  # its channel was closed: the worker was removed after it was acquired
+            return {}, f"UNAVAILABLE: worker removed ({err})"
         with self.registry.lock:
             worker.calls.add(call)
             attempt.call = call

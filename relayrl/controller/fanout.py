@@ -13,8 +13,12 @@ def fan_out(workers: Iterable[WorkerHandle], method: str, request, timeout_s: fl
     """``stub.<method>(request)`` on every worker concurrently.
 
     Returns ({worker id: response}, {worker id: "CODE: details"} for the calls that failed)."""
-    futures = {w.worker_id: getattr(w.stub, method).future(request, timeout=timeout_s) for w in workers}
-    responses, errors = {}, {}
+    futures, responses, errors = {}, {}, {}
+    for worker in workers:
+        try:
+            futures[worker.worker_id] = getattr(worker.stub, method).future(request, timeout=timeout_s)
+        except ValueError as err:  # its channel was closed: the worker was removed since the caller listed it
+            errors[worker.worker_id] = f"UNAVAILABLE: worker removed ({err})"
     for worker_id, future in futures.items():
         try:
             responses[worker_id] = future.result()

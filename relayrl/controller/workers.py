@@ -13,6 +13,8 @@ from relayrl.services.channels import open_channel
 from relayrl.v1 import rollout_pb2_grpc
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
+# Generate streams are read on the calling (dispatch) thread, not handed over by the channel's spin thread
+WORKER_CHANNEL_OPTIONS = [(ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 @dataclass
@@ -38,8 +40,7 @@ class WorkerRegistry:
     def __init__(self, timeout_s: float, max_in_flight: int = 2, channel_options: list | None = None) -> None:
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
-        # Generate streams are read on the dispatch thread itself, not handed over by the channel's spin thread
-        self._channel_options = [*(channel_options or []), (ChannelOptions.SingleThreadedUnaryStream, 1)]
+        self._channel_options = [*(channel_options or []), *WORKER_CHANNEL_OPTIONS]
         self._workers: dict[str, WorkerHandle] = {}
         self._rotation = 0  # where the next ``rotation`` slice starts
         self.lock = threading.Condition()

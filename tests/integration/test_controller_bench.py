@@ -24,6 +24,7 @@ def test_bench_controller_reports_every_field(tmp_path) -> None:
     assert report["workers"] == report["registered_workers"] == 6
     assert report["trajectories"] >= 200 and report["trajectories"] % 4 == 0  # whole groups of n = 4
     assert report["trajectories_trained"] == report["steps"] * 4 * 4  # every step: batch-groups x n
+    assert report["response_tokens_mean"] == report["response_tokens"] == 16  # the canned responses, whole
     assert report["trajectories_per_second"] > 0 and report["bare_trajectories_per_second"] > 0
     assert report["controller_vs_bare"] > 0 and report["vs_target"] > 0
     assert report["generate_calls"] >= report["trajectories"] / (2 * 4)  # chunks of 2 prompts x 4 samples

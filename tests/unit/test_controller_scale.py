@@ -91,3 +91,29 @@ def test_registration_limit_counts_new_workers_only(make_config, tmp_path) -> No
         assert sorted(w.worker_id for w in controller.registry.snapshot()) == ["w0", "w1"]
     finally:
         controller.ledger.close()  # never started: no threads to stop
+
+
+def test_fan_out_reports_a_worker_removed_meanwhile() -> None:
+    from relayrl.controller.fanout import fan_out
+    from relayrl.v1 import rollout_pb2
+
+    registry = WorkerRegistry(timeout_s=30)
+    registry.register("gone", "127.0.0.1:1", "hf", 0)
+    listed = registry.snapshot()
+    registry.remove("gone")  # closes its channel, as the reaper does
+    responses, errors = fan_out(listed, "Stats", rollout_pb2.StatsRequest(), timeout_s=1)
+    assert responses == {} and errors["gone"].startswith("UNAVAILABLE: worker removed")
+
+
+def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry() -> None:
+    from relayrl.controller.dispatch import Dispatcher, PromptJob
+    from relayrl.rollout.sampling import SamplingParams
+
+    registry = WorkerRegistry(timeout_s=30)
+    registry.register("gone", "127.0.0.1:1", "hf", 0)
+    worker = registry.acquire(min_version=0)
+    registry.remove("gone")  # the reaper, between acquire and the call
+    dispatcher = Dispatcher(registry, chunk_size=1, generate_timeout_s=5)
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=2)
+    groups, error = dispatcher._generate_chunk(worker, [PromptJob("p0", [4, 5])], params, 0, None)
+    assert groups == {} and error.startswith("UNAVAILABLE: worker removed")  # run() re-dispatches the prompt
