@@ -64,7 +64,7 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
             params[name].copy_(view)
 
     while True:
-        kind, *args = inbox.get(timeout=60)
+        kind, *args = inbox.get(timeout=300)
         if kind == "join":
             port, group_rank, world_size, name = args
             group = WeightBroadcastGroup(
@@ -130,7 +130,7 @@ class Receivers:
             self.inboxes[rank].put(message)
 
     def replies(self, n: int) -> list[tuple]:
-        return sorted((self.outbox.get(timeout=60) for _ in range(n)), key=lambda r: r[1])
+        return sorted((self.outbox.get(timeout=300) for _ in range(n)), key=lambda r: r[1])
 
     def join(self, ranks: list[int], group: WeightBroadcastGroup) -> None:
         """Tell ``ranks`` to join ``group`` as group ranks 1, 2, ...; wait until each has built it."""
