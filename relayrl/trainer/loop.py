@@ -181,7 +181,9 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
         payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
-        payload, verified = broadcast_from_rank0(payload, sync.synced if rank == 0 else None)
+        # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)
+        verified = sync.synced if rank == 0 and cfg.weight_sync.verify != "off" else []
+        payload, verified = broadcast_from_rank0(payload, verified)
         if not payload:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
             log.info("stopping before step %d", step)
             stopped = True
