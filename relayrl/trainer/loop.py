@@ -188,14 +188,14 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             log.info("stopping before step %d", step)
             stopped = True
             break
+        pulled = time.perf_counter()
         batch_msg = controller_pb2.Batch.FromString(payload)
         batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=frozenset(verified))
-        pulled = time.perf_counter()
         train = train_on_batch(
             backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
             norm_len=cfg.rollout.max_tokens,
         )  # fmt: skip
-        train["train_seconds"] = time.perf_counter() - pulled  # forward/backward/optimizer, without pull and sync
+        train["train_seconds"] = time.perf_counter() - pulled  # batch in hand to trained: without pull and sync
         sync = publish_weights(backend, syncer, step)
         if rank == 0:
             step_seconds = time.perf_counter() - began
