@@ -13,7 +13,6 @@ the rollout worker; an engine occupies ``weight_sync_ranks`` consecutive ranks.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -29,8 +28,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
 from relayrl.rollout.sampling import SamplingParams
-from relayrl.weightsync.checksum import tensor_digest, weights_checksum
-from relayrl.weightsync.errors import WeightSyncError, WeightSyncTimeout
+from relayrl.weightsync.checksum import ChecksumParts, checksum_method, weights_checksum
+from relayrl.weightsync.errors import WeightMismatch, WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest, dtype_from_name, dtype_name
@@ -45,6 +44,7 @@ _REPORTED: dict[str, type[Exception]] = {
     "WeightSyncError": WeightSyncError,
     "WeightSyncTimeout": WeightSyncTimeout,
     "FailedPrecondition": FailedPrecondition,
+    "WeightMismatch": WeightMismatch,  # the bytes that landed are not the ones sent: the group is fine
     "ValueError": ValueError,
 }
 
@@ -330,7 +330,8 @@ class EngineReceiver:
                 tp_rank=self.local_rank % tp_size,
                 tp_size=tp_size,
             )
-            digests: dict[str, bytes] | None = {} if self.local_rank == 0 and not layout.complete else None
+            method = checksum_method(manifest.checksum)  # the trainer's rule (fingerprint when it sent none)
+            received = ChecksumParts(method) if self.local_rank == 0 and not layout.complete else None
             unverified: list[str] = []
 
             def load(views: list[tuple[str, torch.Tensor]]) -> None:
@@ -343,8 +344,8 @@ class EngineReceiver:
                             f"checksum: {name}: the engine's parameters do not hold the received tensor after "
                             "load_weights"
                         )
-                    if digests is not None:
-                        digests[name] = tensor_digest(name, view)
+                    if received is not None:
+                        received.add(name, view)
 
             if group is not None and (self.group is None or self.group.group_name != group.group_name):
                 self.join(group)
@@ -360,10 +361,10 @@ class EngineReceiver:
             return {"error": f"engine rank {self.local_rank}: {exc}", "error_type": type(exc).__name__}
         checksum = ""
         if self.local_rank == 0:
-            if digests is None:
-                checksum = weights_checksum((t.name, layout.applied(t.name)) for t in manifest.tensors)
+            if received is None:
+                checksum = weights_checksum(((t.name, layout.applied(t.name)) for t in manifest.tensors), method=method)
             else:
-                checksum = hashlib.sha256(b"".join(digests[name] for name in sorted(digests))).hexdigest()
+                checksum = received.checksum()
         return {
             "checksum": checksum,
             "seconds": stats.seconds,

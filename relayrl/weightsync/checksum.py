@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from relayrl.weightsync.fingerprint import PREFIX, fingerprint
+from relayrl.weightsync.fingerprint import PREFIX, as_text, digest, fingerprint, tensor_sums
 from relayrl.weightsync.manifest import dtype_name
 
 Method = Literal["fingerprint", "sha256"]
@@ -66,3 +66,29 @@ def weights_checksum(
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
         digests = pool.map(tensor_digest, names, [by_name[name] for name in names])
         return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+class ChecksumParts:
+    """``weights_checksum`` by ``method``, taken one tensor at a time: for tensors that do not outlive their
+    chunk (staging views). Each ``add`` keeps only the tensor's part (a sha256 digest, or its two sums)."""
+
+    def __init__(self, method: Method) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method: {method!r} is not one of {METHODS}")
+        self.method = method
+        self._digests: dict[str, bytes] = {}
+        self._records: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        self._sums: list[torch.Tensor] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.method == "sha256":
+            self._digests[name] = tensor_digest(name, tensor)
+        else:
+            self._records.append((name, tensor.dtype, tuple(tensor.shape)))
+            self._sums.append(tensor_sums(tensor).to("cpu"))
+
+    def checksum(self) -> str:
+        if self.method == "sha256":
+            return hashlib.sha256(b"".join(self._digests[name] for name in sorted(self._digests))).hexdigest()
+        sums = torch.stack(self._sums) if self._sums else torch.zeros(0, 2, dtype=torch.int64)
+        return as_text(digest(self._records, sums))
