@@ -1,7 +1,7 @@
 """Training backends: how the policy is sharded, stepped, gathered and checkpointed.
 
 Both expose the same interface to the training step: ``device``, ``weight_names``, ``dp_rank``/``dp_size``
-(the data-parallel rank and size the step shards rows by), ``logprobs``, ``scale_grads``, ``step``,
+(the data-parallel rank and size the step shards rows by), ``logprobs``, ``step``,
 ``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``.
 """
 

@@ -100,12 +100,6 @@ class MegatronBackend:
             results = vocab_parallel_logprobs(output[:, :-1], ids[:, 1:], temperature, self.geo.vocab)
         return share_from_last_stage(output, results, (batch, length - 1))
 
-    def scale_grads(self, factor: float) -> None:
-        """Multiply every gradient in place (gradient accumulation: between the last backward and ``step``)."""
-        for param in self.params:
-            if param.grad is not None:
-                param.grad.mul_(factor)
-
     def _reduce_grads(self) -> None:
         """DP: average every gradient over the data-parallel group. Tied embeddings across stages: sum the
         two copies' gradients (first and last stage), so both copies take the same step."""
