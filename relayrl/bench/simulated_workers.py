@@ -132,10 +132,12 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]], interval_s: float) -> None:
-    """RegisterWorker for every worker once per ``interval_s``, spread evenly over the interval. Each beat is its
-    own task, so a slow answer delays no other worker's beat (a real worker beats from its own thread)."""
+    """RegisterWorker for every worker once per ``interval_s``, spread evenly over the interval. As a real worker
+    (``Heartbeat``: one thread per worker, 5 s deadline) each worker has at most one beat in flight: a slow answer
+    delays that worker's next beat only, and an overloaded controller is not sent more."""
     async with grpc.aio.insecure_channel(controller) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        in_flight: dict[str, asyncio.Task] = {}
         warned = False
 
         async def beat(worker: SimulatedWorker, address: str) -> None:
@@ -144,20 +146,20 @@ async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]],
                 worker_id=worker.worker_id, address=address, policy_version=worker.versions.read()
             )
             try:
-                await stub.RegisterWorker(request, timeout=interval_s * 10)
+                await stub.RegisterWorker(request, timeout=5)
             except grpc.aio.AioRpcError as err:
                 if not warned:
                     log.warning("RegisterWorker failed (%s); retrying", err.code().name)
                     warned = True
+            finally:
+                del in_flight[worker.worker_id]
 
-        tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         next_beat = loop.time()
         while True:
             for worker, address in workers:
-                task = asyncio.create_task(beat(worker, address))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                if worker.worker_id not in in_flight:
+                    in_flight[worker.worker_id] = asyncio.create_task(beat(worker, address))
                 next_beat += interval_s / len(workers)
                 await asyncio.sleep(max(0.0, next_beat - loop.time()))
 

@@ -21,6 +21,7 @@ def test_bench_controller_reports_every_field(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
+    print(json.dumps(report))  # shown when an assertion fails
     assert report["workers"] == report["registered_workers"] == 6
     assert report["trajectories"] >= 200 and report["trajectories"] % 4 == 0  # whole groups of n = 4
     assert report["trajectories_trained"] == report["steps"] * 4 * 4  # every step: batch-groups x n
