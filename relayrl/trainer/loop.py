@@ -167,7 +167,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         syncer = OnDemandSync(publisher, stub, cfg.weight_sync.on_demand_interval_s)  # operator syncs, joiners
         syncer.start()
 
-    if checkpoint is not None:  # workers run newer (lost) or base weights: bring them to the checkpoint
+    if resume:  # workers run newer (lost) or base weights: bring them to the checkpoint (none: start over)
         sync = publish_weights(backend, syncer, start_step)
         if rank == 0:
             rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
