@@ -169,9 +169,9 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         syncer.start()
 
     # The starting weights go to every worker first (base weights, or the checkpoint's when workers run newer,
-    # lost ones): each worker's load is checksum-verified, so the first step may use the engines' logprobs.
+    # lost ones): each worker's load is verified, so the first step may use the engines' logprobs.
     sync = publish_weights(backend, syncer, start_step)
-    if checkpoint is not None and rank == 0:
+    if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
         call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
 

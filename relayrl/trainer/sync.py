@@ -228,13 +228,13 @@ class WeightPublisher:
         return outcome, expected
 
     def _unreachable(self, workers: dict[str, str]) -> dict[str, str]:
-        """Of ``workers`` (id -> address), those that do not answer Stats within min(5 s, timeout_s), probed at
-        once: a refused connection fails in milliseconds, a frozen process at the deadline. An address that
+        """Of ``workers`` (id -> address), those that do not answer Stats within min(10 s, timeout_s / 2), probed
+        at once: a refused connection fails in milliseconds, a frozen process at the deadline. An address that
         failed is not probed again for ``timeout_s`` (a frozen worker costs one probe per period, not one per
         update); a restarted worker has a new address."""
         now = time.monotonic()
         dead = {wid: why for wid, addr in workers.items() if (why := self._silent(addr, now))}
-        deadline = min(5.0, self.cfg.timeout_s)
+        deadline = min(10.0, self.cfg.timeout_s / 2)  # room for a live worker on a busy machine
         probes = {
             wid: self._stub(addr).Stats.future(rollout_pb2.StatsRequest(), timeout=deadline)
             for wid, addr in workers.items()

@@ -17,7 +17,19 @@ from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 
-from .jobs import assert_nothing_lost, launch, signal_role, tail, wait_exit, wait_steps, wait_until
+from .jobs import (
+    assert_nothing_lost,
+    finish,
+    launch,
+    ledger_fates,
+    signal_role,
+    start_up,
+    tail,
+    trained_counts,
+    wait_exit,
+    wait_steps,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -144,8 +156,11 @@ def test_sigterm_stops_each_role_cleanly(make_config):
         job.stop()
 
 
-def test_sigterm_to_relayrl_up_shuts_the_job_down(make_config):
-    config = make_config("upterm", trainer={"steps": 500})
+def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger(make_config):
+    """SIGTERM stops every process; prompts drawn for the batch after the last trained step stay ``pending`` or
+    ``queued``, and ``relayrl up --resume`` rewinds them to the checkpoint's cursor and trains them."""
+    steps, groups = 5, 4
+    config = make_config("upterm", trainer={"steps": steps}, controller={"train_batch_groups": groups})
     proc = subprocess.Popen(
         [sys.executable, "-m", "relayrl.cli", "up", str(config)],
         stdout=subprocess.DEVNULL,
@@ -167,6 +182,13 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down(make_config):
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
+    assert done < steps
+    code, err = finish(start_up(config, resume=True))
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
+    fates = ledger_fates(cfg)
+    assert all(f[-1] in {"trained", "filtered", "failed"} for f in fates.values()), fates
+    assert sorted(trained_counts(cfg).values()) == [1] * steps * groups
 
 
 def _state(pid: int) -> str:
