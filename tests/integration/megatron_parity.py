@@ -52,6 +52,7 @@ def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> Trai
         group_ids=torch.arange(groups).repeat_interleave(n),
         truncated=torch.zeros(rows, dtype=torch.bool),
         versions=torch.zeros(rows, dtype=torch.long),
+        exact_rollout=torch.zeros(rows, dtype=torch.bool),  # random rollout logprobs: the step recomputes
     )
 
 

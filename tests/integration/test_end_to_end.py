@@ -50,7 +50,8 @@ def test_three_steps_with_verified_weights_and_logprobs(make_config, transport, 
         for worker in status.workers:
             stub = rollout_pb2_grpc.RolloutServiceStub(open_channel(worker.address))
             stats = stub.Stats(rollout_pb2.StatsRequest(with_checksum=True), timeout=30)
-            loaded = {v.policy_version: v.checksum for v in stats.loaded}
+            # version 0: the starting weights, published (and verified) before step 1 when the worker was up
+            loaded = {v.policy_version: v.checksum for v in stats.loaded if v.policy_version > 0}
             assert loaded == trainer_checksums, f"{worker.worker_id} loaded other weights than the trainer sent"
             assert stats.weights_checksum == trainer_checksums[3]
 
