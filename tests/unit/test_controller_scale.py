@@ -106,7 +106,7 @@ def test_fan_out_reports_a_worker_removed_meanwhile() -> None:
 
 
 def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry() -> None:
-    from relayrl.controller.dispatch import Dispatcher, PromptJob
+    from relayrl.controller.dispatch import Attempt, Dispatcher, GroupClaims, PromptJob
     from relayrl.rollout.sampling import SamplingParams
 
     registry = WorkerRegistry(timeout_s=30)
@@ -115,5 +115,6 @@ def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry
     registry.remove("gone")  # the reaper, between acquire and the call
     dispatcher = Dispatcher(registry, chunk_size=1, generate_timeout_s=5)
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=2)
-    groups, error = dispatcher._generate_chunk(worker, [PromptJob("p0", [4, 5])], params, 0, None)
+    attempt = Attempt([PromptJob("p0", [4, 5])], worker)
+    groups, error = dispatcher._generate_chunk(attempt, params, 0, GroupClaims(None))
     assert groups == {} and error.startswith("UNAVAILABLE: worker removed")  # run() re-dispatches the prompt

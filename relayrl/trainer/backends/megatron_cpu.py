@@ -179,10 +179,11 @@ def apply_cpu_compat() -> bool:
     """Replace every site when no CUDA device exists; idempotent. Returns whether the replacements are on."""
     if torch.cuda.is_available():
         return False
-    for site in SITES:
+    owners = [site_owner(site) for site in SITES]  # import every module first: one imported later would bind
+    for site, owner in zip(SITES, owners, strict=True):  # (from ... import) a replacement, not the original
         if site not in ORIGINALS:
-            ORIGINALS[site] = getattr(site_owner(site), site.name)
-            setattr(site_owner(site), site.name, site.replacement)
+            ORIGINALS[site] = getattr(owner, site.name)
+            setattr(owner, site.name, site.replacement)
     _install_rng_tracker()
     return True
 
