@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.engine import EngineCompletion
+from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.group import WeightBroadcastGroup
@@ -137,3 +138,28 @@ def record(monkeypatch: pytest.MonkeyPatch, owner: Any, attr: str, key: str, use
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, attr, wrapper)
+
+
+def assert_concurrent_calls_exact(engine: Any, model_dir: Path, calls: int = 4) -> None:
+    """``calls`` generate calls released together from their own threads: each gets exactly its samples, every
+    response 16 tokens, with the trainer's logprobs. (Whether the engine batched them is engine-specific.)"""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+    barrier = threading.Barrier(calls)
+    results: dict[int, list[EngineCompletion]] = {}
+
+    def call(index: int) -> None:
+        barrier.wait()
+        results[index] = list(engine.generate(PROMPTS, params))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(results) == list(range(calls))
+    reference = load(model_dir)
+    for completions in results.values():
+        keyed = by_key(completions)
+        assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(params.n)}
+        assert all(len(c.token_ids) == params.max_tokens for c in completions)
+        assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)

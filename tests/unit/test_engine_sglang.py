@@ -9,7 +9,6 @@ import dataclasses
 import os
 import re
 import sys
-import threading
 import uuid
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from engine_testing import (
     EOS,
     PROMPTS,
     accepted,
+    assert_concurrent_calls_exact,
     assert_trainer_logprobs,
     by_key,
     documented,
@@ -34,7 +34,7 @@ from fakes.common import FakeEngineModel
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout import sglang as adapter
-from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
+from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
@@ -204,26 +204,7 @@ def test_the_fake_refuses_to_flush_while_requests_are_queued(engine: SGLangEngin
 def test_concurrent_calls_share_scheduler_batches(engine: SGLangEngine, model_dir: Path) -> None:
     """Four generate calls from four threads: each gets exactly its samples with the trainer's logprobs, and
     SGLang's scheduler ran items of different calls in the same step."""
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
-    barrier = threading.Barrier(4)
-    results: dict[int, list[EngineCompletion]] = {}
-
-    def call(index: int) -> None:
-        barrier.wait()
-        results[index] = list(engine.generate(PROMPTS, params))
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    assert sorted(results) == [0, 1, 2, 3]
-    reference = load(model_dir)
-    for completions in results.values():
-        keyed = by_key(completions)
-        assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(2)}
-        assert all(len(c.token_ids) == 16 for c in completions)
-        assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)
+    assert_concurrent_calls_exact(engine, model_dir)
     calls_per_step = [len({rid.split("-")[1] for rid in step}) for step in engine.engine.steps]
     assert max(calls_per_step) > 1
     weights, _ = new_weights(model_dir)

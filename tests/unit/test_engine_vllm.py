@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from engine_testing import (
     EOS,
     PROMPTS,
     accepted,
+    assert_concurrent_calls_exact,
     assert_trainer_logprobs,
     by_key,
     documented,
@@ -32,7 +32,7 @@ from engine_testing import (
 from fakes import fake_vllm
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
-from relayrl.rollout.engine import EngineCompletion, create_engine, engine_class
+from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import SUPPORTED_VERSIONS, GroupArgs
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
@@ -229,26 +229,7 @@ def test_a_consumer_that_stops_early_leaves_nothing_running(engine: VLLMEngine) 
 def test_concurrent_calls_share_engine_steps(engine: VLLMEngine, model_dir: Path) -> None:
     """Four generate calls from four threads: every call gets exactly its samples, with the trainer's logprobs,
     and the engine ran requests of different calls in the same step (continuous batching across calls)."""
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
-    barrier = threading.Barrier(4)
-    results: dict[int, list[EngineCompletion]] = {}
-
-    def call(index: int) -> None:
-        barrier.wait()
-        results[index] = list(engine.generate(PROMPTS, params))
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    assert sorted(results) == [0, 1, 2, 3]
-    reference = load(model_dir)
-    for completions in results.values():
-        keyed = by_key(completions)
-        assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(2)}
-        assert all(len(c.token_ids) == 16 for c in completions)
-        assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)
+    assert_concurrent_calls_exact(engine, model_dir)
     calls_per_step = [len({request_id.split("-")[1] for request_id in step}) for step in engine.llm.llm_engine.steps]
     assert max(calls_per_step) > 1
 
