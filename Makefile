@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/relayrl up examples/digits.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench

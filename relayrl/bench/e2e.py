@@ -19,7 +19,10 @@ ends of the last warm-up step and the last step over the steady steps; samples/s
 mean response length); mean generation / training seconds per step; reward curve; wall time from launch
 and samples to the first step whose trailing ``--target-window``-step mean reward reaches ``--target``
 (else the best such mean); for relayrl the CPU seconds of each role (from /proc) per steady step and the
-control plane's share of a step = controller CPU seconds / steady wall seconds. Per workload: medians
+control plane's share of a step = controller CPU seconds / steady wall seconds.
+``step_vs_longer_phase`` = s/step / max(generation s, training s), each phase as measured in that run:
+1.0 when a step costs only its longer phase (generation and training fully overlapped), about 2 when
+they alternate with equal lengths. Per workload: medians
 over rounds per system and relayrl/TRL ratios.
 """
 
@@ -273,6 +276,8 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
     }
     if "sync_seconds" in steady[0]:
         out["sync_s"] = statistics.fmean(r["sync_seconds"] for r in steady)
+    if out["train_s"] is not None:  # 1.0: a step costs only its longer phase (perfect overlap); ~2: none
+        out["step_vs_longer_phase"] = out["s_per_step"] / max(out["generation_s"], out["train_s"])
     if expect_equal_work:
         out["equal_work_held"] = all(abs(r["response_len_mean"] - max_tokens) < 1e-6 for r in records)
     if run.cpu is not None:
@@ -286,7 +291,7 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
 
 
 MEDIAN_KEYS = ("s_per_step", "samples_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
-               "response_len_mean", "cores_busy", "control_plane_share")  # fmt: skip
+               "response_len_mean", "step_vs_longer_phase", "cores_busy", "control_plane_share")  # fmt: skip
 
 
 def median_of(rows: list[dict], key: str) -> float | None:
