@@ -130,6 +130,9 @@ class ControllerConfig(Section):
     on_exhausted: Literal["partial", "fail"] = "partial"
     max_staleness: int = Field(0, ge=0)  # trajectories older than current - K are not trained
     worker_timeout_s: float = Field(30.0, gt=0)  # no heartbeat for this long: the worker is dropped
+    # heartbeats the controller asks for per second: each worker beats every max(1 s, workers / this),
+    # at most every worker_timeout_s / 3 (1,000 workers at 200/s: every 5 s)
+    heartbeats_per_s: float = Field(200.0, gt=0)
     generate_timeout_s: float = Field(300.0, gt=0)  # deadline of one Generate call
     shutdown_grace_s: float = Field(10.0, ge=0)  # SIGTERM: finish in-flight RPCs for this long
     dispatch_chunk: int = Field(4, ge=1)  # prompts per Generate call

@@ -2,7 +2,7 @@
 
 A real controller process (``relayrl controller serve``, real gRPC, its /metrics on) serves ``--workers``
 simulated rollout workers (``relayrl.bench.simulated_workers``: a few processes, one endpoint per worker id,
-instant canned completions, a heartbeat per worker every ``--heartbeat-s``) and one simulated trainer (this
+instant canned completions, a heartbeat per worker as often as the controller asks) and one simulated trainer (this
 process: PullBatch, GetWeightSyncPlan, a simulated weight update, ReportStep, step after step, no training).
 Everything the controller does for a real run happens: dispatch by load over every worker, rewards (decode +
 reward function), DAPO dynamic sampling, the staleness bound, the ledger on disk, batch assembly and
@@ -48,7 +48,7 @@ from transformers import AutoTokenizer
 from relayrl.assets import prepare_assets
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
-from relayrl.config import load_config
+from relayrl.config import ControllerConfig, load_config
 from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.services.channels import open_channel
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dispatch-chunk", type=int, default=4, help="controller.dispatch_chunk")
     parser.add_argument("--max-staleness", type=int, default=1, help="controller.max_staleness")
     parser.add_argument("--response-tokens", type=int, default=16, help="tokens per canned response")
-    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="each simulated worker's heartbeat period")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="first heartbeat period (then the controller's)")
     parser.add_argument("--generate-s", type=float, default=0.0, help="seconds a simulated Generate call takes")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds the idle, paused controller is measured")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
@@ -227,7 +227,8 @@ def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namesp
                 call = next(next_call)
             if call >= calls:
                 return
-            counted[thread] += sum(1 for _ in stubs[call % len(stubs)].Generate(request, timeout=args.timeout))
+            responses = stubs[call % len(stubs)].Generate(request, timeout=args.timeout)
+            counted[thread] += sum(len(r.completions) for r in responses)
 
     started = time.monotonic()
     with ThreadPoolExecutor(threads) as pool:
@@ -301,6 +302,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "max_staleness": args.max_staleness,
         "response_tokens": args.response_tokens,
         "heartbeat_s": args.heartbeat_s,
+        "controller_heartbeats_per_s": ControllerConfig().heartbeats_per_s,
         "generate_s": args.generate_s,
         "steps": len(pulled),
         "seconds": round(seconds, 3),

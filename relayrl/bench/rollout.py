@@ -87,7 +87,8 @@ def generate(stub, prompts: list[list[int]], args: argparse.Namespace, offset: i
             n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True
         ),
     )
-    return [(prompts[int(c.prompt_id) - offset], c) for c in stub.Generate(request, timeout=600)]
+    responses = stub.Generate(request, timeout=600)
+    return [(prompts[int(c.prompt_id) - offset], c) for r in responses for c in r.completions]
 
 
 def run_round(

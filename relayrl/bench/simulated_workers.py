@@ -6,8 +6,10 @@ connection per worker as it would in a real fleet), all on one event loop. What 
 mirrors the real worker (``relayrl/rollout/worker.py`` behind ``relayrl/services/rollout_server.py``):
 
 - ``Generate`` refuses ``FAILED_PRECONDITION`` when ``min_policy_version`` is newer than the worker's version,
-  else streams one ``Completion`` per sample, stamped with the worker's version and id;
-- every worker heartbeats ``RegisterWorker`` every ``--heartbeat-s`` with its version (``Heartbeat``);
+  else streams one ``GenerateResponse`` holding a ``Completion`` per sample (all finish at once), each stamped
+  with the worker's version and id;
+- every worker heartbeats ``RegisterWorker`` with its version every ``--heartbeat-s``, then as often as the
+  controller's answer asks (``heartbeat_interval_s``, as ``Heartbeat``);
 - ``Pause`` makes ``Generate`` answer ``UNAVAILABLE`` ("worker <id> is paused") until ``Resume``;
 - ``Stats`` answers the controller's poll.
 
@@ -100,19 +102,23 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
             )
         if self.generate_s:
             await asyncio.sleep(self.generate_s)
+        completions = []
         for prompt in request.prompts:
             for index in range(request.params.n):
                 digit = self.rng.randrange(10)
                 self.generated_tokens += len(self.responses[digit])
-                yield common_pb2.Completion(
-                    prompt_id=prompt.prompt_id,
-                    sample_index=index,
-                    token_ids=self.responses[digit],
-                    logprobs=self.logprobs[digit],
-                    finish_reason=common_pb2.FINISH_REASON_STOP,
-                    policy_version=version,
-                    worker_id=self.worker_id,
+                completions.append(
+                    common_pb2.Completion(
+                        prompt_id=prompt.prompt_id,
+                        sample_index=index,
+                        token_ids=self.responses[digit],
+                        logprobs=self.logprobs[digit],
+                        finish_reason=common_pb2.FINISH_REASON_STOP,
+                        policy_version=version,
+                        worker_id=self.worker_id,
+                    )
                 )
+        yield rollout_pb2.GenerateResponse(completions=completions)  # all finish at once, as in one engine step
 
     async def Pause(self, request, context):
         self.paused = True
@@ -132,21 +138,23 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]], interval_s: float) -> None:
-    """RegisterWorker for every worker once per ``interval_s``, spread evenly over the interval. As a real worker
-    (``Heartbeat``: one thread per worker, 5 s deadline) each worker has at most one beat in flight: a slow answer
-    delays that worker's next beat only, and an overloaded controller is not sent more."""
+    """RegisterWorker for every worker once per interval, spread evenly over it: ``interval_s`` until the
+    controller answers with its ``heartbeat_interval_s``, then that (as ``Heartbeat`` does). As a real worker
+    (one thread per worker, 5 s deadline) each worker has at most one beat in flight: a slow answer delays that
+    worker's next beat only, and an overloaded controller is not sent more."""
     async with grpc.aio.insecure_channel(controller) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         in_flight: dict[str, asyncio.Task] = {}
         warned = False
 
         async def beat(worker: SimulatedWorker, address: str) -> None:
-            nonlocal warned
+            nonlocal warned, interval_s
             request = controller_pb2.RegisterWorkerRequest(
                 worker_id=worker.worker_id, address=address, policy_version=worker.versions.read()
             )
             try:
-                await stub.RegisterWorker(request, timeout=5)
+                response = await stub.RegisterWorker(request, timeout=5)
+                interval_s = response.heartbeat_interval_s or interval_s
             except grpc.aio.AioRpcError as err:
                 if not warned:
                     log.warning("RegisterWorker failed (%s); retrying", err.code().name)

@@ -233,7 +233,7 @@ class Dispatcher:
             if attempt.cancelled:
                 call.cancel()
         try:
-            for completion in call:
+            for completion in (c for response in call for c in response.completions):
                 if completion.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     error = "aborted by the worker"
                     continue

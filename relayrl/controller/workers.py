@@ -47,20 +47,30 @@ class WorkerRegistry:
         self.paused = False  # an operator paused the run: nothing is handed out
 
     def register(self, worker_id: str, address: str, engine: str, policy_version: int, state: str = READY) -> None:
-        """Add or refresh a worker. A worker that comes back after being declared dead re-joins here."""
+        """Add or refresh a worker. A worker that comes back after being declared dead re-joins here. Waiters
+        are woken only by a change (a plain heartbeat of a large fleet would otherwise wake them all the time)."""
         with self.lock:
             handle = self._workers.get(worker_id)
-            if handle is None or handle.address != address:
+            changed = handle is None or handle.address != address
+            if changed:
                 if handle is not None:
                     handle.channel.close()
                 channel = open_channel(address, self._channel_options)
                 handle = WorkerHandle(worker_id, address, engine, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
                 self._workers[worker_id] = handle
             handle.last_seen = time.monotonic()
+            changed = changed or handle.policy_version != policy_version
             handle.policy_version = policy_version
-            if handle.state != DRAINING or state == DRAINING:
-                handle.state = state
-            self.lock.notify_all()
+            if (handle.state != DRAINING or state == DRAINING) and handle.state != state:
+                handle.state, changed = state, True
+            if changed:
+                self.lock.notify_all()
+
+    def heartbeat_interval_s(self, heartbeats_per_s: float) -> float:
+        """Seconds between one worker's heartbeats so that the fleet sends about ``heartbeats_per_s``:
+        max(1, workers / heartbeats_per_s), at most a third of the timeout (a worker misses two beats before
+        it is dropped)."""
+        return min(max(1.0, len(self._workers) / heartbeats_per_s), self.timeout_s / 3)
 
     def remove(self, worker_id: str) -> WorkerHandle | None:
         with self.lock:

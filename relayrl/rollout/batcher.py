@@ -131,15 +131,26 @@ class RequestHandle:
         self._request, self._batcher = request, batcher
 
     def __iter__(self) -> Iterator[EngineCompletion]:
+        for batch in self.batches():
+            yield from batch
+
+    def batches(self) -> Iterator[list[EngineCompletion]]:
+        """The completions in groups: each wait returns every completion finished by then (at least one)."""
         request, received = self._request, 0
         total = len(request.prompts) * request.params.n
         try:
             while received < total:
-                item = request.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                received += 1
-                yield item
+                batch = [request.out.get()]
+                while received + len(batch) < total:
+                    try:
+                        batch.append(request.out.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                received += len(batch)
+                yield batch
         finally:
             if received < total:  # the caller stopped listening: its rows leave the batch
                 request.cancelled = True

@@ -64,6 +64,18 @@ class InferenceEngine(ABC):
         unfinished ones are yielded with finish_reason "abort" and generation stops.
         """
 
+    def generate_batches(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[list[EngineCompletion]]:
+        """``generate``, grouped: each list holds completions that were ready together (at least one), so a
+        server can send them in one message. The default groups nothing; engines that finish rows in steps
+        override it."""
+        for completion in self.generate(prompts, params, should_abort):
+            yield [completion]
+
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The live parameter tensors under their Hugging Face state-dict names; tied weights appear once.

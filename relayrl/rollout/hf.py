@@ -76,9 +76,20 @@ class HFEngine(InferenceEngine):
     ) -> Iterator[EngineCompletion]:
         """See ``InferenceEngine.generate``; safe to call from several threads at once: all calls share the
         decode steps, at most ``max_batch_size`` rows at a time."""
+        for batch in self.generate_batches(prompts, params, should_abort):
+            yield from batch
+
+    def generate_batches(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Iterator[list[EngineCompletion]]:
+        """See ``InferenceEngine.generate_batches``: the rows of a call that finished by the same decode step
+        come together."""
         held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
         stop_ids = stop_token_set(self.eos_token_ids, params)
-        yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort)
+        yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort).batches()
 
     def close(self) -> None:
         self._batcher.close()

@@ -139,16 +139,21 @@ class RolloutWorker:
             self._active += 1
         try:  # no lock around the engine: concurrent calls share its decode steps (continuous batching)
             should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
-            for c in self.engine.generate(prompts, params, should_abort=should_abort):
-                self.rate.add(len(c.token_ids))
-                yield common_pb2.Completion(
-                    prompt_id=request.prompts[c.prompt_index].prompt_id,
-                    sample_index=c.sample_index,
-                    token_ids=c.token_ids,
-                    logprobs=c.logprobs,
-                    finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
-                    policy_version=version,
-                    worker_id=self.worker_id,
+            for batch in self.engine.generate_batches(prompts, params, should_abort=should_abort):
+                self.rate.add(sum(len(c.token_ids) for c in batch))
+                yield rollout_pb2.GenerateResponse(
+                    completions=[
+                        common_pb2.Completion(
+                            prompt_id=request.prompts[c.prompt_index].prompt_id,
+                            sample_index=c.sample_index,
+                            token_ids=c.token_ids,
+                            logprobs=c.logprobs,
+                            finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
+                            policy_version=version,
+                            worker_id=self.worker_id,
+                        )
+                        for c in batch
+                    ]
                 )
         finally:
             with self._cond:

@@ -51,7 +51,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.controller.registry.register(
             request.worker_id, request.address, request.engine or "hf", request.policy_version
         )
-        return controller_pb2.RegisterWorkerResponse(current_policy_version=self.controller.progress.policy_version)
+        return controller_pb2.RegisterWorkerResponse(
+            current_policy_version=self.controller.progress.policy_version,
+            heartbeat_interval_s=registry.heartbeat_interval_s(self.controller.cfg.controller.heartbeats_per_s),
+        )
 
     @guarded
     def DeregisterWorker(self, request, context):

@@ -67,10 +67,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 class Heartbeat:
-    """Registers the worker with the controller every ``interval_s`` (also after a controller restart)."""
+    """Registers the worker with the controller every ``interval_s``, or as often as the controller's last answer
+    asked (``heartbeat_interval_s``: a large fleet beats less often); also after a controller restart."""
 
     def __init__(self, worker: RolloutWorker, controller: str, address: str, interval_s: float = 1.0) -> None:
         self.worker, self.address, self.interval_s = worker, address, interval_s
+        self.next_beat_s = interval_s
         self._stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
@@ -86,7 +88,8 @@ class Heartbeat:
             engine=self.worker.engine.name,
             policy_version=self.worker.reported_version,
         )
-        self._stub.RegisterWorker(request, timeout=5)
+        response = self._stub.RegisterWorker(request, timeout=5)
+        self.next_beat_s = response.heartbeat_interval_s or self.interval_s
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -97,7 +100,7 @@ class Heartbeat:
                 if not self._warned:
                     log.warning("controller unreachable (%s); retrying", err.code().name)
                     self._warned = True
-            self._stop.wait(self.interval_s)
+            self._stop.wait(self.next_beat_s)
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()

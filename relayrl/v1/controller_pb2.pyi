@@ -20,10 +20,12 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("current_policy_version",)
+    __slots__ = ("current_policy_version", "heartbeat_interval_s")
     CURRENT_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     current_policy_version: int
-    def __init__(self, current_policy_version: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, current_policy_version: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)

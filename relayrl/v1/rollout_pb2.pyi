@@ -25,6 +25,12 @@ class GenerateRequest(_message.Message):
     min_policy_version: int
     def __init__(self, prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
 
+class GenerateResponse(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Completion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[_common_pb2.Completion, _Mapping]]] = ...) -> None: ...
+
 class InitWeightSyncRequest(_message.Message):
     __slots__ = ("master_address", "master_port", "rank", "world_size", "group_name", "backend", "timeout_s")
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]

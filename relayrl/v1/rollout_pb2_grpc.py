@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from relayrl.v1 import common_pb2 as relayrl_dot_v1_dot_common__pb2
 from relayrl.v1 import rollout_pb2 as relayrl_dot_v1_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -38,7 +37,7 @@ class RolloutServiceStub:
         self.Generate = channel.unary_stream(
                 '/relayrl.v1.RolloutService/Generate',
                 request_serializer=relayrl_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=relayrl_dot_v1_dot_common__pb2.Completion.FromString,
+                response_deserializer=relayrl_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.InitWeightSync = channel.unary_unary(
                 '/relayrl.v1.RolloutService/InitWeightSync',
@@ -71,9 +70,11 @@ class RolloutServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Samples `params.n` responses for every prompt and streams each completion as soon as it is
-        finished. Every completion carries the policy version that produced it.
-        INVALID_ARGUMENT names the bad field; UNAVAILABLE while paused with reject policy or draining.
+        """Samples `params.n` responses for every prompt and streams completions as soon as they are
+        finished: each message carries those finished since the last one (at least one), so rows that
+        finish in the same engine step travel together. Every completion carries the policy version
+        that produced it. INVALID_ARGUMENT names the bad field; UNAVAILABLE while paused with reject
+        policy or draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,7 +122,7 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=relayrl_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
-                    response_serializer=relayrl_dot_v1_dot_common__pb2.Completion.SerializeToString,
+                    response_serializer=relayrl_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
             ),
             'InitWeightSync': grpc.unary_unary_rpc_method_handler(
                     servicer.InitWeightSync,
@@ -175,7 +176,7 @@ class RolloutService:
             target,
             '/relayrl.v1.RolloutService/Generate',
             relayrl_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-            relayrl_dot_v1_dot_common__pb2.Completion.FromString,
+            relayrl_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

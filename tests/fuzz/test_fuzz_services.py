@@ -276,4 +276,4 @@ def test_rollout_worker_answers_every_malformed_request(cluster) -> None:
     request = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.PromptInput(prompt_id="p", token_ids=[3, 4])], params=GOOD_PARAMS
     )
-    assert len(list(stub.Generate(request, timeout=30))) == GOOD_PARAMS.n
+    assert sum(len(r.completions) for r in stub.Generate(request, timeout=30)) == GOOD_PARAMS.n

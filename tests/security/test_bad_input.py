@@ -68,7 +68,7 @@ def generate(rollout, prompts: list[list[int]], **changes) -> list[common_pb2.Co
         prompts=[rollout_pb2.PromptInput(prompt_id=f"p{i}", token_ids=ids) for i, ids in enumerate(prompts)],
         params=params(**changes),
     )
-    return list(rollout.Generate(request, timeout=30))
+    return [c for response in rollout.Generate(request, timeout=30) for c in response.completions]
 
 
 def submit(controller, prompts: list, reward_fn: str = "", **changes) -> list:

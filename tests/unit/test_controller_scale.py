@@ -93,6 +93,57 @@ def test_registration_limit_counts_new_workers_only(make_config, tmp_path) -> No
         controller.ledger.close()  # never started: no threads to stop
 
 
+def test_heartbeat_interval_spreads_a_large_fleet_and_stays_under_the_timeout(make_config, tmp_path) -> None:
+    from relayrl.config import load_config
+    from relayrl.controller.core import Controller
+    from relayrl.services.controller_server import ControllerServicer
+    from relayrl.v1 import controller_pb2
+
+    registry = WorkerRegistry(timeout_s=30)
+    assert registry.heartbeat_interval_s(200) == 1.0  # empty or small: every second
+    for i in range(1000):
+        registry.register(f"w{i}", "127.0.0.1:1", "hf", 0)
+    assert registry.heartbeat_interval_s(200) == 5.0  # 1,000 workers at 200 beats/s
+    assert registry.heartbeat_interval_s(10) == 10.0  # capped at timeout / 3: two beats may be missed
+
+    cfg = load_config(make_config(controller={"heartbeats_per_s": 2.0, "worker_timeout_s": 60}))
+    controller = Controller(cfg, state_dir=tmp_path / "state")
+    try:
+        answers = [
+            ControllerServicer(controller).RegisterWorker(
+                controller_pb2.RegisterWorkerRequest(worker_id=f"w{i}", address="127.0.0.1:1"), _Context()
+            )
+            for i in range(6)
+        ]
+        assert [a.heartbeat_interval_s for a in answers] == [1.0, 1.0, 1.5, 2.0, 2.5, 3.0]  # workers / 2 per s
+    finally:
+        controller.ledger.close()
+
+
+def test_a_heartbeat_that_changes_nothing_wakes_no_waiter() -> None:
+    import threading
+
+    registry = WorkerRegistry(timeout_s=30)
+    registry.register("w0", "127.0.0.1:1", "hf", 0)
+    woken = threading.Event()
+
+    def wait() -> None:
+        with registry.lock:
+            if registry.lock.wait(timeout=30):
+                woken.set()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        for _ in range(3):
+            registry.register("w0", "127.0.0.1:1", "hf", 0)  # a plain heartbeat
+        assert not woken.wait(0.5)
+        registry.register("w0", "127.0.0.1:1", "hf", 1)  # a new version is news
+        assert woken.wait(30)
+    finally:
+        waiter.join()
+
+
 def test_fan_out_reports_a_worker_removed_meanwhile() -> None:
     from relayrl.controller.fanout import fan_out
     from relayrl.v1 import rollout_pb2
