@@ -144,25 +144,28 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     port = free_port()
     job.controller_address = f"127.0.0.1:{port}"
     common = ["--config", str(config_path)]
+    # Every role starts at once (each spends seconds importing torch and loading the model): workers retry
+    # their heartbeat and the trainer its first calls until the controller answers. A trainer that publishes
+    # its starting weights before a worker registered finds it at version 0 (loaded from the model path).
     job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
-    wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, ["controller"])
-    (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
     for i in range(cfg.rollout.workers):
         spawn_rollout(job, i)
-    workers = [f"rollout-{i}" for i in range(cfg.rollout.workers)]
-    wait_until(
-        lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
-        180,
-        f"{cfg.rollout.workers} rollout workers to register",
-        job,
-        ["controller", *workers],
-    )
     trainer_argv = [
         sys.executable, "-m", "relayrl.cli", "trainer", "launch",
         "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
         "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
     ] + (["--resume"] if resume else [])  # fmt: skip
     job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))})
+    roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer"]
+    wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
+    (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
+    wait_until(
+        lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
+        180,
+        f"{cfg.rollout.workers} rollout workers to register",
+        job,
+        roles,
+    )
     return job
 
 
