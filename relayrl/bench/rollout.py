@@ -10,11 +10,13 @@ alternating per round over the workers and, for each, between
   through the engine at a time), and
 - ``concurrent``: all calls at once from their own threads, so the engine decodes their rows together.
 
-Prints one JSON object, keyed by hf_decode value where it says ``[decode]``: the runner each worker logged it
-chose, seconds per round and the median of each, the speed-up (serialized / concurrent), ``speedup_vs_transformers``
-(the transformers runner's median / this one's, same mode: the fast runner's gain), samples/s and tokens/s, and
-``logprob_parity_max``: the largest |engine logprob - plain forward logprob| over the concurrent rounds' tokens
-(rows of several calls batched together must not change a logprob).
+Prints one JSON object, its figures keyed by hf_decode value (then by mode): the runner each worker logged it
+chose, seconds per round and the median of each, the speed-up (serialized / concurrent),
+``speedup_vs_transformers`` (the transformers runner's median / this one's, same mode: the fast runner's gain),
+samples/s and tokens/s, the worker process's CPU seconds per round (``worker_cpu_seconds``, read from /proc:
+steadier than wall seconds on a shared machine, where a worker may wait for a core) and their ratio
+``cpu_speedup_vs_transformers``, and ``logprob_parity_max``: the largest |engine logprob - plain forward
+logprob| over the concurrent rounds' tokens (rows of several calls batched together must not change a logprob).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from relayrl.bench.cpu import cpu_seconds
 from relayrl.models.tiny import write_tiny_model
 from relayrl.services.channels import open_channel
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         workers: dict[str, tuple[subprocess.Popen, str]] = {}
         seconds = {decode: {mode: [] for mode in modes} for decode in decodes}
+        cpu = {decode: {mode: [] for mode in modes} for decode in decodes}
         concurrent_completions: dict[str, Completions] = {decode: [] for decode in decodes}
         try:
             for decode in decodes:
@@ -163,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for decode, stub in stubs.items():
                     for mode in modes:
+                        cpu_before = cpu_seconds(workers[decode][0].pid)
                         elapsed, completions = run_round(stub, calls, args, concurrent=mode == "concurrent")
                         seconds[decode][mode].append(elapsed)
+                        cpu[decode][mode].append(cpu_seconds(workers[decode][0].pid) - cpu_before)
                         if mode == "concurrent":
                             concurrent_completions[decode] += completions
         finally:
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=60)
         samples = args.prompts * args.n
         median = {d: {mode: statistics.median(values) for mode, values in s.items()} for d, s in seconds.items()}
+        median_cpu = {d: {mode: statistics.median(values) for mode, values in s.items()} for d, s in cpu.items()}
         result = {
             "benchmark": "rollout",
             "workload": {k: getattr(args, k) for k in ("prompts", "n", "calls", "max_tokens", "hidden", "layers")},
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_second": {
                 d: {mode: samples * args.max_tokens / s for mode, s in m.items()} for d, m in median.items()
             },
+            "worker_cpu_seconds": cpu,
+            "median_worker_cpu_seconds": median_cpu,
             "logprob_parity_max": {
                 d: logprob_parity_max(workdir / "model", completions)
                 for d, completions in concurrent_completions.items()

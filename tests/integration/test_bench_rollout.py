@@ -25,3 +25,5 @@ def test_bench_runs_both_modes_and_runners_with_exact_logprobs(tmp_path, capsys:
         assert result["logprob_parity_max"][decode] < 1e-5
     assert result["speedup_vs_transformers"]["transformers"] == {"serialized": 1.0, "concurrent": 1.0}
     assert result["speedup_vs_transformers"]["auto"]["concurrent"] > 0
+    assert result["median_worker_cpu_seconds"]["auto"]["concurrent"] > 0
+    assert result["cpu_speedup_vs_transformers"]["auto"]["concurrent"] > 0
