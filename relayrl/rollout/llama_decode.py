@@ -10,9 +10,10 @@ decodes one token per row with a handful of tensor ops per layer, reading **the 
     logits = lm_head(norm(x_last))
 
 with rms(x) = weight * (x_f32 * rsqrt(mean(x_f32²) + eps)).to(dtype), rope(x) = x cos + rotate_half(x) sin at
-angle position * inv_freq, and attention = SDPA of each query head against its KV head (GQA), the padding
-mask excluding the left pads: the same operations, in the same order and dtypes, as transformers'
-modeling_qwen2.py / modeling_llama.py, so every logprob equals the trainer's up to float rounding.
+angle position * inv_freq, and attention = softmax(q kᵀ / sqrt(head_dim) + pad mask) v of each query head
+against its KV head (GQA), the left pads masked: the same operations, in the same order and dtypes, as
+transformers' modeling_qwen2.py / modeling_llama.py (eager attention, which its SDPA equals), so every logprob
+equals the trainer's up to float rounding.
 
 The prompt is prefilled by the transformers runner (one call per joining set of prompts); its KV cache is
 copied into ``KVState``: per layer one preallocated [rows, kv_heads, columns, head_dim] buffer whose live
@@ -35,7 +36,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``LlamaDecodeRunner`` cannot decode ``model`` exactly, or None when it can.
 
-    Checked: config.model_type in MODEL_TYPES; attention implementation "sdpa" (the one this runner computes);
+    Checked: config.model_type in MODEL_TYPES; attention implementation "sdpa" or "eager" (the same softmax
+    attention, which this runner computes);
     every layer full attention (no sliding window shorter than max_position_embeddings); RoPE type "default";
     hidden_act "silu"; every projection a plain ``nn.Linear`` (no quantized or adapter-wrapped layers);
     the ``model.embed_tokens / layers / norm / rotary_emb`` + ``lm_head`` layout of transformers' *ForCausalLM.
@@ -43,8 +45,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     config = model.config
     if config.model_type not in MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {', '.join(MODEL_TYPES)}"
-    if config._attn_implementation != "sdpa":
-        return f"attention implementation {config._attn_implementation!r} (the fast path computes 'sdpa')"
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return f"attention implementation {config._attn_implementation!r} (the fast path computes 'sdpa'/'eager')"
     window = getattr(config, "sliding_window", None)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or (window is not None and window < config.max_position_embeddings):
@@ -176,26 +178,44 @@ class LlamaDecodeRunner:
         cos, sin = self._rotary(state.next_pos, dtype)
         state.next_pos = state.next_pos + 1
         live = slice(state.start, state.end)
-        mask = state.mask[:rows, None, None, live] if state.has_pads else None
+        pads = None
+        if state.has_pads:  # additive: -inf on the left pads, shared by every layer and head
+            pads = torch.zeros(rows, state.end - state.start, dtype=dtype, device=tokens.device)
+            pads = pads.masked_fill_(~state.mask[:rows, live], float("-inf"))[:, None, None]
+        group = self.heads // self.kv_heads
         x = F.embedding(tokens, base.embed_tokens.weight)
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q = _rope(_linear(h, attn.q_proj).view(rows, self.heads, self.head_dim), cos, sin)
+            # GQA without repeating the cache: query head g * group + r attends with KV head g, so the queries
+            # are laid out [B, kv_heads, group, head_dim] (transformers' pack_gqa)
+            q = _rope(
+                _linear(h, attn.q_proj).view(rows, self.kv_heads, group, self.head_dim), cos[:, None], sin[:, None]
+            )
             k = _rope(_linear(h, attn.k_proj).view(rows, self.kv_heads, self.head_dim), cos, sin)
             keys, values = state.keys[i], state.values[i]
             keys[:rows, :, column] = k
             values[:rows, :, column] = _linear(h, attn.v_proj).view(rows, self.kv_heads, self.head_dim)
-            # GQA without repeating the cache: query head g*rep + r attends with KV head g (transformers' pack_gqa)
-            q = q.view(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                q, keys[:rows, :, live], values[:rows, :, live], attn_mask=mask, scale=self.scaling
-            )
-            x = x + _linear(out.reshape(rows, self.heads * self.head_dim), attn.o_proj)
+            out = self._attention(q, keys[:rows, :, live], values[:rows, :, live], pads)
+            x = x.add_(_linear(out.view(rows, self.heads * self.head_dim), attn.o_proj))
             h = _rms_norm(x, layer.post_attention_layernorm)
             mlp = layer.mlp
-            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+            x = x.add_(
+                _linear(F.silu(_linear(h, mlp.gate_proj), inplace=True).mul_(_linear(h, mlp.up_proj)), mlp.down_proj)
+            )
         return _linear(_rms_norm(x, base.norm), self.model.lm_head)
+
+    def _attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pads: torch.Tensor | None
+    ) -> torch.Tensor:
+        """softmax(q kᵀ · scaling + pads) v per KV head, the softmax in float32: transformers' eager attention
+        (which its SDPA path equals). Written out rather than through SDPA: for one query per row its two
+        batched matmuls cost less than SDPA's CPU kernel, and, unlike it, they do not slow down when the
+        other core is busy."""
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scaling)
+        if pads is not None:
+            scores = scores.add_(pads)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, head_dim] of angle position * inv_freq (duplicated halves), computed in float32 and cast
@@ -206,7 +226,7 @@ class LlamaDecodeRunner:
         cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)
         sin = freqs.sin()
         sin = torch.cat([-sin, sin], dim=-1).to(dtype)
-        return cos[:, None], sin[:, None]
+        return cos[:, None], sin[:, None]  # [B, 1, head_dim]: broadcast over heads
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -221,6 +241,6 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x cos + rotate_half(x) sin for x [B, heads, head_dim], with ``sin``'s first half pre-negated."""
+    """x cos + rotate_half(x) sin for x [B, ..., head_dim] (cos, sin broadcast), ``sin``'s first half pre-negated."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin

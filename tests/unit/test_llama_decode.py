@@ -154,7 +154,7 @@ def build(config: PretrainedConfig, attn: str = "sdpa") -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("model", "reason"),
     [
-        (lambda: build(LLAMA, "eager"), "attention implementation 'eager'"),
+        (lambda: build(LLAMA, "flex_attention"), "attention implementation 'flex_attention'"),
         (lambda: build(MistralConfig(**SMALL, sliding_window=16)), "sliding-window attention"),
         (
             lambda: build(
@@ -173,15 +173,18 @@ def test_unsupported_models_are_named_with_the_reason(model, reason) -> None:
 def test_supported_models_have_no_reason() -> None:
     for config in (LLAMA, MISTRAL, MistralConfig(**SMALL, sliding_window=64)):  # a window no sequence exceeds
         assert unsupported_reason(build(config)) is None
+    assert unsupported_reason(build(LLAMA, "eager")) is None  # the same attention, computed without SDPA
 
 
 def test_auto_falls_back_with_the_reason_and_fast_refuses(tmp_path: Path, caplog) -> None:
-    model_dir = sharp_tiny_model(tmp_path)
+    supported = sharp_tiny_model(tmp_path / "qwen2")
+    scaled = LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    unsupported = write_model(tmp_path / "scaled-rope", scaled)
     with caplog.at_level(logging.INFO, logger="relayrl.rollout.hf"):
-        assert HFEngine(str(model_dir)).decoder == "fast"
-        assert HFEngine(str(model_dir), attn_implementation="eager").decoder == "transformers"
-    assert "fast Llama-family runner" in caplog.text and "attention implementation 'eager'" in caplog.text
-    with pytest.raises(ValueError, match=r"rollout\.hf_decode.*attention implementation 'eager'"):
-        HFEngine(str(model_dir), attn_implementation="eager", decode="fast")
+        assert HFEngine(str(supported)).decoder == "fast"
+        assert HFEngine(str(unsupported)).decoder == "transformers"
+    assert "fast Llama-family runner" in caplog.text and "rope type 'linear'" in caplog.text
+    with pytest.raises(ValueError, match=r"rollout\.hf_decode.*rope type 'linear'"):
+        HFEngine(str(unsupported), decode="fast")
     with pytest.raises(ValueError, match=r"rollout\.hf_decode.*got 'turbo'"):
-        HFEngine(str(model_dir), decode="turbo")
+        HFEngine(str(supported), decode="turbo")
