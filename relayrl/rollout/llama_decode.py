@@ -90,7 +90,7 @@ class KVState:
         row_cap, col_cap = self.mask.shape
         if rows <= row_cap and self.end - columns >= 0 and self.end + extra <= col_cap:
             return
-        new_rows = max(rows, row_cap)
+        new_rows = row_cap if rows <= row_cap else max(rows, 2 * row_cap)  # both grow geometrically
         new_cols = max(2 * (columns + extra), 32)
         width = self.end - self.start
         dst = slice(columns - width, columns)  # live columns land right-aligned at [.., columns)
