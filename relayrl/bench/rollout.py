@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
         if "transformers" in median:
-            base = median["transformers"]
-            result["speedup_vs_transformers"] = {
-                d: {mode: base[mode] / s for mode, s in m.items()} for d, m in median.items()
-            }
+            for key, medians in (("speedup_vs_transformers", median), ("cpu_speedup_vs_transformers", median_cpu)):
+                base = medians["transformers"]
+                result[key] = {
+                    d: {mode: base[mode] / max(s, 1e-9) for mode, s in m.items()} for d, m in medians.items()
+                }
     print(json.dumps(result, indent=2))
     return 0
