@@ -11,7 +11,7 @@ decodes one token per row with a handful of tensor ops per layer, reading **the 
 
 with rms(x) = weight * (x_f32 * rsqrt(mean(x_f32²) + eps)).to(dtype), rope(x) = x cos + rotate_half(x) sin at
 angle position * inv_freq, and attention = softmax(q kᵀ / sqrt(head_dim) + pad mask) v of each query head
-against its KV head (GQA), the left pads masked: the same operations, in the same order and dtypes, as
+against its KV head (GQA): the same operations, in the same order and dtypes, as
 transformers' modeling_qwen2.py / modeling_llama.py (eager attention, which its SDPA equals), so every logprob
 equals the trainer's up to float rounding.
 
