@@ -83,6 +83,9 @@ class RolloutConfig(Section):
     threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/threads.py)
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
+    # the hf engine's decode steps: "fast" (relayrl.rollout.llama_decode, Llama-family models only), "transformers"
+    # (the model's own forward), "auto" (fast whenever the model is supported)
+    hf_decode: Literal["auto", "fast", "transformers"] = "auto"
 
     @field_validator("threads")
     @classmethod
@@ -95,6 +98,12 @@ class RolloutConfig(Section):
         if not temperature_ok(value):
             raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _hf_decode_is_for_hf(self) -> RolloutConfig:
+        if self.engine != "hf" and self.hf_decode != "auto":
+            raise ValueError(f"rollout.hf_decode ({self.hf_decode}): applies to the hf engine only, not {self.engine}")
+        return self
 
     @model_validator(mode="after")
     def _engine_logprobs_are_the_trainers(self) -> RolloutConfig:

@@ -1,16 +1,22 @@
-"""``relayrl bench rollout``: one rollout worker, the same prompts as concurrent calls vs one call at a time.
+"""``relayrl bench rollout``: one rollout worker, the same prompts as concurrent calls vs one call at a time,
+for each decode runner of the hf engine.
 
-Starts ``relayrl rollout serve`` (embedded hf engine, a tiny Qwen2 built here: ``--hidden``/``--layers``) and
-sends ``--prompts`` prompts x ``--n`` samples as ``--calls`` Generate calls, every response exactly
-``--max-tokens`` long (``ignore_eos``), alternating per round between
+Starts one ``relayrl rollout serve`` per ``--hf-decode`` value (embedded hf engine with that
+``rollout.hf_decode``, a tiny Qwen2 built here: ``--hidden``/``--layers``) and sends ``--prompts`` prompts x
+``--n`` samples as ``--calls`` Generate calls, every response exactly ``--max-tokens`` long (``ignore_eos``),
+alternating per round over the workers and, for each, between
 
 - ``serialized``: one call after the other, as the worker ran them before continuous batching (one call
   through the engine at a time), and
 - ``concurrent``: all calls at once from their own threads, so the engine decodes their rows together.
 
-Prints one JSON object: seconds per round and the median of each, the speed-up (serialized / concurrent),
-samples/s and tokens/s, and ``logprob_parity_max``: the largest |engine logprob - plain forward logprob| over
-the concurrent rounds' tokens (rows of several calls batched together must not change a logprob).
+Prints one JSON object, its figures keyed by hf_decode value (then by mode): the runner each worker logged it
+chose, seconds per round and the median of each, the speed-up (serialized / concurrent),
+``speedup_vs_transformers`` (the transformers runner's median / this one's, same mode: the fast runner's gain),
+samples/s and tokens/s, the worker process's CPU seconds per round (``worker_cpu_seconds``, read from /proc:
+steadier than wall seconds on a shared machine, where a worker may wait for a core) and their ratio
+``cpu_speedup_vs_transformers``, and ``logprob_parity_max``: the largest |engine logprob - plain forward
+logprob| over the concurrent rounds' tokens (rows of several calls batched together must not change a logprob).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from relayrl.bench.cpu import cpu_seconds
 from relayrl.models.tiny import write_tiny_model
 from relayrl.services.channels import open_channel
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
@@ -49,27 +56,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="tiny Qwen2 hidden size")
     parser.add_argument("--layers", type=int, default=4, help="tiny Qwen2 layers")
     parser.add_argument("--threads", default="auto", help="the worker's rollout.threads")
+    parser.add_argument(
+        "--hf-decode", default="auto,transformers", help="comma-separated rollout.hf_decode values, one worker each"
+    )
     parser.add_argument("--workdir", type=Path, help="model, config and worker log (default: a temp dir)")
     return parser.parse_args(argv)
 
 
-def start_worker(workdir: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """``relayrl rollout serve`` on a free port (no controller); returns the process and its address."""
-    model = write_tiny_model(workdir / "model", seed=0, hidden_size=args.hidden, layers=args.layers)
-    config = {
-        "model": {"path": str(model)},
-        "data": {"path": str(workdir / "unused.jsonl")},
-        "rollout": {"max_batch_size": args.prompts * args.n, "threads": args.threads},
-    }
-    config_path = workdir / "bench-rollout.yaml"
+def start_worker(workdir: Path, args: argparse.Namespace, decode: str) -> tuple[subprocess.Popen, str]:
+    """``relayrl rollout serve`` with ``rollout.hf_decode=decode`` on a free port (no controller; log in
+    ``rollout-<decode>.log``); returns the process and its address."""
+    model = workdir / "model"
+    if not model.exists():
+        write_tiny_model(model, seed=0, hidden_size=args.hidden, layers=args.layers)
+    rollout = {"max_batch_size": args.prompts * args.n, "threads": args.threads, "hf_decode": decode}
+    config = {"model": {"path": str(model)}, "data": {"path": str(workdir / "unused.jsonl")}, "rollout": rollout}
+    config_path = workdir / f"bench-rollout-{decode}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
-    log = (workdir / "rollout.log").open("wb")
+    log = (workdir / f"rollout-{decode}.log").open("wb")
     argv = [sys.executable, "-m", "relayrl.cli", "rollout", "serve", "--config", str(config_path), "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     grpc.channel_ready_future(open_channel(address)).result(timeout=300)
     return proc, address
+
+
+def chosen_runner(log_path: Path) -> str:
+    """The runner the worker's hf engine logged it decodes with: "fast", "transformers" or "unknown"."""
+    text = log_path.read_text(errors="replace")
+    if "decoding with the fast" in text:
+        return "fast"
+    return "transformers" if "decoding with the transformers" in text else "unknown"
 
 
 def prompt_ids(count: int, seed: int) -> list[list[int]]:
@@ -129,40 +147,66 @@ def logprob_parity_max(model_dir: Path, completions: Completions) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    decodes = args.hf_decode.split(",")
+    modes = ("serialized", "concurrent")
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-rollout-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        proc, address = start_worker(workdir, args)
+        workers: dict[str, tuple[subprocess.Popen, str]] = {}
+        seconds = {decode: {mode: [] for mode in modes} for decode in decodes}
+        cpu = {decode: {mode: [] for mode in modes} for decode in decodes}
+        concurrent_completions: dict[str, Completions] = {decode: [] for decode in decodes}
         try:
-            stub = rollout_pb2_grpc.RolloutServiceStub(open_channel(address))
+            for decode in decodes:
+                workers[decode] = start_worker(workdir, args, decode)
+            stubs = {d: rollout_pb2_grpc.RolloutServiceStub(open_channel(a)) for d, (_, a) in workers.items()}
             prompts = prompt_ids(args.prompts, seed=0)
             per_call = -(-args.prompts // args.calls)
             calls = [prompts[i : i + per_call] for i in range(0, len(prompts), per_call)]
-            run_round(stub, calls, args, concurrent=True)  # warm-up
-            seconds: dict[str, list[float]] = {"serialized": [], "concurrent": []}
-            concurrent_completions: Completions = []
+            for stub in stubs.values():
+                run_round(stub, calls, args, concurrent=True)  # warm-up
             for _ in range(args.rounds):
-                for mode in ("serialized", "concurrent"):
-                    elapsed, completions = run_round(stub, calls, args, concurrent=mode == "concurrent")
-                    seconds[mode].append(elapsed)
-                    if mode == "concurrent":
-                        concurrent_completions += completions
+                for decode, stub in stubs.items():
+                    for mode in modes:
+                        cpu_before = cpu_seconds(workers[decode][0].pid)
+                        elapsed, completions = run_round(stub, calls, args, concurrent=mode == "concurrent")
+                        seconds[decode][mode].append(elapsed)
+                        cpu[decode][mode].append(cpu_seconds(workers[decode][0].pid) - cpu_before)
+                        if mode == "concurrent":
+                            concurrent_completions[decode] += completions
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            for proc, _ in workers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
         samples = args.prompts * args.n
-        median = {mode: statistics.median(values) for mode, values in seconds.items()}
+        median = {d: {mode: statistics.median(values) for mode, values in s.items()} for d, s in seconds.items()}
+        median_cpu = {d: {mode: statistics.median(values) for mode, values in s.items()} for d, s in cpu.items()}
         result = {
             "benchmark": "rollout",
             "workload": {k: getattr(args, k) for k in ("prompts", "n", "calls", "max_tokens", "hidden", "layers")},
             "threads": args.threads,
             "rounds": args.rounds,
+            "hf_decode": decodes,
+            "runner_chosen": {d: chosen_runner(workdir / f"rollout-{d}.log") for d in decodes},
             "seconds": seconds,
             "median_seconds": median,
-            "speedup_concurrent_vs_serialized": median["serialized"] / median["concurrent"],
-            "samples_per_second": {mode: samples / s for mode, s in median.items()},
-            "tokens_per_second": {mode: samples * args.max_tokens / s for mode, s in median.items()},
-            "logprob_parity_max": logprob_parity_max(workdir / "model", concurrent_completions),
+            "speedup_concurrent_vs_serialized": {d: m["serialized"] / m["concurrent"] for d, m in median.items()},
+            "samples_per_second": {d: {mode: samples / s for mode, s in m.items()} for d, m in median.items()},
+            "tokens_per_second": {
+                d: {mode: samples * args.max_tokens / s for mode, s in m.items()} for d, m in median.items()
+            },
+            "worker_cpu_seconds": cpu,
+            "median_worker_cpu_seconds": median_cpu,
+            "logprob_parity_max": {
+                d: logprob_parity_max(workdir / "model", completions)
+                for d, completions in concurrent_completions.items()
+            },
         }
+        if "transformers" in median:
+            for key, medians in (("speedup_vs_transformers", median), ("cpu_speedup_vs_transformers", median_cpu)):
+                base = medians["transformers"]
+                result[key] = {
+                    d: {mode: base[mode] / max(s, 1e-9) for mode, s in m.items()} for d, m in medians.items()
+                }
     print(json.dumps(result, indent=2))
     return 0

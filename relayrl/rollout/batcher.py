@@ -7,8 +7,9 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
    went away) leaves the batch and is emitted with finish_reason "abort";
 2. admits waiting rows, oldest request first, up to ``max_rows`` running rows: their distinct prompts are
    prefilled once and join the running batch (``DecodeState.merge``);
-3. samples one token for every running row (per request: its own temperature, top-p, stop tokens,
-   ``min_tokens``, generator) and emits the rows that finished;
+3. samples one token for every running row (each with its request's temperature, top-p, stop tokens,
+   ``min_tokens``, generator; rows sampled alike share one call, whatever their request) and emits the rows
+   that finished;
 4. feeds the survivors' tokens through one decode step.
 
 So rows join and leave between steps and no request waits for another to finish. A seeded request draws
@@ -103,12 +104,22 @@ class _Request:
         self.released = threading.Event()  # set once none of its rows is in the batch any more
         if self.unfinished == 0:
             self.released.set()
+        banned_ids = tuple(banned.tolist())
+        # rows of any request with equal keys are sampled together (ContinuousBatcher._sample)
+        self._keys = {
+            held_back: (params.temperature, params.top_p, params.seed is not None, banned_ids if held_back else None)
+            for held_back in (False, True)
+        }
         seeded = params.seed is not None
         self.waiting: deque[_Row] = deque(
             _Row(self, p, s, _seeded(device, row_seed(params.seed, p, s)) if seeded else None)
             for p in range(len(prompts))
             for s in range(params.n)
         )
+
+    def sampling_key(self, held_back: bool) -> tuple:
+        """(temperature, top_p, seeded, the banned ids while ``held_back`` under min_tokens, else None)."""
+        return self._keys[held_back]
 
     def aborted(self) -> bool:
         return self.cancelled or (self._should_abort is not None and bool(self._should_abort()))
@@ -251,13 +262,12 @@ class ContinuousBatcher:
             return [], None, None
         self.peak_rows = max(self.peak_rows, len(rows))
         self.peak_requests = max(self.peak_requests, len({id(r.request) for r in rows}))
-        tokens = self._sample(rows, logits)
+        tokens, token_list = self._sample(rows, logits)
         keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            params = row.request.params
+        for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
             if token in row.request.stop_ids:
                 row.finish("stop")
-            elif len(row.token_ids) == params.max_tokens:
+            elif len(row.token_ids) == row.request.params.max_tokens:
                 row.finish("length")
             else:
                 keep.append(i)
@@ -285,23 +295,29 @@ class ContinuousBatcher:
         expand = torch.tensor([slots[(id(r.request), r.prompt_index)] for r in joining], device=self.runner.device)
         return self.runner.prefill(prompts, expand)
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row, sampled per (request, under min_tokens) slice; appends token and logprob."""
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        slices: dict[tuple[int, bool], list[int]] = {}
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """One token per row (appended with its logprob); returns them as a tensor and a list.
+
+        Rows whose sampling is the same (``_Request.sampling_key``) are sampled in one call whatever request
+        they belong to: unseeded ones from the engine's generator, seeded ones each from its own.
+        """
+        groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
-            slices.setdefault((id(row.request), len(row.token_ids) < row.request.params.min_tokens), []).append(i)
-        for (_, held_back), index in slices.items():
+            request = row.request
+            groups.setdefault(request.sampling_key(len(row.token_ids) < request.params.min_tokens), []).append(i)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
+        for key, index in groups.items():
             request = rows[index[0]].request
+            at = slice(None) if len(groups) == 1 else torch.tensor(index, device=logits.device)
             generators = [rows[i].generator for i in index] if request.params.seed is not None else [self.generator]
-            picked, logprobs = self.runner.sample(
-                logits[index], request.params, generators, request.banned if held_back else None
-            )
-            tokens[index] = picked
-            for i, token, logprob in zip(index, picked.tolist(), logprobs.tolist(), strict=True):
-                rows[i].token_ids.append(token)
-                rows[i].logprobs.append(logprob)
-        return tokens
+            banned = request.banned if key[-1] is not None else None
+            tokens[at], logprobs[at] = self.runner.sample(logits[at], request.params, generators, banned)
+        token_list = tokens.tolist()
+        for row, token, logprob in zip(rows, token_list, logprobs.tolist(), strict=True):
+            row.token_ids.append(token)
+            row.logprobs.append(logprob)
+        return tokens, token_list
 
     def _select(self, rows, logits, state, keep: list[int]):
         """Keep rows ``keep`` (in order) of the rows, their logits (if given) and the decoding state."""

@@ -17,6 +17,7 @@ check sdpa and eager against an unpadded forward, with rows of several calls bat
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,14 +27,23 @@ from transformers.cache_utils import DynamicLayer
 
 from relayrl.rollout.batcher import ContinuousBatcher
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
+from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODERS = ("auto", "fast", "transformers")
 
 
 class HFEngine(InferenceEngine):
-    """Transformers backend. ``seed`` seeds the engine's generator, used by requests that carry no seed."""
+    """Transformers backend. ``seed`` seeds the engine's generator, used by requests that carry no seed.
+
+    ``decode`` (config ``rollout.hf_decode``) picks the decode steps' runner: "fast" is ``LlamaDecodeRunner``
+    (refused at start, with the reason, when ``llama_decode.unsupported_reason`` finds the model unsupported),
+    "transformers" the model's own forward, "auto" the fast one whenever it is supported.
+    """
 
     name = "hf"
 
@@ -46,9 +56,12 @@ class HFEngine(InferenceEngine):
         max_batch_size: int = 256,
         attn_implementation: str = "sdpa",
         seed: int = 0,
+        decode: str = "auto",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        if decode not in DECODERS:
+            raise ValueError(f"decode (rollout.hf_decode): expected one of {', '.join(DECODERS)}, got {decode!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)
@@ -64,9 +77,22 @@ class HFEngine(InferenceEngine):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # every name a state dict may use, tied aliases included (lm_head.weight -> the embedding)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._batcher = ContinuousBatcher(
-            _HFRunner(self.model, self.device), max_rows=max_batch_size, generator=self._generator
-        )
+        runner = self._runner(decode)
+        self.decoder = "fast" if isinstance(runner, LlamaDecodeRunner) else "transformers"  # the one chosen
+        self._batcher = ContinuousBatcher(runner, max_rows=max_batch_size, generator=self._generator)
+
+    def _runner(self, decode: str) -> _HFRunner | LlamaDecodeRunner:
+        """The runner ``decode`` asks for (class docstring); logs the choice and, for "auto", why."""
+        runner = _HFRunner(self.model, self.device)
+        reason = None if decode == "transformers" else unsupported_reason(self.model)
+        if decode == "fast" and reason is not None:
+            raise ValueError(f"decode=fast (rollout.hf_decode): this model is not supported: {reason}")
+        if decode == "transformers" or reason is not None:
+            why = "asked for" if decode == "transformers" else f"the fast runner does not support it: {reason}"
+            log.info("hf engine: decoding with the transformers forward (rollout.hf_decode=%s; %s)", decode, why)
+            return runner
+        log.info("hf engine: decoding with the fast Llama-family runner (rollout.hf_decode=%s)", decode)
+        return LlamaDecodeRunner(self.model, runner)
 
     def generate(
         self,

@@ -133,6 +133,7 @@ def serve_rollout(
         dtype=cfg.model.dtype,
         max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.run.seed,
+        **({"decode": cfg.rollout.hf_decode} if cfg.rollout.engine == "hf" else {}),
         **cfg.rollout.engine_options,
     )
     limits = GenerationLimits(

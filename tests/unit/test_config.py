@@ -56,6 +56,7 @@ def test_unknown_and_missing_keys_name_the_path(raw, expected) -> None:
         ({"rollout": {"temperature": 1e-3}}, "rollout.temperature", "must be 0 (greedy) or >= 0.01"),
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
         ({"rollout": {"engine": "tgi"}}, "rollout.engine", "'hf', 'vllm' or 'sglang'"),
+        ({"rollout": {"hf_decode": "turbo"}}, "rollout.hf_decode", "'auto', 'fast' or 'transformers'"),
         ({"controller": {"port": 70000}}, "controller.port", "less than or equal to 65535"),
         ({"controller": {"rpc_threads": 1}}, "controller.rpc_threads", "greater than or equal to 4"),
         ({"trainer": {"betas": "fast"}}, "trainer.betas", "tuple"),
@@ -101,6 +102,7 @@ def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
         ({"rollout": {"n": 16, "limits": {"max_n": 8}}}, ["rollout.n (16)", "rollout.limits.max_n (8)"]),
         ({"rollout": {"engine": "vllm", "top_p": 0.9}}, ["rollout.top_p (0.9)", "nucleus"]),
         ({"rollout": {"engine": "sglang", "min_tokens": 4}}, ["rollout.min_tokens (4)", "rollout.ignore_eos"]),
+        ({"rollout": {"engine": "vllm", "hf_decode": "fast"}}, ["rollout.hf_decode (fast)", "hf engine only"]),
         ({"security": {"tls_cert": "c.pem"}}, ["security: ", "tls_cert and tls_key"]),
         ({"security": {"tls_ca": "ca.pem"}}, ["security: ", "tls_ca needs tls_cert"]),
         (

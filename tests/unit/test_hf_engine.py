@@ -64,9 +64,13 @@ def argmax_decode(model, prompt: Sequence[int], max_tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_logprobs_equal_a_full_forward_of_prompt_and_response(model_dir, reference, attn) -> None:
-    engine = HFEngine(str(model_dir), attn_implementation=attn, max_batch_size=5)  # splits a prompt's samples
+# the fast decode runner (auto) and the transformers forward (the eager one: its SDPA is covered by test_llama_decode)
+RUNNERS = pytest.mark.parametrize(("attn", "decode"), [("sdpa", "auto"), ("eager", "transformers")])
+
+
+@RUNNERS
+def test_logprobs_equal_a_full_forward_of_prompt_and_response(model_dir, reference, attn, decode) -> None:
+    engine = HFEngine(str(model_dir), attn_implementation=attn, decode=decode, max_batch_size=5)  # splits samples
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=12, seed=7)
     completions = by_key(list(engine.generate(PROMPTS, params)))
     assert set(completions) == {(p, s) for p in range(len(PROMPTS)) for s in range(4)}
@@ -228,11 +232,11 @@ def generate_in_threads(engine: HFEngine, calls: list[tuple[list[list[int]], Sam
     return results
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_concurrent_calls_share_decode_steps_and_keep_exact_logprobs(model_dir, reference, attn) -> None:
+@RUNNERS
+def test_concurrent_calls_share_decode_steps_and_keep_exact_logprobs(model_dir, reference, attn, decode) -> None:
     """Rows of four calls (different prompt lengths, temperatures, top-p, n) join and leave one running batch;
     every logprob still equals a plain unpadded forward of prompt + response."""
-    engine = HFEngine(str(model_dir), attn_implementation=attn, max_batch_size=64)
+    engine = HFEngine(str(model_dir), attn_implementation=attn, decode=decode, max_batch_size=64)
     calls = [
         ([PROMPTS[0], PROMPTS[2]], SamplingParams(n=3, temperature=1.0, max_tokens=14, seed=1)),
         ([PROMPTS[1]], SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=9)),
