@@ -76,6 +76,16 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (a streamed mini-batch's normaliser)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def discard_grads(self) -> None:
+        """Drop the accumulated gradients (a streamed step whose stream broke)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of every weight the rollout engines load, in ``weight_names`` order."""
         params = dict(self.model.named_parameters())
