@@ -14,10 +14,10 @@ group must carry the engine's logprobs of exactly those weights (version s - 1 f
 verified). The controller sends a streamed step's prompts to those workers only; a group that is not exact
 raises here (never a silently inexact update).
 
-A stream that breaks (controller restart) voids its parts: ``discard`` drops the accumulated gradient and
-the caller pulls the step again. After an optimizer step the weights have moved and cannot be restored:
-``discard`` raises, the trainer exits and resumes from its checkpoint (the controller rewinds), so no part of
-a step is ever trained twice.
+A stream that breaks (controller restart) voids its parts: ``discard`` puts back the weights and optimizer
+state the step started from (a snapshot taken before its first optimizer step: one copy of this rank's shard
+of both, held until the step ends) and drops the accumulated gradient; the caller pulls the step again, so no
+part of a step is ever trained twice.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class StreamedStep:
         self.first_group = 0  # its first group
         self.done = 0  # its rows trained so far
         self.row_tokens: list[torch.Tensor] = []  # its rows' loss tokens, chunk by chunk
+        self._start = None  # the weights and optimizer state before the step's first optimizer step
 
     @property
     def groups(self) -> int:
@@ -99,13 +100,9 @@ class StreamedStep:
         return self.metrics.finish(self.backend, self.alg)
 
     def discard(self) -> None:
-        """Void what was received (the stream broke); raises once an optimizer step was taken."""
-        if self.metrics.grad_norms:
-            raise RuntimeError(
-                f"the batch stream broke after {len(self.metrics.grad_norms)} optimizer steps of this step: "
-                "the starting weights are gone; restart from the last checkpoint (relayrl up does)"
-            )
-        self.backend.discard_grads()
+        """Void what was received (the stream broke): the step's starting weights and optimizer state back."""
+        self.backend.restore(self._start)
+        self._start = None
 
     def _train(self, sizes: list[int], *, final: bool) -> None:
         """Backward every row of the current mini-batch that arrived; step each mini-batch that is complete."""
@@ -122,6 +119,8 @@ class StreamedStep:
             counts = minibatch_counts(torch.cat(self.row_tokens), self.alg, self.norm_len)
             divisor = agg_denominator(self.alg.loss_agg, **counts)
             self.backend.scale_grads(1.0 / divisor)
+            if self._start is None and self.k == 0:
+                self._start = self.backend.snapshot()
             self.metrics.close_minibatch(self.backend.step(self.tcfg.grad_clip), divisor)
             self.k, self.first_group, self.done, self.row_tokens = self.k + 1, last, 0, []
         if final and self.k != len(sizes):

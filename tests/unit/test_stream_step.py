@@ -31,11 +31,12 @@ from relayrl.weightsync.group import free_port
 
 N, TARGET, PAD = 4, 6, 0
 TOLERANCE = 1e-4
-CASES = [  # (loss_agg, groups kept, chunk sizes in groups: how the groups arrive)
-    ("token-mean", 6, [1, 1, 1, 1, 1, 1]),
-    ("seq-mean-token-mean", 6, [2, 3, 1]),
-    ("seq-mean-token-mean", 4, [3, 1]),  # partial: dynamic sampling kept 4 of 6
-    ("token-mean", 2, [2]),  # partial below the first mini-batch
+CASES = [  # (loss_agg, groups kept, chunk sizes in groups: how the groups arrive, groups before a break)
+    ("token-mean", 6, [1, 1, 1, 1, 1, 1], 0),
+    ("seq-mean-token-mean", 6, [2, 3, 1], 0),
+    ("seq-mean-token-mean", 4, [3, 1], 0),  # partial: dynamic sampling kept 4 of 6
+    ("token-mean", 2, [2], 0),  # partial below the first mini-batch
+    ("token-mean", 6, [2, 4], 4),  # the stream breaks after 4 groups (one optimizer step), then arrives again
 ]
 
 
@@ -75,8 +76,9 @@ def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in backend.model.named_parameters()}
 
 
-def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int]) -> dict[str, float]:
-    """Max |difference| of the weights and of each metric, whole vs streamed."""
+def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broken: int) -> dict[str, float]:
+    """Max |difference| of the weights and of each metric, whole vs streamed (after a stream of ``broken``
+    groups that broke, if any)."""
     tcfg = TrainerConfig(lr=0.01, mini_batches=2, grad_clip=0.5)
     alg = AlgorithmConfig(loss_agg=loss_agg)
     results = []
@@ -94,6 +96,13 @@ def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int]) -> di
             step = StreamedStep(
                 backend, alg, tcfg, target_groups=TARGET, version=0, verified=verified, pad_id=PAD, norm_len=8
             )
+            if broken:
+                step.add([s for s in batch.samples if s.group < broken], 1.0)
+                assert step.metrics.grad_norms, "the broken stream took an optimizer step"
+                step.discard()
+                step = StreamedStep(
+                    backend, alg, tcfg, target_groups=TARGET, version=0, verified=verified, pad_id=PAD, norm_len=8
+                )
             first = 0
             for size in chunks:
                 step.add([s for s in batch.samples if first <= s.group < first + size], 1.0)
