@@ -3,6 +3,9 @@ while the batch generates, and a controller killed mid-stream costs no step twic
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from relayrl.config import load_config
@@ -16,19 +19,24 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(1200)
 def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_config):
-    """8 steps of the demo's shape at K = 0; the controller is SIGKILLed as step 4 begins (its batch streaming)
-    and restarted by the supervisor: the trainer voids the parts it had (weights and optimizer back to the
-    step's start) and trains the restarted controller's batch. Steps are contiguous, every one exactly
+    """8 steps of the demo's shape at K = 0; the controller is SIGKILLed while step 4 streams (one prompt per
+    Generate call, so its groups arrive one by one; the moment is a race, the log says whether parts had
+    arrived) and restarted by the supervisor: the trainer voids the parts it had (weights and optimizer back to
+    the step's start) and trains the restarted controller's batch. Steps are contiguous, every one exactly
     on-policy, the ledger exact; no trainer restart was needed."""
     steps, groups = 8, 4
     config = make_config(
-        "stream", trainer={"steps": steps}, controller={"max_staleness": 0}, supervisor={"backoff_s": 0.5}
+        "stream",
+        trainer={"steps": steps},
+        controller={"max_staleness": 0, "dispatch_chunk": 1, "worker_max_calls": 1},
+        supervisor={"backoff_s": 0.5},
     )
     cfg = load_config(config)
     assert cfg.streams
     up = start_up(config)
     try:
         wait_steps(cfg, 3, timeout_s=600)
+        time.sleep(0.3)  # step 4's first groups reach the trainer
         kill_tree(supervised_roles(cfg)["controller"]["pid"])
         code, err = finish(up)
     finally:
@@ -49,3 +57,5 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     assert sum(trained.values()) == len(trained) == steps * groups  # exactly, none twice
     fates = ledger_fates(cfg)
     assert not [pid for pid, f in fates.items() if f[-1] not in {"trained", "filtered", "failed"}]
+    broke = "the batch stream of step 4 broke" in (cfg.run_dir / "logs" / "trainer.log").read_text()
+    print(json.dumps({"stream_broke_mid_step": broke, "streamed_steps": streamed}))

@@ -1,9 +1,10 @@
 """A streamed step (groups trained as they arrive, relayrl/trainer/stream.py) is the whole-batch step.
 
-The same ordered batch, trained whole by ``train_on_batch`` and streamed in arrival chunks by
-``StreamedStep``, from the same starting weights, on 1 and 2 gloo ranks (FSDP2), for token-mean and
-seq-mean-token-mean, full and partial (dynamic-sampling-sized) batches: the updated weights and the metrics
-agree within float rounding. Tolerance 1e-4 absolute on fp32 weights after two AdamW steps at lr 1e-2, i.e. 1 %
+The same ordered batch, trained whole by ``train_on_batch`` and streamed in arrival chunks through the trainer
+loop's ``train_streamed`` (rank 0 relays the parts; ``StreamedStep`` trains them), from the same starting
+weights, on 1 and 2 gloo ranks (FSDP2), for token-mean and seq-mean-token-mean, full and partial
+(dynamic-sampling-sized) batches, and a stream that breaks after an optimizer step and comes again: the
+updated weights and the metrics agree within float rounding. Tolerance 1e-4 absolute on fp32 weights after two AdamW steps at lr 1e-2, i.e. 1 %
 of one step's movement: the two differ only in summation order (chunked forwards, the normaliser applied to the
 gradient instead of the loss), ~1e-7 relative, but Adam's first update lr * g / (|g| + eps) turns that into a
 visible difference for the few entries whose gradient is near eps (measured: ~2e-5). Loss and metrics: 1e-4.
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
+from relayrl.trainer.loop import train_streamed
 from relayrl.trainer.partition import minibatch_groups
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep
@@ -36,7 +38,7 @@ CASES = [  # (loss_agg, groups kept, chunk sizes in groups: how the groups arriv
     ("seq-mean-token-mean", 6, [2, 3, 1], 0),
     ("seq-mean-token-mean", 4, [3, 1], 0),  # partial: dynamic sampling kept 4 of 6
     ("token-mean", 2, [2], 0),  # partial below the first mini-batch
-    ("token-mean", 6, [2, 4], 4),  # the stream breaks after 4 groups (one optimizer step), then arrives again
+    ("token-mean", 6, [2, 4], 4),  # the stream breaks after 4 groups (one optimizer step taken), then comes again
 ]
 
 
@@ -76,41 +78,63 @@ def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in backend.model.named_parameters()}
 
 
+def relay_config(loss_agg: str) -> RelayConfig:
+    return parse_config(
+        {
+            "model": {"path": "m"},
+            "data": {"path": "d.jsonl"},
+            "rollout": {"n": N, "max_tokens": 8},
+            "controller": {"train_batch_groups": TARGET},
+            "trainer": {"lr": 0.01, "mini_batches": 2, "grad_clip": 0.5},
+            "algorithm": {"loss_agg": loss_agg},
+        }
+    )
+
+
+def stream_source(batch: controller_pb2.Batch, chunks: list[int], broken: int):
+    """What read_stream yields on rank 0: the groups in ``chunks``, then the header; with ``broken``: a
+    first stream that breaks after that many groups, then the whole stream again."""
+    calls = iter([[broken, "break"], [*chunks, "end"]] if broken else [[*chunks, "end"]])
+
+    def parts():
+        first = 0
+        for item in next(calls):
+            if item == "break":
+                yield "broken", "UNAVAILABLE: Socket closed"
+                return
+            if item == "end":
+                header = controller_pb2.Batch()
+                header.CopyFrom(batch)
+                del header.samples[:]
+                yield "end", controller_pb2.BatchPart(batch=header, streamed=True).SerializeToString()
+                return
+            group = [s for s in batch.samples if first <= s.group < first + item]
+            first += item
+            yield "part", controller_pb2.BatchPart(samples=group, streamed=True, temperature=1.0).SerializeToString()
+
+    return parts
+
+
 def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broken: int) -> dict[str, float]:
-    """Max |difference| of the weights and of each metric, whole vs streamed (after a stream of ``broken``
-    groups that broke, if any)."""
-    tcfg = TrainerConfig(lr=0.01, mini_batches=2, grad_clip=0.5)
-    alg = AlgorithmConfig(loss_agg=loss_agg)
+    """Max |difference| of the weights and of each metric, whole (train_on_batch) vs streamed (the trainer
+    loop's train_streamed, rank 0 relaying the parts; after a stream of ``broken`` groups that broke, if any)."""
+    cfg = relay_config(loss_agg)
+    verified = frozenset({"w0"})
     results = []
     for mode in ("whole", "streamed"):
-        backend = FSDPBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
+        backend = FSDPBackend(ModelConfig(path=model_dir), cfg.trainer, with_reference=False)
         before = weights(backend)
         batch = make_batch(backend, groups, seed=groups)
-        verified = frozenset({"w0"})
         if mode == "whole":
             train = to_train_batch(batch, PAD, version=0, verified_workers=verified)
             metrics = train_on_batch(
-                backend, train, alg, tcfg, temperature=1.0, norm_len=8, minibatch_groups=batch.minibatch_groups
-            )
+                backend, train, cfg.algorithm, cfg.trainer, temperature=1.0, norm_len=8,
+                minibatch_groups=batch.minibatch_groups,
+            )  # fmt: skip
         else:
-            step = StreamedStep(
-                backend, alg, tcfg, target_groups=TARGET, version=0, verified=verified, pad_id=PAD, norm_len=8
-            )
-            if broken:
-                step.add([s for s in batch.samples if s.group < broken], 1.0)
-                assert step.metrics.grad_norms, "the broken stream took an optimizer step"
-                step.discard()
-                step = StreamedStep(
-                    backend, alg, tcfg, target_groups=TARGET, version=0, verified=verified, pad_id=PAD, norm_len=8
-                )
-            first = 0
-            for size in chunks:
-                step.add([s for s in batch.samples if first <= s.group < first + size], 1.0)
-                first += size
-            header = controller_pb2.Batch()
-            header.CopyFrom(batch)
-            del header.samples[:]
-            metrics = step.finish(header)
+            parts = stream_source(batch, chunks, broken) if dist.get_rank() == 0 else None
+            trained, metrics = train_streamed(backend, cfg, 1, parts, verified, PAD)
+            assert list(trained.samples) == list(batch.samples) and metrics["streamed"] == 1.0
         results.append((weights(backend), metrics))
     (w_whole, m_whole), (w_streamed, m_streamed) = results
     out = {"weights": max(float((w_whole[k] - w_streamed[k]).abs().max()) for k in w_whole)}
