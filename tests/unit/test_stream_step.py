@@ -4,10 +4,12 @@ The same ordered batch, trained whole by ``train_on_batch`` and streamed in arri
 loop's ``train_streamed`` (rank 0 relays the parts; ``StreamedStep`` trains them), from the same starting
 weights, on 1 and 2 gloo ranks (FSDP2), for token-mean and seq-mean-token-mean, full and partial
 (dynamic-sampling-sized) batches, and a stream that breaks after an optimizer step and comes again: the
-updated weights and the metrics agree within float rounding. Tolerance 1e-4 absolute on fp32 weights after two AdamW steps at lr 1e-2, i.e. 1 %
-of one step's movement: the two differ only in summation order (chunked forwards, the normaliser applied to the
-gradient instead of the loss), ~1e-7 relative, but Adam's first update lr * g / (|g| + eps) turns that into a
-visible difference for the few entries whose gradient is near eps (measured: ~2e-5). Loss and metrics: 1e-4.
+updated weights and the metrics agree within float rounding.
+
+Tolerance 1e-4 absolute on fp32 weights after two AdamW steps at lr 1e-2, i.e. 1 % of one step's movement:
+the two differ only in summation order (chunked forwards, the normaliser applied to the gradient instead of
+the loss), ~1e-7 relative, but Adam's first update lr * g / (|g| + eps) turns that into a visible difference
+for the few entries whose gradient is near eps (measured: ~2e-5). Loss and metrics: 1e-4.
 """
 
 from __future__ import annotations
