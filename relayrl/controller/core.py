@@ -126,6 +126,7 @@ class Controller:
         self._batches: dict[int, controller_pb2.Batch] = self._load_batches()
         self._streams: dict[int, list[controller_pb2.Sample]] = {}  # step being built streamed -> kept samples
         self._next_step = max([self.progress.trainer_step, *self._batches]) + 1
+        self._skip_recorded_draws()
         self._fail_unfinished_prompts()
         self._threads = [
             threading.Thread(target=self._produce_loop, name="producer", daemon=True),
@@ -168,6 +169,17 @@ class Controller:
         tmp = self._batch_dir / f"step_{batch.step}.tmp"
         tmp.write_bytes(batch.SerializeToString())
         tmp.replace(self._batch_dir / f"step_{batch.step}.pb")
+
+    def _skip_recorded_draws(self) -> None:
+        """A draw is recorded in the ledger before the cursor is saved: after a crash in between, the ledger
+        holds prompts beyond the saved cursor. Move the cursor past them (they are failed next), so they are
+        never drawn twice."""
+        start = self.progress.cursor
+        while self.ledger.state(self.dataset.record(self.progress.cursor).prompt_id) is not None:
+            self.progress.cursor += 1
+        if self.progress.cursor != start:
+            log.warning("dataset cursor %d -> %d: draws recorded before a crash", start, self.progress.cursor)
+            self._save_progress()
 
     def _fail_unfinished_prompts(self) -> None:
         """After a restart, prompts that were mid-generation are lost work: fail them with the reason.
@@ -215,6 +227,10 @@ class Controller:
                 batch = self._build_batch(step, epoch)
             except DynamicSamplingExhausted as err:
                 self._fail(str(err))
+                return
+            except Exception as err:  # the run fails loudly (the trainer hears it), never hangs on a dead thread
+                log.exception("batch production for step %d failed", step)
+                self._fail(f"batch production for step {step} failed: {err}")
                 return
             with self._cond:
                 self._streams.pop(step, None)  # its batch is stored below, under the same lock, or void
