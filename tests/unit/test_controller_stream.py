@@ -99,3 +99,20 @@ def test_a_batch_abandoned_mid_stream_asks_the_trainer_to_pull_again(controller)
         next(parts)
     drawn = controller.dataset.record(0).prompt_id
     assert controller.ledger.state(drawn)[0] != PENDING  # failed, with its reason: nothing lost silently
+
+
+def test_a_restart_never_redraws_prompts_drawn_before_the_crash(make_config, tmp_path) -> None:
+    """A kill between a draw's ledger entry and the cursor's save: the restarted controller moves the cursor past
+    those prompts and fails them (with the reason) instead of drawing them again."""
+    cfg = load_config(make_config())
+    first = Controller(cfg, state_dir=tmp_path / "state")
+    drawn = [first.dataset.record(d).prompt_id for d in range(3)]
+    first.ledger.mark(drawn, PENDING)  # ...and the process dies before state.json records the new cursor
+    first.ledger.close()
+    second = Controller(cfg, state_dir=tmp_path / "state")
+    try:
+        assert second.progress.cursor == 3
+        assert all(second.ledger.state(pid)[:2] == ("failed", "controller restarted before the prompt was trained")
+                   for pid in drawn)  # fmt: skip
+    finally:
+        second.ledger.close()
