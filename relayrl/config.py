@@ -180,6 +180,12 @@ class TrainerConfig(Section):
     # where it is not, "off" trains whole batches.
     stream: Literal["auto", "on", "off"] = "auto"
 
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        """YAML reads a bare on / off (``stream: on``, ``--set trainer.stream=off``) as true / false."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("threads")
     @classmethod
     def _positive_threads(cls, value: int | str) -> int | str:

@@ -249,4 +249,6 @@ def test_stream_auto_streams_the_synchronous_default_and_off_turns_it_off() -> N
     assert parse_config(BASE).streams
     assert parse_config(with_sections(trainer={"stream": "on"})).streams
     assert not parse_config(with_sections(trainer={"stream": "off"})).streams
+    raw = yaml.safe_load("trainer: {stream: off}")  # YAML's bare off is false
+    assert parse_config({**BASE, **raw}).trainer.stream == "off"
     assert "trainer.stream: Input should be 'auto', 'on' or 'off'" in config_error(with_sections(trainer={"stream": 1}))
