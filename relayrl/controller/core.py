@@ -85,6 +85,7 @@ class _Build:
     stale: int = 0
     failed: int = 0
     kept: int = 0
+    closed: bool = False  # between generation rounds: late group callbacks are ignored
 
 
 class Controller:
@@ -286,7 +287,8 @@ class Controller:
                 def on_group(prompt_id, completions, by_id=by_id):
                     group = self.scorer.group(by_id[prompt_id], completions)
                     with offer_lock:
-                        self._offer(build, group)
+                        if not build.closed:  # a call still running after a stop: its prompts are settled below
+                            self._offer(build, group)
 
                 result = self.dispatcher.run(
                     [PromptJob(r.prompt_id, r.token_ids) for r in records],
@@ -296,11 +298,14 @@ class Controller:
                     should_stop=lambda: self._stop.is_set() or epoch != self._epoch,
                     only=exact,
                 )
+                with offer_lock:
+                    build.closed = True
                 for prompt_id, reason in result.failed.items():
                     self.ledger.mark([prompt_id], FAILED, reason, step)
                 build.failed += len(result.failed)
                 if self._stop.is_set() or epoch != self._epoch:
                     raise _Abandoned
+                build.closed = False
                 if not build.streamed:
                     for r in records:
                         if r.prompt_id in result.groups:
