@@ -3,11 +3,11 @@
 The result is ``train_on_batch`` on the whole batch up to float rounding: the same ordered groups, the same
 mini-batch partition (the batch's ``minibatch_groups``: the plan for ``train_batch_groups``, see
 relayrl/trainer/partition.py), per-group advantages, the same clip and grad clip. Mini-batch k's rows are
-forwarded and backwarded as their groups arrive, in chunks of whole groups (each at least one row per
-data-parallel rank, since ``rollout.n`` >= the ranks: every rank makes the same collective calls), with
-un-normalised loss sums (``agg_loss`` with UNIT_COUNTS). Once its last group is in, the accumulated
-gradient is divided by the mini-batch's ``agg_denominator`` (its global token/sequence counts, known then)
-and the optimizer steps, while the rest of the batch is still generating.
+forwarded and backwarded as their groups arrive, in chunks of whole groups (a quarter of the mini-batch or
+more, CHUNKS_PER_MINIBATCH; at least one row per data-parallel rank, since ``rollout.n`` >= the ranks: every
+rank makes the same collective calls), with un-normalised loss sums (``agg_loss`` with UNIT_COUNTS). Once its
+last group is in, the accumulated gradient is divided by the mini-batch's ``agg_denominator`` (its global
+token/sequence counts, known then) and the optimizer steps, while the rest of the batch is still generating.
 
 Old logprobs: after mini-batch 1's optimizer step the step's starting weights are gone, so every streamed
 group must carry the engine's logprobs of exactly those weights (version s - 1 from a worker whose load was
@@ -40,6 +40,9 @@ from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatc
 from relayrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
+# A mini-batch is trained in chunks of at least 1/CHUNKS_PER_MINIBATCH of its groups: one forward per arriving
+# group costs ~1.5x the whole mini-batch's forward (small matmuls), a quarter of it about the same.
+CHUNKS_PER_MINIBATCH = 4
 # how a stream cut by its controller's death ends (the connection drops mid-response)
 BROKEN = RETRYABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
@@ -68,7 +71,7 @@ class StreamedStep:
         self.temperature = 1.0
         self.k = 0  # the mini-batch being accumulated
         self.first_group = 0  # its first group
-        self.done = 0  # its rows trained so far
+        self.done = 0  # its groups trained so far
         self.row_tokens: list[torch.Tensor] = []  # its rows' loss tokens, chunk by chunk
         self._start = None  # the weights and optimizer state before the step's first optimizer step
 
@@ -105,15 +108,17 @@ class StreamedStep:
         self._start = None
 
     def _train(self, sizes: list[int], *, final: bool) -> None:
-        """Backward every row of the current mini-batch that arrived; step each mini-batch that is complete."""
+        """Backward the arrived groups of the current mini-batch (once they are a chunk: CHUNKS_PER_MINIBATCH of
+        it, or its last ones); step each mini-batch that is complete."""
         while self.k < len(sizes) and self.first_group < self.groups:
             last = self.first_group + sizes[self.k]  # one past its last group
             complete = self.groups >= last
-            end = self.group_start[last] if last < self.groups else len(self.samples)
-            start = self.group_start[self.first_group] + self.done
-            if end > start:
-                self._backward(start, end)
-                self.done += end - start
+            upto = min(last, self.groups)  # one past its last group that arrived
+            first = self.first_group + self.done  # its first group not yet trained
+            if upto > first and (complete or upto - first >= max(1, sizes[self.k] // CHUNKS_PER_MINIBATCH)):
+                end = self.group_start[upto] if upto < self.groups else len(self.samples)
+                self._backward(self.group_start[first], end)
+                self.done = upto - self.first_group
             if not complete:
                 return
             counts = minibatch_counts(torch.cat(self.row_tokens), self.alg, self.norm_len)
