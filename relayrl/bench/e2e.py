@@ -10,7 +10,8 @@ Workloads:
 - ``gen-heavy``: tiny Qwen2 (hidden 256, 4 layers), 16 prompts x 16 samples of exactly 48 tokens
   (relayrl ``rollout.ignore_eos``, TRL ``min_new_tokens``; checked from the measured lengths), 1 rollout
   worker, 1 trainer rank, no dynamic sampling, 2 optimizer steps per batch; relayrl at
-  ``max_staleness`` 0 and 1. Same number of steps for every system.
+  ``max_staleness`` 0 (groups streamed to the trainer, and whole batches) and 1. Same number of steps for
+  every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
 
@@ -123,7 +124,11 @@ def workload(name: str, workdir: Path, args: argparse.Namespace) -> Workload:
         "algorithm.loss_agg=token-mean", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         *args.set,
     ]  # fmt: skip
-    variants = {"k0": ["controller.max_staleness=0"], "k1": ["controller.max_staleness=1"]}
+    variants = {  # K = 0 with groups streamed to the trainer as they are kept, and with whole batches
+        "k0-stream": ["controller.max_staleness=0", "trainer.stream=on"],
+        "k0-whole": ["controller.max_staleness=0", "trainer.stream=off"],
+        "k1": ["controller.max_staleness=1"],
+    }
     return Workload("gen-heavy", overrides, variants, samples_budget=False)
 
 

@@ -3,6 +3,14 @@
 Batch production (one background thread): the batch for trainer step ``s`` may only hold
 trajectories of policy version >= s - 1 - K (K = ``max_staleness``), so its generation starts once
 the trainer has reported version s - 1 - K. K = 0 is the synchronous, on-policy loop.
+
+Streaming (``RelayConfig.streams``, K = 0): step s's kept groups are handed to the trainer's StreamBatch as
+they are kept, so it trains while the rest generates. Every streamed group must be exactly on-policy with
+verified engine logprobs, so the step's prompts go only to the workers whose load of version s - 1 was
+verified: the ones the trainer reported for that version (ReportStep, its first publish, Rewind). A worker
+that joins later (a scale-up, a restart) gets no streamed work until the next step's publish, which
+includes it; when none of the verified workers is ready at the step's start, that step is built whole from
+any worker and trained whole (old logprobs recomputed where not exact).
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -29,6 +38,7 @@ from relayrl.data.dataset import PromptDataset
 from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
+from relayrl.trainer.partition import minibatch_groups
 from relayrl.v1 import controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,8 @@ class ProgressState:
     last_sync_seconds: float = 0.0
     last_sync_unix: float = 0.0
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
+    exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
+    exact_version: int = -1
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -58,6 +70,22 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 class _Abandoned(Exception):
     """The run was rewound while a batch was being built: that batch is void."""
+
+
+@dataclass
+class _Build:
+    """One batch in production: its dynamic-sampling filler and what it saw."""
+
+    step: int
+    required: int  # oldest policy version allowed
+    filler: GroupFiller[ScoredGroup]
+    streamed: bool  # kept groups go to the trainer's stream as they are kept
+    all_groups: list[ScoredGroup] = field(default_factory=list)  # every fresh group, filtered or not
+    drawn: list[str] = field(default_factory=list)
+    stale: int = 0
+    failed: int = 0
+    kept: int = 0
+    closed: bool = False  # between generation rounds: late group callbacks are ignored
 
 
 class Controller:
@@ -97,7 +125,9 @@ class Controller:
         self._batch_dir = self.state_dir / "batches"
         self._batch_dir.mkdir(exist_ok=True)
         self._batches: dict[int, controller_pb2.Batch] = self._load_batches()
+        self._streams: dict[int, list[controller_pb2.Sample]] = {}  # step being built streamed -> kept samples
         self._next_step = max([self.progress.trainer_step, *self._batches]) + 1
+        self._skip_recorded_draws()
         self._fail_unfinished_prompts()
         self._threads = [
             threading.Thread(target=self._produce_loop, name="producer", daemon=True),
@@ -140,6 +170,17 @@ class Controller:
         tmp = self._batch_dir / f"step_{batch.step}.tmp"
         tmp.write_bytes(batch.SerializeToString())
         tmp.replace(self._batch_dir / f"step_{batch.step}.pb")
+
+    def _skip_recorded_draws(self) -> None:
+        """A draw is recorded in the ledger before the cursor is saved: after a crash in between, the ledger
+        holds prompts beyond the saved cursor. Move the cursor past them (they are failed next), so they are
+        never drawn twice."""
+        start = self.progress.cursor
+        while self.ledger.state(self.dataset.record(self.progress.cursor).prompt_id) is not None:
+            self.progress.cursor += 1
+        if self.progress.cursor != start:
+            log.warning("dataset cursor %d -> %d: draws recorded before a crash", start, self.progress.cursor)
+            self._save_progress()
 
     def _fail_unfinished_prompts(self) -> None:
         """After a restart, prompts that were mid-generation are lost work: fail them with the reason.
@@ -188,9 +229,15 @@ class Controller:
             except DynamicSamplingExhausted as err:
                 self._fail(str(err))
                 return
-            if batch is None:
-                continue
+            except Exception as err:  # the run fails loudly (the trainer hears it), never hangs on a dead thread
+                log.exception("batch production for step %d failed", step)
+                self._fail(f"batch production for step {step} failed: {err}")
+                return
             with self._cond:
+                self._streams.pop(step, None)  # its batch is stored below, under the same lock, or void
+                if batch is None:
+                    self._cond.notify_all()
+                    continue
                 if epoch != self._epoch:
                     self.ledger.rewind(sorted({s.prompt_id for s in batch.samples}), "batch voided by a rewind")
                     continue
@@ -217,75 +264,114 @@ class Controller:
         return records
 
     def _build_batch(self, step: int, epoch: int) -> controller_pb2.Batch | None:
-        """Generate until ``train_batch_groups`` informative groups are kept (DAPO dynamic sampling)."""
+        """Generate until ``train_batch_groups`` informative groups are kept (DAPO dynamic sampling).
+
+        Whole batches keep each round's groups in dataset order; streamed ones in the order they complete."""
         ccfg = self.cfg.controller
         required = max(0, step - 1 - ccfg.max_staleness)
-        filler: GroupFiller[ScoredGroup] = GroupFiller(
-            ccfg.train_batch_groups, ccfg.max_gen_batches, enabled=ccfg.dynamic_sampling
-        )
+        exact = self._exact_workers(required)
+        filler = GroupFiller(ccfg.train_batch_groups, ccfg.max_gen_batches, enabled=ccfg.dynamic_sampling)
+        build = _Build(step, required, filler, streamed=exact is not None)
+        if build.streamed:
+            with self._cond:
+                self._streams[step] = []
         start = time.monotonic()
         cursor_start = self.progress.cursor
-        all_groups: list[ScoredGroup] = []
-        stale = failed = 0
-        drawn: list[str] = []
+        offer_lock = threading.Lock()
         try:
             while not filler.is_full:
                 records = self._draw(ccfg.prompts_per_gen_batch, epoch)
-                drawn += [r.prompt_id for r in records]
+                build.drawn += [r.prompt_id for r in records]
+                by_id = {r.prompt_id: r for r in records}
+
+                def on_group(prompt_id, completions, by_id=by_id):
+                    group = self.scorer.group(by_id[prompt_id], completions)
+                    with offer_lock:
+                        if not build.closed:  # a call still running after a stop: its prompts are settled below
+                            self._offer(build, group)
+
                 result = self.dispatcher.run(
                     [PromptJob(r.prompt_id, r.token_ids) for r in records],
                     self.params,
                     min_version=required,
+                    on_group=on_group if build.streamed else None,
                     should_stop=lambda: self._stop.is_set() or epoch != self._epoch,
+                    only=exact,
                 )
+                with offer_lock:
+                    build.closed = True
                 for prompt_id, reason in result.failed.items():
                     self.ledger.mark([prompt_id], FAILED, reason, step)
-                failed += len(result.failed)
+                build.failed += len(result.failed)
                 if self._stop.is_set() or epoch != self._epoch:
                     raise _Abandoned
-                groups = [
-                    self.scorer.group(r, result.groups[r.prompt_id]) for r in records if r.prompt_id in result.groups
-                ]
-                fresh = [g for g in groups if g.min_version >= required]
-                for g in groups:
-                    if g.min_version < required:
-                        self.ledger.mark(
-                            [g.record.prompt_id], FILTERED, f"stale: version {g.min_version} < {required}", step
-                        )
-                stale += len(groups) - len(fresh)
-                all_groups += fresh
-                dropped = filler.add_batch(fresh, [g.rewards for g in fresh])
-                self.ledger.mark([g.record.prompt_id for g in dropped], FILTERED, "all rewards equal", step)
+                build.closed = False
+                if not build.streamed:
+                    for r in records:
+                        if r.prompt_id in result.groups:
+                            self._offer(build, self.scorer.group(r, result.groups[r.prompt_id]))
+                filler.close_batch()
         except _Abandoned:
             if epoch != self._epoch:
-                self.ledger.rewind(drawn, "batch abandoned by a rewind")
+                self.ledger.rewind(build.drawn, "batch abandoned by a rewind")
             else:
-                pending = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
+                pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
                 self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
             return None
         except DynamicSamplingExhausted as err:
             if ccfg.on_exhausted == "fail" or len(filler.kept) < self._min_partial_groups():
-                leftover = [pid for pid in drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
+                leftover = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
                 self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
                 raise err
             log.warning("%s Step %d trains on the %d groups kept (on_exhausted: partial).", err, step, err.kept)
         kept = filler.take(partial=True)
         self.ledger.mark([g.record.prompt_id for g in filler.surplus], FILTERED, "surplus beyond the batch", step)
-        batch = self._batch_message(step, kept, all_groups, filler, stale, failed, time.monotonic() - start)
+        batch = self._batch_message(build, kept, time.monotonic() - start)
         batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
         return batch
+
+    def _offer(self, build: _Build, group: ScoredGroup) -> None:
+        """One generated group: stale ones are filtered, the rest offered to dynamic sampling; a streamed
+        batch's kept group (within the batch's size) joins the step's stream at once."""
+        prompt_id = group.record.prompt_id
+        if group.min_version < build.required:
+            reason = f"stale: version {group.min_version} < {build.required}"
+            self.ledger.mark([prompt_id], FILTERED, reason, build.step)
+            build.stale += 1
+            return
+        build.all_groups.append(group)
+        if not build.filler.offer(group, group.rewards):
+            self.ledger.mark([prompt_id], FILTERED, "all rewards equal", build.step)
+            return
+        build.kept += 1
+        if build.streamed and build.kept <= build.filler.target_groups:
+            samples = self._group_samples(build.kept - 1, group)
+            with self._cond:
+                if build.step in self._streams:
+                    self._streams[build.step].extend(samples)
+                    self._cond.notify_all()
+
+    def _exact_workers(self, required: int) -> frozenset[str] | None:
+        """The workers a streamed step may use (verified at version ``required``, ready), or None: this step is
+        built whole (streaming off, or none of those workers ready)."""
+        if not self.cfg.streams or self.progress.exact_version != required:
+            return None
+        ready = set(self.progress.exact_workers) & self.registry.ready_ids(required)
+        return frozenset(ready) or None
 
     def _min_partial_groups(self) -> int:
         """Fewest groups a partial batch may hold: one per mini-batch, and a row for every trainer rank in each."""
         tcfg = self.cfg.trainer
         return max(tcfg.mini_batches, -(-tcfg.mini_batches * tcfg.nproc // self.cfg.rollout.n))
 
-    def _batch_message(self, step, kept, all_groups, filler, stale, failed, seconds) -> controller_pb2.Batch:
-        samples = [
+    @staticmethod
+    def _group_samples(index: int, group: ScoredGroup) -> list[controller_pb2.Sample]:
+        """The samples of the batch's group number ``index``."""
+        return [
             controller_pb2.Sample(
-                prompt_id=g.record.prompt_id,
-                group=gi,
-                prompt_token_ids=g.record.token_ids,
+                prompt_id=group.record.prompt_id,
+                group=index,
+                prompt_token_ids=group.record.token_ids,
                 response_token_ids=c.token_ids,
                 rollout_logprobs=c.logprobs,
                 reward=reward,
@@ -294,11 +380,16 @@ class Controller:
                 policy_version=c.policy_version,
                 worker_id=c.worker_id,
             )
-            for gi, g in enumerate(kept)
-            for c, reward, score in zip(g.completions, g.rewards, g.scores)
+            for c, reward, score in zip(group.completions, group.rewards, group.scores)
         ]
-        every = [(r, s, len(c.token_ids)) for g in all_groups for c, r, s in zip(g.completions, g.rewards, g.scores)]
+
+    def _batch_message(self, build: _Build, kept: list[ScoredGroup], seconds: float) -> controller_pb2.Batch:
+        samples = [sample for gi, g in enumerate(kept) for sample in self._group_samples(gi, g)]
+        every = [
+            (r, s, len(c.token_ids)) for g in build.all_groups for c, r, s in zip(g.completions, g.rewards, g.scores)
+        ]
         versions = [s.policy_version for s in samples]
+        filler = build.filler
         stats = controller_pb2.BatchStats(
             groups_kept=len(kept),
             groups_filtered=filler.dropped_count,
@@ -310,40 +401,72 @@ class Controller:
             score_mean=sum(e[1] for e in every) / len(every),
             samples_generated=len(every),
             response_len_mean=sum(e[2] for e in every) / len(every),
-            groups_stale=stale,
-            groups_failed=failed,
+            groups_stale=build.stale,
+            groups_failed=build.failed,
         )
+        target = filler.target_groups if build.streamed else None
         return controller_pb2.Batch(
-            batch_id=f"{step}-{uuid.uuid4().hex[:8]}",
-            step=step,
+            batch_id=f"{build.step}-{uuid.uuid4().hex[:8]}",
+            step=build.step,
             samples=samples,
             stats=stats,
             temperature=self.params.temperature,
+            minibatch_groups=minibatch_groups(len(kept), self.cfg.trainer.mini_batches, target=target),
         )
 
     # -- trainer-facing ------------------------------------------------------------------------
-    def pull_batch(self, step: int, timeout_s: float) -> controller_pb2.Batch:
+    def _wait_for(self, step: int, timeout_s: float, ready: Callable[[], bool]) -> None:
+        """Wait (holding ``self._cond``) until ``ready()``; the errors a trainer pulling ``step`` must hear."""
         deadline = time.monotonic() + timeout_s
+        if step > self._next_step and not self._batches:
+            self._next_step = step  # a trainer resumed ahead of this controller's state
+            self._cond.notify_all()
+        while not ready():
+            if self.state == "failed":
+                raise FailedPrecondition(self.error)
+            if step <= self.progress.trainer_step:
+                raise FailedPrecondition(f"step: {step} was already trained (last step {self.progress.trainer_step})")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if self.state == "paused":
+                    raise Unavailable(f"{PAUSED_DETAIL}: no batch for step {step} until Resume; retry")
+                raise Unavailable(f"no batch for step {step} within {timeout_s:.0f}s; retry")
+            self._cond.wait(min(remaining, 1.0))
+
+    def pull_batch(self, step: int, timeout_s: float) -> controller_pb2.Batch:
         with self._cond:
-            if step > self._next_step and not self._batches:
-                self._next_step = step  # a trainer resumed ahead of this controller's state
-                self._cond.notify_all()
-            while step not in self._batches:
-                if self.state == "failed":
-                    raise FailedPrecondition(self.error)
-                if step <= self.progress.trainer_step:
-                    raise FailedPrecondition(
-                        f"step: {step} was already trained (last step {self.progress.trainer_step})"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    if self.state == "paused":
-                        raise Unavailable(f"{PAUSED_DETAIL}: no batch for step {step} until Resume; retry")
-                    raise Unavailable(f"no batch for step {step} within {timeout_s:.0f}s; retry")
-                self._cond.wait(min(remaining, 1.0))
+            self._wait_for(step, timeout_s, lambda: step in self._batches)
             batch = self._batches[step]
         self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), QUEUED, step=step)
         return batch
+
+    def stream_batch(self, step: int, timeout_s: float) -> Iterator[controller_pb2.BatchPart]:
+        """Step ``step``'s batch as parts (see StreamBatch): its kept groups as they are kept when it is being
+        built streamed, else all at once once it is built; then the batch without samples."""
+        with self._cond:
+            self._wait_for(step, timeout_s, lambda: step in self._batches or step in self._streams)
+            streamed = step not in self._batches
+        temperature, sent = self.params.temperature, 0
+        while True:
+            with self._cond:
+                while step not in self._batches and len(self._streams.get(step, ())) <= sent:
+                    if self.state == "failed":
+                        raise FailedPrecondition(self.error)
+                    if step not in self._streams:
+                        raise Unavailable(f"the batch of step {step} was abandoned mid-stream; pull the step again")
+                    self._cond.wait(1.0)
+                batch = self._batches.get(step)
+                fresh = list((batch.samples if batch is not None else self._streams[step])[sent:])
+            if fresh:
+                yield controller_pb2.BatchPart(samples=fresh, streamed=streamed, temperature=temperature)
+                sent += len(fresh)
+            if batch is not None:
+                break
+        self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), QUEUED, step=step)
+        header = controller_pb2.Batch()
+        header.CopyFrom(batch)
+        del header.samples[:]
+        yield controller_pb2.BatchPart(batch=header, streamed=streamed, temperature=temperature)
 
     def report_step(self, request: controller_pb2.ReportStepRequest) -> None:
         with self._cond:
@@ -356,6 +479,7 @@ class Controller:
             self.progress.policy_version = request.policy_version
             self.progress.last_sync_seconds = request.sync_seconds
             self.progress.last_sync_unix = time.time()
+            self._set_exact(request.synced_worker_ids, request.policy_version)
             finished = request.step >= self.cfg.trainer.steps
             if finished:
                 self.state = "finished"
@@ -385,8 +509,10 @@ class Controller:
             self._epoch += 1
             undone = [self.dataset.record(d).prompt_id for d in range(request.cursor, self.progress.cursor)]
             count = self.ledger.rewind(undone, f"rolled back to checkpoint step {request.step}")
+            self._streams.clear()
             self.progress.cursor = request.cursor
             self.progress.trainer_step = self.progress.policy_version = request.step
+            self._set_exact(request.synced_worker_ids, request.step)
             self._next_step = request.step + 1
             finished = request.step >= self.cfg.trainer.steps
             self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
@@ -398,6 +524,11 @@ class Controller:
         self.registry.set_versions(list(request.synced_worker_ids), request.step, exact=True)
         log.warning("rewound to step %d (cursor %d): %d prompts undone", request.step, request.cursor, count)
         return count
+
+    def _set_exact(self, worker_ids, version: int) -> None:
+        """Workers whose load of ``version`` was verified (call with ``self._cond`` held; saved by the caller)."""
+        self.progress.exact_workers = sorted(worker_ids) if self.cfg.weight_sync.verify != "off" else []
+        self.progress.exact_version = version
 
     def sync_plan(self) -> controller_pb2.WeightSyncPlan:
         request_id, force = self.syncs.pending()
@@ -411,8 +542,13 @@ class Controller:
         )
 
     def report_weight_sync(self, request: controller_pb2.ReportWeightSyncRequest) -> None:
-        """An update outside a step (operator request, joiners): versions and history."""
+        """An update outside a step (the trainer's first publish, operator request, joiners): versions and
+        history. The first publish ("initial") also names the workers a streamed step 1 may use."""
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
+        if request.reason == "initial":
+            with self._cond:
+                self._set_exact(request.synced_worker_ids, request.policy_version)
+                self._save_progress()
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
                 policy_version=request.policy_version,

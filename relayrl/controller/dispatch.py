@@ -103,10 +103,12 @@ class Dispatcher:
         on_group: Callable[[str, list[common_pb2.Completion]], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         no_worker_timeout_s: float = 600.0,
+        only: frozenset[str] | None = None,
     ) -> DispatchResult:
         """Generate ``params.n`` samples for every prompt; blocks until each group is complete or failed.
 
         ``on_group(prompt_id, samples)`` is called (from a dispatch thread) as each group completes.
+        ``only``: send to these worker ids alone (None: any worker).
         """
         start = time.monotonic()
         result = DispatchResult()
@@ -126,19 +128,21 @@ class Dispatcher:
                         result.failed[job.prompt_id] = "stopped before generation finished"
                 break
             while pending:
-                worker = self.registry.acquire(min_version)
+                worker = self.registry.acquire(min_version, only=only)
                 if worker is None:
                     break
                 self._submit(running, Attempt(pending.popleft(), worker), params, min_version, claims)
             if not pending:
-                self._copy_stragglers(running, params, min_version, claims)
+                self._copy_stragglers(running, params, min_version, claims, only)
             if self.registry.paused:  # a paused run is not idle: its prompts wait for Resume
                 idle_since = time.monotonic()
             if not running:
                 if time.monotonic() - idle_since > no_worker_timeout_s:
                     for chunk in pending:
                         for job in chunk:
-                            result.failed[job.prompt_id] = f"no rollout worker at version >= {min_version}"
+                            result.failed[job.prompt_id] = f"no rollout worker at version >= {min_version}" + (
+                                f" among {sorted(only)}" if only is not None else ""
+                            )
                     break
                 self.registry.wait_for_change(0.2)
                 continue
@@ -180,7 +184,12 @@ class Dispatcher:
         running[future] = attempt
 
     def _copy_stragglers(
-        self, running: dict[Future, Attempt], params: SamplingParams, min_version: int, claims: GroupClaims
+        self,
+        running: dict[Future, Attempt],
+        params: SamplingParams,
+        min_version: int,
+        claims: GroupClaims,
+        only: frozenset[str] | None = None,
     ) -> None:
         """Send each chunk in flight longer than straggler_factor x the recent median to an idle worker too."""
         if self.straggler_factor <= 0 or len(self.chunk_seconds) < 3:
@@ -191,7 +200,7 @@ class Dispatcher:
             rest = [job for job in attempt.chunk if job.prompt_id not in claims.won]
             if attempt.twin is not None or attempt.cancelled or not rest or now - attempt.started <= limit:
                 continue
-            worker = self.registry.acquire(min_version, idle_other_than=attempt.worker)
+            worker = self.registry.acquire(min_version, idle_other_than=attempt.worker, only=only)
             if worker is None:
                 return
             copy = Attempt(rest, worker, twin=attempt)

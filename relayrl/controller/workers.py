@@ -118,10 +118,16 @@ class WorkerRegistry:
         with self.lock:
             return self._workers.get(worker_id)
 
-    def acquire(self, min_version: int, *, idle_other_than: WorkerHandle | None = None) -> WorkerHandle | None:
+    def acquire(
+        self,
+        min_version: int,
+        *,
+        idle_other_than: WorkerHandle | None = None,
+        only: frozenset[str] | None = None,
+    ) -> WorkerHandle | None:
         """The least-loaded ready worker at ``min_version`` or newer with a free slot (least recently used
         among equals); its load is taken. With ``idle_other_than``: only a worker with nothing in flight
-        that is not that one (a straggler's chunk goes there too).
+        that is not that one (a straggler's chunk goes there too). With ``only``: one of those worker ids.
         None while the registry is paused."""
         with self.lock:
             if self.paused:
@@ -133,6 +139,7 @@ class WorkerRegistry:
                 and w.policy_version >= min_version
                 and w.in_flight < self.max_in_flight
                 and (idle_other_than is None or (w.in_flight == 0 and w.worker_id != idle_other_than.worker_id))
+                and (only is None or w.worker_id in only)
             ]
             if not candidates:
                 return None
@@ -168,6 +175,11 @@ class WorkerRegistry:
             start = self._rotation % len(workers)
             self._rotation = start + limit
             return (workers + workers)[start : start + limit]
+
+    def ready_ids(self, min_version: int) -> set[str]:
+        """Ids of the ready workers at ``min_version`` or newer."""
+        with self.lock:
+            return {w.worker_id for w in self._workers.values() if w.state == READY and w.policy_version >= min_version}
 
     def active(self) -> list[WorkerHandle]:
         """Workers that should receive weights: every live worker, draining ones included."""

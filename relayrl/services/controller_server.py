@@ -62,14 +62,20 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.controller.registry.remove(request.worker_id)
         return controller_pb2.DeregisterWorkerResponse()
 
-    @guarded
-    def PullBatch(self, request, context):
+    def _pull_timeout(self, request, context) -> float:
         if request.step < 1:
             raise InvalidArgument("step", f"must be >= 1, got {request.step}")
         check_number("timeout_s", request.timeout_s, high=self.controller.cfg.controller.max_pull_timeout_s)
         timeout = request.timeout_s if request.timeout_s > 0 else 60.0
-        timeout = min(timeout, context.time_remaining() or math.inf)  # nobody waits for an answer after that
-        return self.controller.pull_batch(request.step, timeout)
+        return min(timeout, context.time_remaining() or math.inf)  # nobody waits for an answer after that
+
+    @guarded
+    def PullBatch(self, request, context):
+        return self.controller.pull_batch(request.step, self._pull_timeout(request, context))
+
+    @guarded
+    def StreamBatch(self, request, context):
+        yield from self.controller.stream_batch(request.step, self._pull_timeout(request, context))
 
     @guarded
     def ReportStep(self, request, context):

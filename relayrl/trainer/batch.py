@@ -7,6 +7,7 @@ tensor scores token t+1: ``response_mask[i, t]`` is 1 where token t+1 is a respo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -36,11 +37,16 @@ class TrainBatch:
 
 
 def to_train_batch(
-    batch: controller_pb2.Batch, pad_token_id: int, *, version: int = -1, verified_workers: frozenset[str] = frozenset()
+    batch: controller_pb2.Batch | Sequence[controller_pb2.Sample],
+    pad_token_id: int,
+    *,
+    version: int = -1,
+    verified_workers: frozenset[str] = frozenset(),
 ) -> TrainBatch:
-    """The padded batch; a sample is ``exact_rollout`` when it carries ``version`` (the weights the step starts
-    from) and came from a worker whose load of that version was verified by checksum."""
-    samples = list(batch.samples)
+    """The padded batch (a Batch, or some of its samples); a sample is ``exact_rollout`` when it carries
+    ``version`` (the weights the step starts from) and came from a worker whose load of that version was
+    verified by checksum."""
+    samples = list(batch.samples if isinstance(batch, controller_pb2.Batch) else batch)
     if not samples:
         raise ValueError("batch.samples: empty batch")
     rows = [list(s.prompt_token_ids) + list(s.response_token_ids) for s in samples]

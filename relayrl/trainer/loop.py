@@ -29,6 +29,7 @@ from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.step import train_on_batch
+from relayrl.trainer.stream import StreamedStep, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
@@ -106,6 +107,54 @@ def broadcast_from_rank0(*values: object) -> list:
     return box
 
 
+def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozenset[str], pad_id: int):
+    """One step from StreamBatch parts (``parts()``: rank 0's fresh read_stream, None elsewhere; rank 0
+    broadcasts each item, so every rank trains the same parts in the same order). Returns (the batch, the
+    train metrics), or (None, {}) when a shutdown was requested. A broken stream is pulled again."""
+    rank0 = parts is not None
+    while True:
+        source = parts() if rank0 else None
+        streamed = StreamedStep(
+            backend, cfg.algorithm, cfg.trainer, target_groups=cfg.controller.train_batch_groups,
+            version=step - 1, verified=verified, pad_id=pad_id, norm_len=cfg.rollout.max_tokens,
+        )  # fmt: skip
+        whole: list[controller_pb2.Sample] = []  # parts of a batch sent whole (not streamed)
+        waited = 0.0
+        began = time.perf_counter()
+        while True:
+            before = time.perf_counter()
+            kind, payload = broadcast_from_rank0(*(next(source) if rank0 else (None, None)))
+            waited += time.perf_counter() - before
+            if kind == "stop":
+                return None, {}
+            if kind == "broken":
+                log.warning("the batch stream of step %d broke (%s): its parts are void; pulling again", step, payload)
+                streamed.discard()
+                break
+            part = controller_pb2.BatchPart.FromString(payload)
+            if kind == "part":
+                if part.streamed:
+                    streamed.add(part.samples, part.temperature)
+                else:
+                    whole.extend(part.samples)
+                continue
+            batch_msg = part.batch
+            if part.streamed:
+                batch_msg.samples.extend(streamed.samples)
+                train = streamed.finish(batch_msg)
+            else:
+                batch_msg.samples.extend(whole)
+                batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
+                train = train_on_batch(
+                    backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
+                    norm_len=cfg.rollout.max_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                )  # fmt: skip
+            train["streamed"] = float(part.streamed)
+            train["train_wait_seconds"] = waited
+            train["train_seconds"] = time.perf_counter() - began - waited  # compute only
+            return batch_msg, train
+
+
 def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_seconds: float) -> dict:
     stats = batch.stats
     return {
@@ -174,28 +223,42 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
         call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
+    elif rank == 0:  # the workers whose load of the starting weights was verified: a streamed step 1 uses them
+        initial = controller_pb2.ReportWeightSyncRequest(
+            policy_version=start_step, seconds=sync.seconds, synced_worker_ids=sync.synced, reason="initial"
+        )
+        call_with_retry(partial(stub.ReportWeightSync, initial, timeout=60), what="ReportWeightSync", deadline_s=600)
+    streaming = cfg.streams
+    stream_timeout_s = cfg.trainer.pull_timeout_s + cfg.controller.generate_timeout_s * cfg.controller.max_gen_batches
 
     stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     saved_step, stopped = start_step, False
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
-        payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
         # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)
         verified = sync.synced if rank == 0 and cfg.weight_sync.verify != "off" else []
-        payload, verified = broadcast_from_rank0(payload, verified)
-        if not payload:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
+        (verified,) = broadcast_from_rank0(frozenset(verified))
+        if streaming:
+            parts = partial(read_stream, stub, step, cfg.trainer.pull_timeout_s, stream_timeout_s, stop)
+            batch_msg, train = train_streamed(backend, cfg, step, parts if rank == 0 else None, verified, pad_id)
+        else:
+            payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
+            (payload,) = broadcast_from_rank0(payload)
+            batch_msg = controller_pb2.Batch.FromString(payload) if payload else None
+            if batch_msg is not None:
+                pulled = time.perf_counter()
+                batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
+                train = train_on_batch(
+                    backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
+                    norm_len=cfg.rollout.max_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                )  # fmt: skip
+                done = time.perf_counter()  # train_seconds: batch in hand to trained, without pull and sync
+                train.update(streamed=0.0, train_wait_seconds=pulled - began, train_seconds=done - pulled)
+        if batch_msg is None:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
             log.info("stopping before step %d", step)
             stopped = True
             break
-        pulled = time.perf_counter()
-        batch_msg = controller_pb2.Batch.FromString(payload)
-        batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=frozenset(verified))
-        train = train_on_batch(
-            backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-            norm_len=cfg.rollout.max_tokens,
-        )  # fmt: skip
-        train["train_seconds"] = time.perf_counter() - pulled  # batch in hand to trained: without pull and sync
         sync = publish_weights(backend, syncer, step)
         if rank == 0:
             step_seconds = time.perf_counter() - began

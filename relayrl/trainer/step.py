@@ -19,21 +19,25 @@ the step's starting weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.partition import split_sizes
 
 METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
 SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: each rank holds a share
 
 
-def minibatch_rows(group_ids: torch.Tensor, mini_batches: int) -> list[torch.Tensor]:
-    """Row indices of each mini-batch; a group never spans two mini-batches."""
+def minibatch_rows(group_ids: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Row indices of each mini-batch, ``sizes[k]`` groups in mini-batch k (groups in id order); a group never
+    spans two mini-batches."""
     groups = torch.unique(group_ids)
-    return [torch.nonzero(torch.isin(group_ids, chunk)).flatten() for chunk in torch.tensor_split(groups, mini_batches)]
+    return [torch.nonzero(torch.isin(group_ids, chunk)).flatten() for chunk in torch.split(groups, list(sizes))]
 
 
 def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
@@ -43,22 +47,136 @@ def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
     return batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
 
 
+def minibatch_counts(row_tokens: torch.Tensor, alg: AlgorithmConfig, norm_len: int) -> dict[str, float]:
+    """The global counts of agg_loss for a mini-batch whose rows (all ranks') hold ``row_tokens`` loss tokens."""
+    return {
+        "num_tokens": float(row_tokens.sum().clamp(min=1)),
+        "num_seqs": float(max(1, int((row_tokens > 0).sum())))
+        if alg.loss_agg == "seq-mean-token-mean"
+        else float(len(row_tokens)),
+        "norm_len": norm_len,
+    }
+
+
+def backward_rows(
+    backend,
+    batch: TrainBatch,
+    shard: torch.Tensor,
+    *,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    alg: AlgorithmConfig,
+    counts: dict[str, float],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Forward rows ``shard`` at the current weights, their loss (agg_loss with ``counts``, KL and entropy terms)
+    and its backward, times the data-parallel size (the gradient reduction averages over ranks). Returns the
+    detached logprobs, the masked loss pieces and the policy-loss metrics."""
+    m = mask[shard].to(backend.device)
+    logprob, entropy = backend.logprobs(batch.input_ids[shard], batch.attention_mask[shard], temperature)
+    adv = advantages[shard].to(backend.device).unsqueeze(-1).expand_as(logprob)
+    is_weights = None
+    if alg.tis_cap is not None:
+        is_weights = torch.exp(old - batch.rollout_logprobs[shard].to(backend.device)).clamp(max=alg.tis_cap)
+    loss_mat, pg = compute_policy_loss(
+        alg.policy_loss, logprob, old, adv, m,
+        clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, is_weights=is_weights,
+    )  # fmt: skip
+    loss = agg_loss(loss_mat, m, alg.loss_agg, **counts)
+    ref_kl = torch.zeros((), device=backend.device)
+    if ref is not None:
+        ref_kl = agg_loss(kl_penalty(logprob, ref, alg.kl_estimator), m, alg.loss_agg, **counts)
+        loss = loss + alg.kl_coef * ref_kl
+    if alg.entropy_coef > 0:
+        loss = loss - alg.entropy_coef * agg_loss(entropy, m, alg.loss_agg, **counts)
+    (loss * backend.dp_size).backward()
+    pieces = {"mask": m, "entropy": entropy.detach(), "loss": float(loss.detach()), "ref_kl": float(ref_kl)}
+    return logprob.detach(), pieces, pg
+
+
+class StepMetrics:
+    """A step's metrics: sums over this rank's rows as they are trained; ``finish`` reduces them over ranks."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
+        self.shares = torch.zeros(len(SHARES), dtype=torch.float64)
+        self._open_shares = torch.zeros(len(SHARES), dtype=torch.float64)  # of the mini-batch not yet closed
+        self.mismatch_max = torch.zeros(1, dtype=torch.float64)
+        self.mismatch_sums = torch.zeros(2, dtype=torch.float64)  # (|gap| summed over tokens, tokens) where measured
+        self.grad_norms: list[float] = []
+        self.engine_old: list[bool] = []  # per mini-batch: old logprobs from the engine
+
+    def add(self, pieces: dict, pg: dict) -> None:
+        m = pieces["mask"]
+        tokens = float(m.sum())
+        entropy_mean = (pieces["entropy"] * m).sum() / max(tokens, 1)
+        values = [pg["clip_frac"], pg["dual_clip_frac"], pg["approx_kl"], entropy_mean]
+        self.sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
+        self.sums[-1] += tokens
+        self._open_shares += torch.tensor([pieces["loss"], pieces["ref_kl"]], dtype=torch.float64)
+
+    def add_mismatch(self, trainer_old: torch.Tensor, rollout: torch.Tensor, m: torch.Tensor) -> None:
+        """|trainer - engine| logprobs of the behaviour policy on these rows."""
+        gap = (trainer_old - rollout.to(trainer_old.device)).abs() * m
+        self.mismatch_max = torch.maximum(self.mismatch_max, gap.max().double().cpu().reshape(1))
+        self.mismatch_sums += torch.tensor([float(gap.sum()), float(m.sum())], dtype=torch.float64)
+
+    def close_minibatch(self, grad_norm: float, divisor: float = 1.0) -> None:
+        """An optimizer step: the mini-batch's loss shares (un-normalised ones divided by ``divisor``)."""
+        self.shares += self._open_shares / divisor
+        self._open_shares.zero_()
+        self.grad_norms.append(grad_norm)
+
+    def finish(self, backend, alg: AlgorithmConfig) -> dict[str, float]:
+        """Collective over the trainer's world: every rank calls it once per step."""
+        dist.all_reduce(self.sums)
+        dist.all_reduce(self.shares)
+        dist.all_reduce(self.mismatch_max, op=dist.ReduceOp.MAX)
+        dist.all_reduce(self.mismatch_sums)
+        tokens = max(float(self.sums[-1]), 1.0)
+        metrics = {name: float(self.sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
+        # A mini-batch's loss (and KL term) is the sum of its data-parallel shares; each share is held by the
+        # world / dp_size ranks of one model replica. Mean over the optimizer steps.
+        replicas = dist.get_world_size() // backend.dp_size
+        for i, name in enumerate(SHARES):
+            metrics[name] = float(self.shares[i]) / replicas / len(self.grad_norms)
+        metrics["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        metrics["logprob_mismatch"] = float(self.mismatch_sums[0]) / max(float(self.mismatch_sums[1]), 1.0)
+        metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
+        metrics["old_logprobs_from_engine"] = sum(self.engine_old) / len(self.engine_old)  # share of mini-batches
+        metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
+        return metrics
+
+
 def train_on_batch(
-    backend, batch: TrainBatch, alg: AlgorithmConfig, tcfg: TrainerConfig, *, temperature: float, norm_len: int
+    backend,
+    batch: TrainBatch,
+    alg: AlgorithmConfig,
+    tcfg: TrainerConfig,
+    *,
+    temperature: float,
+    norm_len: int,
+    minibatch_groups: Sequence[int] | None = None,
 ) -> dict[str, float]:
+    """One step on the whole batch. ``minibatch_groups``: groups per mini-batch (the batch's own partition,
+    Batch.minibatch_groups); None or empty: ``tcfg.mini_batches`` even ones."""
     rank, world = backend.dp_rank, backend.dp_size  # data-parallel: with TP/PP, several ranks share rows
     advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     mask = loss_mask(batch, alg.overlong_filter)
-    minibatches = minibatch_rows(batch.group_ids, tcfg.mini_batches)
+    sizes = list(minibatch_groups or split_sizes(len(torch.unique(batch.group_ids)), tcfg.mini_batches))
+    minibatches = minibatch_rows(batch.group_ids, sizes)
     shards = [rows[rank::world] for rows in minibatches]
 
-    engine_old = [alg.old_logprobs == "auto" and bool(batch.exact_rollout[rows].all()) for rows in minibatches]
+    metrics = StepMetrics()
+    metrics.engine_old = [alg.old_logprobs == "auto" and bool(batch.exact_rollout[rows].all()) for rows in minibatches]
     with torch.no_grad():  # the behaviour ("old") policy: this step's weights before any update
         old = [
             batch.rollout_logprobs[s].to(backend.device)
             if from_engine
             else backend.logprobs(batch.input_ids[s], batch.attention_mask[s], temperature)[0]
-            for s, from_engine in zip(shards, engine_old, strict=True)
+            for s, from_engine in zip(shards, metrics.engine_old, strict=True)
         ]
         ref = (
             [
@@ -69,64 +187,16 @@ def train_on_batch(
             else None
         )
 
-    sums = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64)  # + token count
-    shares = torch.zeros(len(SHARES), dtype=torch.float64)
-    mismatch_max = torch.zeros(1, dtype=torch.float64)
-    mismatch_sums = torch.zeros(2, dtype=torch.float64)  # (|gap| summed over tokens, tokens) where measured
-    grad_norms = []
     for epoch in range(tcfg.epochs):
         for k, (rows, shard) in enumerate(zip(minibatches, shards)):
-            m = mask[shard].to(backend.device)
-            counts = {
-                "num_tokens": float(mask[rows].sum().clamp(min=1)),
-                "num_seqs": float(max(1, int((mask[rows].sum(-1) > 0).sum())))
-                if alg.loss_agg == "seq-mean-token-mean"
-                else float(len(rows)),
-                "norm_len": norm_len,
-            }
-            logprob, entropy = backend.logprobs(batch.input_ids[shard], batch.attention_mask[shard], temperature)
-            adv = advantages[shard].to(backend.device).unsqueeze(-1).expand_as(logprob)
-            is_weights = None
-            if alg.tis_cap is not None:
-                is_weights = torch.exp(old[k] - batch.rollout_logprobs[shard].to(backend.device)).clamp(max=alg.tis_cap)
-            loss_mat, pg = compute_policy_loss(
-                alg.policy_loss, logprob, old[k], adv, m,
-                clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, is_weights=is_weights,
+            logprob, pieces, pg = backward_rows(
+                backend, batch, shard, advantages=advantages, mask=mask, old=old[k],
+                ref=ref[k] if ref is not None else None, alg=alg,
+                counts=minibatch_counts(mask[rows].sum(-1), alg, norm_len), temperature=temperature,
             )  # fmt: skip
-            loss = agg_loss(loss_mat, m, alg.loss_agg, **counts)
-            ref_kl = torch.zeros((), device=backend.device)
-            if ref is not None:
-                ref_kl = agg_loss(kl_penalty(logprob, ref[k], alg.kl_estimator), m, alg.loss_agg, **counts)
-                loss = loss + alg.kl_coef * ref_kl
-            if alg.entropy_coef > 0:
-                loss = loss - alg.entropy_coef * agg_loss(entropy, m, alg.loss_agg, **counts)
-            (loss * world).backward()
-            grad_norms.append(backend.step(tcfg.grad_clip))
-            tokens = float(m.sum())
-            if epoch == 0 and (k == 0 or not engine_old[k]):  # trainer logprobs at the step's starting weights
-                trainer_old = logprob.detach() if engine_old[k] else old[k]
-                gap = (trainer_old - batch.rollout_logprobs[shard].to(backend.device)).abs() * m
-                mismatch_max = torch.maximum(mismatch_max, gap.max().double().cpu().reshape(1))
-                mismatch_sums += torch.tensor([float(gap.sum()), tokens], dtype=torch.float64)
-            entropy_mean = (entropy.detach() * m).sum() / max(tokens, 1)
-            values = [pg["clip_frac"], pg["dual_clip_frac"], pg["approx_kl"], entropy_mean]
-            sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
-            sums[-1] += tokens
-            shares += torch.tensor([float(loss.detach()), float(ref_kl)], dtype=torch.float64)
-    dist.all_reduce(sums)
-    dist.all_reduce(shares)
-    dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
-    dist.all_reduce(mismatch_sums)
-    tokens = max(float(sums[-1]), 1.0)
-    metrics = {name: float(sums[i]) / tokens for i, name in enumerate(METRIC_SUMS)}
-    # A mini-batch's loss (and KL term) is the sum of its data-parallel shares; each share is held by the
-    # world / dp_size ranks of one model replica. Mean over the optimizer steps.
-    replicas = dist.get_world_size() // world
-    for i, name in enumerate(SHARES):
-        metrics[name] = float(shares[i]) / replicas / (tcfg.epochs * len(minibatches))
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    metrics["logprob_mismatch"] = float(mismatch_sums[0]) / max(float(mismatch_sums[1]), 1.0)
-    metrics["logprob_mismatch_max"] = float(mismatch_max)  # max |trainer - engine| logprob, behaviour policy
-    metrics["old_logprobs_from_engine"] = sum(engine_old) / len(engine_old)  # share of mini-batches
-    metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
-    return metrics
+            metrics.add(pieces, pg)
+            metrics.close_minibatch(backend.step(tcfg.grad_clip))
+            if epoch == 0 and (k == 0 or not metrics.engine_old[k]):  # trainer logprobs at the starting weights
+                trainer_old = logprob if metrics.engine_old[k] else old[k]
+                metrics.add_mismatch(trainer_old, batch.rollout_logprobs[shard], pieces["mask"])
+    return metrics.finish(backend, alg)

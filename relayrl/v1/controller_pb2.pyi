@@ -102,18 +102,32 @@ class BatchStats(_message.Message):
     def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("batch_id", "step", "samples", "stats", "temperature")
+    __slots__ = ("batch_id", "step", "samples", "stats", "temperature", "minibatch_groups")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MINIBATCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     step: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     stats: BatchStats
     temperature: float
-    def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    minibatch_groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ..., minibatch_groups: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchPart(_message.Message):
+    __slots__ = ("samples", "batch", "streamed", "temperature")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    batch: Batch
+    streamed: bool
+    temperature: float
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., streamed: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
     __slots__ = ("step", "batch_id", "policy_version", "sync_seconds", "step_seconds", "metrics", "synced_worker_ids")

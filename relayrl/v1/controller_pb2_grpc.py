@@ -49,6 +49,11 @@ class ControllerServiceStub:
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.SerializeToString,
                 response_deserializer=relayrl_dot_v1_dot_controller__pb2.Batch.FromString,
                 _registered_method=True)
+        self.StreamBatch = channel.unary_stream(
+                '/relayrl.v1.ControllerService/StreamBatch',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.BatchPart.FromString,
+                _registered_method=True)
         self.ReportStep = channel.unary_unary(
                 '/relayrl.v1.ControllerService/ReportStep',
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.ReportStepRequest.SerializeToString,
@@ -130,6 +135,17 @@ class ControllerServiceServicer:
     def PullBatch(self, request, context):
         """Trainer: the next training batch (groups that passed dynamic sampling, with rewards).
         FAILED_PRECONDITION when dynamic sampling is exhausted (the message says what to change).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamBatch(self, request, context):
+        """Trainer, when streaming (trainer.stream): the same batch, sent as its groups are kept. Parts
+        carry whole groups in batch order; the last part carries the batch without samples (id, stats,
+        mini-batch partition). A step whose batch was already complete (or was not built for streaming)
+        arrives as one part holding every sample, then the last part. Errors as PullBatch; a stream that
+        breaks (controller restart) voids the parts received: pull the step again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,6 +265,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.PullBatch,
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.FromString,
                     response_serializer=relayrl_dot_v1_dot_controller__pb2.Batch.SerializeToString,
+            ),
+            'StreamBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamBatch,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.BatchPart.SerializeToString,
             ),
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
@@ -392,6 +413,33 @@ class ControllerService:
             '/relayrl.v1.ControllerService/PullBatch',
             relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.SerializeToString,
             relayrl_dot_v1_dot_controller__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/StreamBatch',
+            relayrl_dot_v1_dot_controller__pb2.PullBatchRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.BatchPart.FromString,
             options,
             channel_credentials,
             insecure,

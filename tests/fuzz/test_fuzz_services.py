@@ -27,7 +27,7 @@ EXAMPLES = 1000
 DEADLINE_S = 10.0
 # Methods that may legitimately wait longer than a short deadline (a batch that is not ready yet; a weight
 # group whose master never shows up): called with a short deadline, DEADLINE_EXCEEDED is an answer for them.
-WAITING = {"PullBatch": 1.0, "InitWeightSync": 2.0}
+WAITING = {"PullBatch": 1.0, "StreamBatch": 1.0, "InitWeightSync": 2.0}
 REFUSED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 FUZZ = settings(
     max_examples=EXAMPLES,

@@ -222,3 +222,35 @@ def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
     )  # 6 samples: divisible by DP = 4 / 2 = 2, though not by nproc
     assert cfg.trainer.data_parallel == 2
     assert cfg.trainer.model_copy(update={"backend": "fsdp"}).data_parallel == 4
+
+
+@pytest.mark.parametrize(
+    ("sections", "words"),
+    [
+        ({"controller": {"max_staleness": 1}}, ["controller.max_staleness: 0 (is 1)"]),
+        ({"algorithm": {"old_logprobs": "recompute"}}, ["algorithm.old_logprobs: auto (is recompute)"]),
+        ({"weight_sync": {"verify": "off"}}, ["weight_sync.verify"]),
+        ({"trainer": {"epochs": 2}}, ["trainer.epochs: 1 (is 2)"]),
+        ({"trainer": {"backend": "megatron"}}, ["trainer.backend: fsdp (is megatron)"]),
+        ({"algorithm": {"advantage": "reinforce_pp"}}, ["algorithm.advantage", "batch-wide"]),
+        ({"trainer": {"nproc": 4}, "rollout": {"n": 2}}, ["rollout.n >= the trainer's data-parallel ranks (4"]),
+    ],
+)
+def test_stream_on_refuses_what_cannot_stream_exactly_and_auto_trains_whole_there(sections, words) -> None:
+    sections = {name: dict(values) for name, values in sections.items()}
+    auto = parse_config(with_sections(**sections))
+    assert not auto.streams  # auto: whole batches
+    sections.setdefault("trainer", {})["stream"] = "on"
+    message = config_error(with_sections(**sections))
+    assert message.startswith("trainer.stream: 'on' needs")
+    for word in words:
+        assert word in message
+
+
+def test_stream_auto_streams_the_synchronous_default_and_off_turns_it_off() -> None:
+    assert parse_config(BASE).streams
+    assert parse_config(with_sections(trainer={"stream": "on"})).streams
+    assert not parse_config(with_sections(trainer={"stream": "off"})).streams
+    raw = yaml.safe_load("trainer: {stream: off}")  # YAML's bare off is false
+    assert parse_config({**BASE, **raw}).trainer.stream == "off"
+    assert "trainer.stream: Input should be 'auto', 'on' or 'off'" in config_error(with_sections(trainer={"stream": 1}))

@@ -142,3 +142,21 @@ def agg_loss(
     """
     fn = LOSS_AGGREGATIONS.get(mode)
     return fn(loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+
+
+# Each mode is L = S / D: S a sum over the rows' tokens, D built from the global counts alone. With unit counts
+# (UNIT_COUNTS) every mode returns S, so a mini-batch can be accumulated in pieces and divided by D once.
+UNIT_COUNTS = {"num_tokens": 1.0, "num_seqs": 1.0, "norm_len": 1}
+_DENOMINATORS: dict[str, Callable[[float, float, int], float]] = {
+    "token-mean": lambda tokens, seqs, length: tokens,
+    "seq-mean-token-sum": lambda tokens, seqs, length: seqs,
+    "seq-mean-token-mean": lambda tokens, seqs, length: seqs,
+    "seq-mean-token-sum-norm": lambda tokens, seqs, length: seqs * length,
+}
+
+
+def agg_denominator(mode: str, *, num_tokens: float, num_seqs: float, norm_len: int) -> float:
+    """D of ``mode`` for these global counts: agg_loss(x, counts) = agg_loss(x, UNIT_COUNTS) / D."""
+    if mode not in _DENOMINATORS:
+        raise KeyError(f"loss aggregation mode {mode!r} has no known denominator (it cannot be accumulated)")
+    return float(_DENOMINATORS[mode](num_tokens, num_seqs, norm_len))

@@ -108,16 +108,25 @@ class GroupFiller(Generic[G]):
         """
         if len(groups) != len(rewards):
             raise ValueError(f"rewards: expected one reward list per group ({len(groups)}), got {len(rewards)}")
-        self._gen_batches += 1
-        dropped: list[G] = []
-        for group, group_rewards in zip(groups, rewards, strict=True):
-            if not self.enabled or group_is_informative(group_rewards, self.tol):
-                self._kept.append(group)
-            else:
-                dropped.append(group)
-        self._dropped += len(dropped)
-        self.check_exhausted()
+        dropped = [
+            group for group, group_rewards in zip(groups, rewards, strict=True) if not self.offer(group, group_rewards)
+        ]
+        self.close_batch()
         return dropped
+
+    def offer(self, group: G, rewards: Sequence[float]) -> bool:
+        """Keep ``group`` if informative (or dynamic sampling is off); True when kept. Groups offered one at a
+        time, as they complete, are kept in that order; ``close_batch`` ends their generation batch."""
+        if not self.enabled or group_is_informative(rewards, self.tol):
+            self._kept.append(group)
+            return True
+        self._dropped += 1
+        return False
+
+    def close_batch(self) -> None:
+        """Count one generation batch; raises DynamicSamplingExhausted as ``add_batch`` does."""
+        self._gen_batches += 1
+        self.check_exhausted()
 
     def check_exhausted(self) -> None:
         """Raise DynamicSamplingExhausted if all ``max_gen_batches`` batches are used and it is not full."""

@@ -5,6 +5,7 @@ Contract: every method is called by every rank (they hold collectives), except w
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,6 +76,26 @@ class FSDPBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (a streamed mini-batch's normaliser)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def snapshot(self) -> tuple[list[torch.Tensor], dict]:
+        """A copy of this rank's weights and optimizer state (a streamed step keeps one until it ends)."""
+        return [p.detach().clone() for p in self.model.parameters()], copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self, snapshot: tuple[list[torch.Tensor], dict] | None) -> None:
+        """Back to ``snapshot`` (None: keep the weights), gradients dropped: a streamed step whose stream broke."""
+        if snapshot is not None:
+            weights, optimizer = snapshot
+            with torch.no_grad():
+                for p, saved in zip(self.model.parameters(), weights, strict=True):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of every weight the rollout engines load, in ``weight_names`` order."""
