@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from relayrl.config import load_config
@@ -101,6 +102,24 @@ def start_up(config_path: Path, *, resume: bool = False) -> subprocess.Popen:
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(config_path), *(["--resume"] if resume else [])]
     env = {**os.environ, "COLUMNS": "400"}  # rich wraps its messages at the console width
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
+
+
+@contextlib.contextmanager
+def running_up(config_path: Path) -> Iterator[subprocess.Popen]:
+    """``start_up``; whatever happens in the block, a ``relayrl up`` still running at its end is killed (its tree)."""
+    up = start_up(config_path)
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            kill_tree(up.pid)
+
+
+def contiguous_records(cfg, steps: int) -> list[dict]:
+    """The run's metrics records, asserted to be steps 1..``steps``: none repeated, none skipped."""
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records
 
 
 def supervised_roles(cfg) -> dict[str, dict]:

@@ -10,9 +10,8 @@ import pytest
 
 from relayrl.config import load_config
 from relayrl.procs import kill_tree
-from relayrl.trainer.metrics import read_metrics
 
-from .jobs import finish, ledger_fates, start_up, supervised_roles, trained_counts, wait_steps
+from .jobs import contiguous_records, finish, ledger_fates, running_up, supervised_roles, trained_counts, wait_steps
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +32,13 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     )
     cfg = load_config(config)
     assert cfg.streams
-    up = start_up(config)
-    try:
+    with running_up(config) as up:
         wait_steps(cfg, 3, timeout_s=600)
         time.sleep(0.3)  # step 4's first groups reach the trainer
         kill_tree(supervised_roles(cfg)["controller"]["pid"])
         code, err = finish(up)
-    finally:
-        if up.poll() is None:
-            kill_tree(up.pid)
     assert code == 0, err
-    records = read_metrics(cfg.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # none repeated, none skipped
+    records = contiguous_records(cfg, steps)
     assert all(r["rollout_version_min"] == r["rollout_version_max"] == r["step"] - 1 for r in records)
     # step 1 may be built before the trainer's first publish names the verified workers: trained whole
     streamed = [r["step"] for r in records if r["streamed"] == 1.0]

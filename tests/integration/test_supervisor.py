@@ -16,9 +16,18 @@ import pytest
 from relayrl.config import load_config
 from relayrl.launcher import controller_status
 from relayrl.procs import kill_tree
-from relayrl.trainer.metrics import read_metrics
 
-from .jobs import finish, ledger_fates, rank_pid, start_up, supervised_roles, trained_counts, wait_steps, wait_until
+from .jobs import (
+    contiguous_records,
+    finish,
+    ledger_fates,
+    rank_pid,
+    running_up,
+    supervised_roles,
+    trained_counts,
+    wait_steps,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +46,7 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
         supervisor=RESTART_FAST,
     )
     cfg = load_config(config)
-    up = start_up(config)
-    try:
+    with running_up(config) as up:
         wait_steps(cfg, 10, timeout_s=600)
         kill_tree(supervised_roles(cfg)["rollout-1"]["pid"])
         wait_steps(cfg, 20, timeout_s=600)
@@ -49,12 +57,8 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
         assert counted == {"controller": 1, "rollout-0": 0, "rollout-1": 1, "trainer": 0}, counted
         kill_tree(rank_pid(supervised_roles(cfg)["trainer"]["pid"], rank=1))
         code, err = finish(up)
-    finally:
-        if up.poll() is None:
-            kill_tree(up.pid)
     assert code == 0, err
-    records = read_metrics(cfg.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # none repeated, none skipped
+    records = contiguous_records(cfg, steps)
     restarts = {role: entry["restarts"] for role, entry in supervised_roles(cfg).items()}
     assert restarts == {"controller": 1, "rollout-0": 0, "rollout-1": 1, "trainer": 1}, restarts
     assert any("rollout-1" in r["rollout_workers"] for r in records[11:]), "the restarted worker never served"
@@ -87,8 +91,7 @@ def test_up_rides_out_a_frozen_worker(make_config):
         weight_sync={"timeout_s": sync_timeout},
     )
     cfg = load_config(config)
-    up = start_up(config)
-    try:
+    with running_up(config) as up:
         wait_steps(cfg, 6, timeout_s=600)  # the next batch is being generated now
         pid = supervised_roles(cfg)["rollout-1"]["pid"]
         kill_tree(pid, signal.SIGSTOP)
@@ -96,12 +99,8 @@ def test_up_rides_out_a_frozen_worker(make_config):
         wait_until(lambda: time.monotonic() - frozen_at > 45, timeout_s=60, what="45 s frozen")
         kill_tree(pid, signal.SIGCONT)
         code, err = finish(up)
-    finally:
-        if up.poll() is None:
-            kill_tree(up.pid)
     assert code == 0, err
-    records = read_metrics(cfg.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    records = contiguous_records(cfg, steps)
     assert all(r["samples_trained"] == groups * n for r in records)  # no duplicate samples from copied chunks
     trained = trained_counts(cfg)
     assert sum(trained.values()) == len(trained) == steps * groups  # no group trained twice
@@ -118,15 +117,11 @@ def test_up_rides_out_a_frozen_worker(make_config):
 def test_up_ends_when_a_role_exhausts_its_restart_budget(make_config):
     config = make_config("budget", trainer={"steps": 1000}, supervisor={"backoff_s": 0.2, "max_restarts": 1})
     cfg = load_config(config)
-    up = start_up(config)
-    try:
+    with running_up(config) as up:
         wait_steps(cfg, 1, timeout_s=600)
         for restarts in (0, 1):
             wait_until(lambda r=restarts: supervised_roles(cfg)["rollout-0"]["restarts"] == r, what="restart")
             kill_tree(supervised_roles(cfg)["rollout-0"]["pid"])
         code, err = finish(up, timeout_s=120)
-    finally:
-        if up.poll() is None:
-            kill_tree(up.pid)
     assert code == 1
     assert "rollout-0 exited with code -9 after 1 restarts" in err and "rollout-0.log" in err, err
