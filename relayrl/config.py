@@ -189,8 +189,10 @@ class TrainerConfig(Section):
     threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/threads.py)
     # Stream kept groups to the trainer while the rest of the batch generates (relayrl/trainer/stream.py):
     # "auto" where the result is exactly the whole-batch update (see stream_blockers), "on" refuses a config
-    # where it is not, "off" trains whole batches.
-    stream: Literal["auto", "on", "off"] = "auto"
+    # where it is not, "off" trains whole batches. Off by default: on the demo each streamed chunk's forward/backward
+    # (2 ranks, a tiny model) cost more than the overlap saved, and a step holds a copy of the shard's weights and
+    # optimizer state in case its stream breaks.
+    stream: Literal["auto", "on", "off"] = "off"
 
     @field_validator("stream", mode="before")
     @classmethod

@@ -238,6 +238,7 @@ def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
 )
 def test_stream_on_refuses_what_cannot_stream_exactly_and_auto_trains_whole_there(sections, words) -> None:
     sections = {name: dict(values) for name, values in sections.items()}
+    sections.setdefault("trainer", {})["stream"] = "auto"
     auto = parse_config(with_sections(**sections))
     assert not auto.streams  # auto: whole batches
     sections.setdefault("trainer", {})["stream"] = "on"
@@ -247,8 +248,9 @@ def test_stream_on_refuses_what_cannot_stream_exactly_and_auto_trains_whole_ther
         assert word in message
 
 
-def test_stream_auto_streams_the_synchronous_default_and_off_turns_it_off() -> None:
-    assert parse_config(BASE).streams
+def test_stream_is_opt_in_and_auto_streams_the_synchronous_default() -> None:
+    assert parse_config(BASE).trainer.stream == "off" and not parse_config(BASE).streams
+    assert parse_config(with_sections(trainer={"stream": "auto"})).streams
     assert parse_config(with_sections(trainer={"stream": "on"})).streams
     assert not parse_config(with_sections(trainer={"stream": "off"})).streams
     raw = yaml.safe_load("trainer: {stream: off}")  # YAML's bare off is false

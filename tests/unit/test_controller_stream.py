@@ -53,7 +53,7 @@ class GatedDispatcher:
 
 @pytest.fixture
 def controller(make_config, tmp_path):
-    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}))
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5, "stream": "auto"}))
     assert cfg.streams
     ctl = Controller(cfg, state_dir=tmp_path / "state")
     ctl.dispatcher = GatedDispatcher(cfg.rollout.n)
