@@ -28,12 +28,12 @@ from relayrl.config import RelayConfig, dump_config
 from relayrl.ops.placement import node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
+from relayrl.ports import free_port
 from relayrl.procs import kill_tree
 from relayrl.services.channels import open_channel
 from relayrl.threads import COLOCATED_ENV, torch_threads
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
-from relayrl.weightsync.group import free_port
 
 console = Console(stderr=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, wait_until
-from relayrl.weightsync.group import free_port
+from relayrl.ports import free_port
 
 
 @dataclass(frozen=True)

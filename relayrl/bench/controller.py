@@ -51,9 +51,9 @@ from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import ControllerConfig, load_config
 from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.launcher import LocalJob, controller_status, wait_until
+from relayrl.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from relayrl.weightsync.group import free_port
 
 TARGET_TRAJECTORIES_PER_S = 10_000  # issue #9: the control plane on the 2-core development machine
 BARE_TRAJECTORIES = 20_000  # the baseline is a rate: this many trajectories measure it (the paused controller idles)

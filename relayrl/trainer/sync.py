@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from relayrl.config import WeightSyncConfig
+from relayrl.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -37,7 +38,7 @@ from relayrl.weightsync.arena import WeightArena, arena_placement
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
-from relayrl.weightsync.group import WeightBroadcastGroup, free_port
+from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import ManifestBuilder, Spec, WeightManifest
 from relayrl.weightsync.sender import WeightSender
 

@@ -8,7 +8,7 @@ from relayrl.weightsync.checksum import checksum_method, weights_checksum
 from relayrl.weightsync.errors import WeightMismatch, WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import latest_version, read_weights, write_weights
 from relayrl.weightsync.fingerprint import Fingerprinter
-from relayrl.weightsync.group import WeightBroadcastGroup, free_port
+from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import (
     BucketSpec,
     LayoutCache,
@@ -45,7 +45,6 @@ __all__ = [
     "arena_placement",
     "build_manifest",
     "checksum_method",
-    "free_port",
     "latest_version",
     "pack_bucket",
     "read_weights",

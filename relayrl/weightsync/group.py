@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 from typing import Literal
 
 import torch
@@ -36,13 +35,6 @@ Backend = Literal["gloo", "nccl"]
 # is a device memcpy there, and NVLink needs large messages to reach full bandwidth).
 CHUNK_BYTES: dict[str, int] = {"gloo": 16 << 20, "nccl": 256 << 20}
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _is_loopback(address: str) -> bool:

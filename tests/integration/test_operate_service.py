@@ -18,10 +18,10 @@ import pytest
 
 from relayrl.client import AsyncRelayClient, RelayClient, SamplingParams
 from relayrl.config import parse_config
+from relayrl.ports import free_port
 from relayrl.services.controller_server import serve_controller
 from relayrl.services.rollout_server import serve_rollout
 from relayrl.v1 import controller_pb2
-from relayrl.weightsync.group import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

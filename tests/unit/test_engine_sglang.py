@@ -33,6 +33,7 @@ from fakes import fake_sglang
 from fakes.common import FakeEngineModel
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
+from relayrl.ports import free_port
 from relayrl.rollout import sglang as adapter
 from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
@@ -42,7 +43,7 @@ from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
-from relayrl.weightsync.group import WeightBroadcastGroup, free_port
+from relayrl.weightsync.group import WeightBroadcastGroup
 
 
 @pytest.fixture(scope="module")

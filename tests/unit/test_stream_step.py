@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
+from relayrl.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.loop import train_streamed
@@ -31,7 +32,6 @@ from relayrl.trainer.partition import minibatch_groups
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep
 from relayrl.v1 import common_pb2, controller_pb2
-from relayrl.weightsync.group import free_port
 
 N, TARGET, PAD = 4, 6, 0
 TOLERANCE = 1e-4

@@ -108,8 +108,8 @@ def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its
 
 def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_probed_again():
     from relayrl.config import WeightSyncConfig
+    from relayrl.ports import free_port
     from relayrl.trainer.sync import WeightPublisher
-    from relayrl.weightsync.group import free_port
 
     publisher = WeightPublisher(WeightSyncConfig(timeout_s=60), controller=None, weights_dir="unused")
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there

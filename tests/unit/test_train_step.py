@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
-from relayrl.weightsync.group import free_port
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,6 +13,7 @@ import torch
 
 from relayrl.bench.weightsync import model_specs, random_tensors
 from relayrl.errors import FailedPrecondition
+from relayrl.ports import free_port
 from relayrl.weightsync import (
     BucketSpec,
     LayoutCache,
@@ -24,7 +25,6 @@ from relayrl.weightsync import (
     WeightManifest,
     WeightSyncError,
     build_manifest,
-    free_port,
     latest_version,
     pack_bucket,
     read_weights,
