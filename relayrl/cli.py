@@ -12,6 +12,7 @@ import threading
 
 from relayrl.config import ConfigError, RelayConfig, load_config
 from relayrl.ops.parser import add_operator_commands
+from relayrl.procs import exit_now
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
@@ -36,7 +37,10 @@ def _add_config(parser: argparse.ArgumentParser, positional: bool = False) -> No
 
 
 def wait_for_shutdown() -> str:
-    """Block until SIGTERM or SIGINT; returns the signal's name."""
+    """Block until SIGTERM or SIGINT; returns the signal's name.
+
+    The wait wakes every second: a process-directed signal may land on another thread, and Python runs its
+    handler only when the main thread next executes bytecode, which an untimed lock wait never does."""
     received: list[str] = []
     done = threading.Event()
 
@@ -46,7 +50,8 @@ def wait_for_shutdown() -> str:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    done.wait()
+    while not done.wait(timeout=1.0):
+        pass
     return received[0]
 
 
@@ -139,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="overrides controller.port (0 = any free port)")
     p.add_argument("--state-dir", default=None, help="ledger, cursor and versions (default <run dir>/controller)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
-    p.set_defaults(func=cmd_controller_serve)
+    p.set_defaults(func=cmd_controller_serve, fast_exit=True)
 
     rollout = sub.add_parser("rollout", help="rollout workers").add_subparsers(dest="action", required=True)
     p = rollout.add_parser("serve", help="serve RolloutService with one engine")
@@ -150,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
-    p.set_defaults(func=cmd_rollout_serve)
+    p.set_defaults(func=cmd_rollout_serve, fast_exit=True)
 
     trainer = sub.add_parser("trainer", help="training ranks (under torchrun)").add_subparsers(
         dest="action", required=True
@@ -159,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--controller", default=None, help="controller address (or RELAYRL_CONTROLLER)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
-    p.set_defaults(func=cmd_trainer_run)
+    p.set_defaults(func=cmd_trainer_run, fast_exit=True)
 
     p = trainer.add_parser(
         "launch",
@@ -171,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
     _add_config(p, positional=True)
     p.add_argument("--resume", action="store_true", help="continue the run in its run directory")
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=cmd_up, fast_exit=True)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
 
@@ -196,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "passthrough", False):
             return args.func(args, rest)
-        return args.func(args)
+        code = args.func(args)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
         return 2
+    if getattr(args, "fast_exit", False):
+        exit_now(code)  # a process that finished cleanly skips the interpreter's teardown
+    return code
 
 
 if __name__ == "__main__":

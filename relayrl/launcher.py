@@ -79,13 +79,17 @@ class LocalJob:
             if proc.poll() is not None:
                 raise LaunchError(f"{role} exited with code {proc.returncode}; see {self.logs / (role + '.log')}")
 
-    def stop(self, roles: list[str] | None = None, grace_s: float = 30.0) -> None:
-        """Stop roles in order (the trainer before the workers before the controller, so each can still
-        reach what it reports to): SIGTERM a role's process group, wait up to ``grace_s``, SIGKILL the rest.
-        Workers stop together."""
+    def stop(self, roles: list[str] | None = None, grace_s: float = 30.0, *, in_order: bool = True) -> None:
+        """Stop roles: SIGTERM a role's process group, wait up to ``grace_s``, SIGKILL the rest.
+
+        ``in_order``: the trainer before the workers before the controller, so each can still reach what
+        it reports to (workers stop together). Else every role at once: after the trainer finished its
+        last step nothing is left to report, and waiting wave by wave only adds each role's exit time."""
         roles = [r for r in (roles or list(self.children)) if r in self.children]
         waves = [[r for r in roles if r == "trainer"], [r for r in roles if r.startswith("rollout")]]
         waves.append([r for r in roles if r not in waves[0] + waves[1]])
+        if not in_order:
+            waves = [roles]
         for wave in waves:
             for role in wave:
                 if self.children[role].poll() is None:
@@ -269,6 +273,6 @@ def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
         if job is not None:
             job.stop()
         return 1
-    job.stop([r for r in job.children if r != "trainer"])
+    job.stop([r for r in job.children if r != "trainer"], in_order=False)
     summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started)
     return 0
