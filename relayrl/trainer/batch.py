@@ -74,3 +74,8 @@ def to_train_batch(
         versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
         exact_rollout=torch.tensor([s.policy_version == version and s.worker_id in verified_workers for s in samples]),
     )
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of ``attention_mask`` [B, L] is ones then zeros (padding only at the end)."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())

@@ -8,11 +8,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.ports import free_port
+from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
-from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.batch import TrainBatch, right_padded
 from relayrl.trainer.step import train_on_batch
 
 
@@ -89,3 +91,26 @@ def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_mode
 def test_a_batch_not_generated_by_the_starting_weights_is_recomputed(tiny_model_dir) -> None:
     backend, metrics = train(tiny_model_dir, "auto", exact=False)
     assert backend.forwards == 4 and metrics["old_logprobs_from_engine"] == 0
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_logprobs_of_a_padded_batch_equal_a_plain_forward_with_its_mask(tiny_model_dir, padding) -> None:
+    """A right-padded batch goes in without its mask (causal attention never looks right): its valid positions
+    equal the masked forward bit for bit. Any other layout keeps its mask."""
+    backend = FSDPBackend(ModelConfig(path=str(tiny_model_dir)), TrainerConfig(), with_reference=False)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    rows, length = 6, 12
+    lengths = torch.tensor([12, 9, 7, 12, 5, 10])
+    valid = torch.arange(length)[None] < lengths[:, None]
+    if padding == "left":
+        valid = valid.flip(-1)
+    mask = valid.long()
+    input_ids = torch.randint(2, 20, (rows, length), generator=g) * mask
+    assert right_padded(mask) == (padding == "right")
+    with torch.no_grad():
+        got = backend.logprobs(input_ids, mask, 1.0)[0]
+        logits = plain(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+        want = logprobs_from_logits(logits, input_ids[:, 1:])
+    scored = valid[:, 1:] & valid[:, :-1]
+    assert torch.equal(got[scored], want[scored])
