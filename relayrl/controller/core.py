@@ -228,11 +228,11 @@ class Controller:
                 batch = self._build_batch(step, epoch)
             except DynamicSamplingExhausted as err:
                 self._fail(str(err))
-                return
+                continue
             except Exception as err:  # the run fails loudly (the trainer hears it), never hangs on a dead thread
                 log.exception("batch production for step %d failed", step)
                 self._fail(f"batch production for step {step} failed: {err}")
-                return
+                continue  # a failed run produces nothing until a rewind (a restarted trainer) sets it running
             with self._cond:
                 self._streams.pop(step, None)  # its batch is stored below, under the same lock, or void
                 if batch is None:
