@@ -135,7 +135,8 @@ class ControllerConfig(Section):
     dynamic_sampling: bool = True
     max_gen_batches: int = Field(8, ge=1)
     # after max_gen_batches rounds without a full batch: train on the informative groups found ("partial"),
-    # or end the run ("fail"); partial still fails when too few groups for the mini-batches were kept
+    # topped up to one group per mini-batch with groups whose rewards were all equal (zero advantage: no
+    # gradient; a converged policy keeps training), or end the run ("fail")
     on_exhausted: Literal["partial", "fail"] = "partial"
     max_staleness: int = Field(0, ge=0)  # trajectories older than current - K are not trained
     worker_timeout_s: float = Field(30.0, gt=0)  # no heartbeat for this long: the worker is dropped

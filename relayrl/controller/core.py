@@ -319,12 +319,17 @@ class Controller:
                 self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
             return None
         except DynamicSamplingExhausted as err:
-            if ccfg.on_exhausted == "fail" or len(filler.kept) < self._min_partial_groups():
+            shortfall = self._min_partial_groups() - len(filler.kept)
+            if ccfg.on_exhausted == "fail" or len(build.all_groups) < self._min_partial_groups():
                 leftover = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
                 self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
                 raise err
-            log.warning("%s Step %d trains on the %d groups kept (on_exhausted: partial).", err, step, err.kept)
+            log.warning(
+                "%s Step %d trains on the %d groups kept%s (on_exhausted: partial).", err, step, err.kept,
+                f", topped up with {shortfall} whose rewards were all equal (zero advantage)" if shortfall > 0 else "",
+            )  # fmt: skip
         kept = filler.take(partial=True)
+        kept += self._top_up(build, kept)
         self.ledger.mark([g.record.prompt_id for g in filler.surplus], FILTERED, "surplus beyond the batch", step)
         batch = self._batch_message(build, kept, time.monotonic() - start)
         batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
@@ -358,6 +363,26 @@ class Controller:
             return None
         ready = set(self.progress.exact_workers) & self.registry.ready_ids(required)
         return frozenset(ready) or None
+
+    def _top_up(self, build: _Build, kept: list[ScoredGroup]) -> list[ScoredGroup]:
+        """Groups that bring an exhausted partial batch up to ``_min_partial_groups``: the latest ones whose rewards
+        were all equal. Their advantages are zero, so they add no policy gradient (only their tokens to a
+        token-mean denominator): a policy that solves (or fails) every prompt keeps training instead of failing
+        the run. A streamed step receives them like any kept group."""
+        missing = self._min_partial_groups() - len(kept)
+        if missing <= 0:
+            return []
+        taken = {id(g) for g in kept}
+        extra = [g for g in reversed(build.all_groups) if id(g) not in taken][:missing]
+        reason = "zero-advantage top-up of an exhausted batch"
+        self.ledger.mark([g.record.prompt_id for g in extra], PENDING, reason, build.step, refilter=True)
+        if build.streamed:
+            samples = [s for i, g in enumerate(extra) for s in self._group_samples(len(kept) + i, g)]
+            with self._cond:
+                if build.step in self._streams:
+                    self._streams[build.step].extend(samples)
+                    self._cond.notify_all()
+        return extra
 
     def _min_partial_groups(self) -> int:
         """Fewest groups a partial batch may hold: one per mini-batch, and a row for every trainer rank in each."""

@@ -43,12 +43,21 @@ class Ledger:
                 else:
                     self._entries[event["id"]] = (event["state"], event.get("reason", ""), event.get("step", -1))
 
-    def mark(self, prompt_ids: list[str] | tuple[str, ...], state: str, reason: str = "", step: int = -1) -> None:
-        """Move prompts to ``state``. Moving a prompt out of a terminal state raises LedgerError."""
+    def mark(
+        self,
+        prompt_ids: list[str] | tuple[str, ...],
+        state: str,
+        reason: str = "",
+        step: int = -1,
+        *,
+        refilter: bool = False,
+    ) -> None:
+        """Move prompts to ``state``. Moving a prompt out of a terminal state raises LedgerError, except
+        ``refilter``: filtered prompts taken back into a batch (an exhausted batch's zero-advantage top-up)."""
         with self._lock:
             for pid in prompt_ids:
                 current = self._entries.get(pid)
-                if current is not None and current[0] in TERMINAL:
+                if current is not None and current[0] in TERMINAL and not (refilter and current[0] == FILTERED):
                     raise LedgerError(f"prompt {pid} is already {current[0]}; refusing {state}")
                 self._entries[pid] = (state, reason, step)
                 if self._path is not None:

@@ -1,10 +1,14 @@
-"""A failed run's batch production waits for a rewind instead of dying: the trainer restarted by the supervisor
-rewinds the controller to its checkpoint, and production picks up from there (before, the producer thread had
-returned, and the restarted trainer waited for a batch that never came)."""
+"""When batch production cannot go on. A failed run's producer waits for a rewind instead of dying: the trainer
+restarted by the supervisor rewinds the controller to its checkpoint, and production picks up from there (before,
+the producer thread had returned, and the restarted trainer waited for a batch that never came). Dynamic sampling
+that finds too few informative groups (a converged policy) tops the batch up with zero-advantage groups under
+``on_exhausted: partial`` and fails the run under ``fail``."""
 
 from __future__ import annotations
 
 import time
+
+import pytest
 
 from relayrl.config import load_config
 from relayrl.controller.core import Controller
@@ -12,26 +16,36 @@ from relayrl.controller.dispatch import DispatchResult
 from relayrl.v1 import common_pb2, controller_pb2
 
 
-class FailingOnceDispatcher:
-    """Stands in for Dispatcher.run: the first call fails (a worker bug, say), later ones complete every group."""
+class ScriptedDispatcher:
+    """Stands in for Dispatcher.run: the first ``failures`` calls fail (a worker bug, say), later ones complete every
+    group; ``same_answers``: every sample of a group is the same completion (so its rewards are all equal)."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.calls = n, 0
+    def __init__(self, n: int, *, failures: int = 0, same_answers: bool = False) -> None:
+        self.n, self.failures, self.same_answers, self.calls = n, failures, same_answers, 0
 
     def run(self, prompts, params, *, min_version, on_group=None, **_):
         self.calls += 1
-        if self.calls == 1:
+        if self.calls <= self.failures:
             raise RuntimeError("engine crashed")
         result = DispatchResult()
         for job in prompts:
             result.groups[job.prompt_id] = [
                 common_pb2.Completion(
-                    prompt_id=job.prompt_id, sample_index=i, token_ids=[5 + i], logprobs=[-1.0],
-                    finish_reason=common_pb2.FINISH_REASON_STOP, policy_version=min_version, worker_id="w0",
+                    prompt_id=job.prompt_id, sample_index=i, token_ids=[5 if self.same_answers else 5 + i],
+                    logprobs=[-1.0], finish_reason=common_pb2.FINISH_REASON_STOP, policy_version=min_version,
+                    worker_id="w0",
                 )
                 for i in range(self.n)
             ]  # fmt: skip
         return result
+
+
+def started(cfg, tmp_path, dispatcher) -> Controller:
+    ctl = Controller(cfg, state_dir=tmp_path / "state")
+    ctl.dispatcher = dispatcher
+    ctl.registry.register("w0", "127.0.0.1:1", "hf", 0)
+    ctl.start()
+    return ctl
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> None:
@@ -43,10 +57,7 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 def test_a_failed_run_produces_again_after_a_rewind(make_config, tmp_path) -> None:
     cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}))
-    ctl = Controller(cfg, state_dir=tmp_path / "state")
-    ctl.dispatcher = FailingOnceDispatcher(cfg.rollout.n)
-    ctl.registry.register("w0", "127.0.0.1:1", "hf", 0)
-    ctl.start()
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n, failures=1))
     try:
         wait_for(lambda: ctl.state == "failed")
         assert "engine crashed" in ctl.error
@@ -54,5 +65,25 @@ def test_a_failed_run_produces_again_after_a_rewind(make_config, tmp_path) -> No
         assert ctl.state == "running" and not ctl.error
         wait_for(lambda: ctl.batches_ready >= 1)
         assert ctl.dispatcher.calls >= 2
+    finally:
+        ctl.stop()
+
+
+@pytest.mark.parametrize("on_exhausted", ["partial", "fail"])
+def test_a_converged_policy_trains_on_zero_advantage_groups_or_fails_the_run(make_config, tmp_path, on_exhausted):
+    controller = {"dynamic_sampling": True, "max_gen_batches": 2, "on_exhausted": on_exhausted}
+    cfg = load_config(make_config(controller=controller, trainer={"steps": 5, "mini_batches": 2}))
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n, same_answers=True))
+    try:
+        if on_exhausted == "fail":
+            wait_for(lambda: ctl.state == "failed")
+            assert "dynamic sampling exhausted" in ctl.error
+            return
+        wait_for(lambda: ctl.batches_ready >= 1)
+        batch = ctl.pull_batch(1, timeout_s=5)
+        assert batch.stats.groups_kept == 2 and list(batch.minibatch_groups) == [1, 1]  # one group per mini-batch
+        for group in range(2):
+            rewards = {s.reward for s in batch.samples if s.group == group}
+            assert len(rewards) == 1  # all equal: zero advantage, no policy gradient
     finally:
         ctl.stop()
