@@ -42,4 +42,6 @@ def test_demo_reward_rises(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert model.config.vocab_size == len(tokenizer)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_120", "step_60"]
+    every, steps = config["trainer"]["checkpoint_every"], config["trainer"]["steps"]
+    want = {f"step_{s}" for s in range(every, steps + 1, every)} | {f"step_{steps}"}
+    assert {p.name for p in (run_dir / "checkpoints").iterdir()} == want
