@@ -10,9 +10,12 @@ import signal
 import sys
 import threading
 
+import grpc
+
 from relayrl.config import ConfigError, RelayConfig, load_config
 from relayrl.ops.parser import add_operator_commands
-from relayrl.procs import exit_now
+from relayrl.procs import exit_now, stop_with_parent
+from relayrl.services.retry import STOPPING
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
@@ -99,7 +102,16 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun --max-restarts brought us back
-    return run_trainer(_config(args), controller, resume=args.resume or restarted)
+    try:
+        return run_trainer(_config(args), controller, resume=args.resume or restarted)
+    except grpc.RpcError as err:
+        if not STOPPING.is_set():
+            raise
+        logging.warning(
+            "stopped: %s while the controller is stopping too; the step in progress is neither reported nor "
+            "checkpointed (a resume continues from the newest checkpoint)", err.code().name,
+        )  # fmt: skip
+        return 0
 
 
 def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s",
     )
+    stop_with_parent()  # a child of `relayrl up` stops when the launcher dies
     try:
         if getattr(args, "passthrough", False):
             return args.func(args, rest)

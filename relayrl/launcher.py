@@ -29,7 +29,7 @@ from relayrl.ops.placement import node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.ports import free_port
-from relayrl.procs import kill_tree
+from relayrl.procs import PARENT_ENV, kill_tree
 from relayrl.services.channels import open_channel
 from relayrl.threads import COLOCATED_ENV, torch_threads
 from relayrl.trainer.metrics import read_metrics
@@ -57,7 +57,8 @@ class LocalJob:
         self.commands[role] = (list(argv), dict(env or {}))
         log_file = (self.logs / f"{role}.log").open("ab")
         placed = {"CUDA_VISIBLE_DEVICES": self.devices[role]} if role in self.devices else {}
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", **placed, **(env or {})}
+        ours = {"PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", PARENT_ENV: str(os.getpid())}
+        child_env = {**os.environ, **ours, **placed, **(env or {})}
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
         log_file.close()  # the child holds its own descriptor
         self.children[role] = proc

@@ -52,3 +52,27 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+PARENT_ENV = "RELAYRL_PARENT_PID"  # set by ``relayrl up`` for its children; read once, never inherited further
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """In a child of ``relayrl up``: receive SIGTERM when the launcher dies, however it dies (SIGKILL included).
+
+    The launcher puts its pid in ``PARENT_ENV``; the child pops it (its own children must not act on it) and asks
+    the kernel for PR_SET_PDEATHSIG (sent when the thread that forked us exits: the launcher forks from its main
+    thread only). A launcher gone before the call is caught by comparing the parent pid. SIGTERM is each role's
+    clean stop: the trainer finishes its step and checkpoints, workers drain."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return
+    if os.getppid() != int(parent):  # the launcher died before the call
+        os.kill(os.getpid(), signal.SIGTERM)

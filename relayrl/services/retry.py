@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -12,6 +13,9 @@ import grpc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Set when this process was asked to stop (SIGTERM): a retry then gives up at once instead of waiting out a peer
+# that is stopping too (every child of a killed `relayrl up` gets SIGTERM at the same moment).
+STOPPING = threading.Event()
 
 
 def call_with_retry(
@@ -26,7 +30,7 @@ def call_with_retry(
         try:
             return call()
         except grpc.RpcError as err:
-            if err.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+            if err.code() not in RETRYABLE or time.monotonic() + delay > deadline or STOPPING.is_set():
                 raise
             if not warned:
                 log.warning("%s: %s (%s); retrying for up to %.0fs", what, err.code().name, err.details(), deadline_s)

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from relayrl.config import RelayConfig, dump_config
 from relayrl.errors import PAUSED_DETAIL
 from relayrl.services.channels import open_channel
-from relayrl.services.retry import RETRYABLE, call_with_retry
+from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.threads import torch_threads
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
@@ -57,6 +57,7 @@ class ShutdownFlag:
     def _handle(self, signum, _frame) -> None:
         log.warning("%s: finishing the current step, then checkpointing and exiting", signal.Signals(signum).name)
         self.requested = True
+        STOPPING.set()
 
 
 def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_every_s: float = 30.0) -> bytes:

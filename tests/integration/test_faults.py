@@ -191,6 +191,35 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger
     assert sorted(trained_counts(cfg).values()) == [1] * steps * groups
 
 
+def test_sigkill_of_relayrl_up_stops_every_child(make_config):
+    """The launcher killed outright (no handler runs): each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
+    stops as on a SIGTERM to it, the trainer too, although its controller stops at the same moment (its retries give
+    up). Nothing is left running."""
+    config = make_config("upkill", trainer={"steps": 50})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    cfg = load_config(config)
+    tree: list[int] = []
+    try:
+        wait_steps(cfg, 1)
+        tree = descendants(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 90
+        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in tree):
+            assert time.monotonic() < deadline, "children still running 90 s after the launcher's SIGKILL"
+            time.sleep(0.5)
+        logs = cfg.run_dir / "logs"
+        assert "SIGTERM" in (logs / "trainer.log").read_text() and "SIGTERM" in (logs / "controller.log").read_text()
+    finally:
+        for pid in tree:
+            kill_tree(pid)
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/status").read_text().lower()
