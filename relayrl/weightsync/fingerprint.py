@@ -130,16 +130,27 @@ def tensor_sums(tensor: torch.Tensor, sampling: Sampling = FULL, first_block: in
     return torch.stack([r.sum(), (r * weights).sum()])
 
 
+Records = Sequence[tuple[str, torch.dtype, Sequence[int]]]
+
+
+def encode_records(records: Records) -> tuple[list[int], list[bytes]]:
+    """(name order, name \\0 dtype \\0 shape \\0 of each record): what ``digest`` hashes besides the sums."""
+    order = sorted(range(len(records)), key=lambda k: records[k][0])
+    return order, [f"{name}\0{dtype_name(dtype)}\0{list(shape)}\0".encode() for name, dtype, shape in records]
+
+
 def digest(
-    records: Sequence[tuple[str, torch.dtype, Sequence[int]]], sums: torch.Tensor, sampling: Sampling = FULL
+    records: Records,
+    sums: torch.Tensor,
+    sampling: Sampling = FULL,
+    encoded: tuple[list[int], list[bytes]] | None = None,
 ) -> bytes:
-    """The sha256 above over ``records`` (name, dtype, shape) and their ``sums`` (n x 2 int64, any device)."""
+    """The sha256 above over ``records`` (name, dtype, shape) and their ``sums`` (n x 2 int64, any device);
+    ``encoded``: ``encode_records(records)``, when kept from an earlier update of the same layout."""
+    order, texts = encoded or encode_records(records)
     values = sums.to("cpu").numpy().astype("<i8")
     h = hashlib.sha256(sampling.header)
-    for i in sorted(range(len(records)), key=lambda k: records[k][0]):
-        name, dtype, shape = records[i]
-        h.update(f"{name}\0{dtype_name(dtype)}\0{list(shape)}\0".encode())
-        h.update(values[i].tobytes())
+    h.update(b"".join(texts[i] + values[i].tobytes() for i in order))
     return h.digest()
 
 
@@ -195,6 +206,7 @@ class _ChunkPlan:
     starts: torch.Tensor  # their first block here
     ends: torch.Tensor  # one past their last block here
     tails: torch.Tensor  # whole blocks here that end a tensor with padding after it
+    tail_blocks: list[int]  # the same, in host memory
     padding: torch.Tensor  # (tails, BLOCK) uint8: 0 on the tensor's bytes, 1 on the padding after them
     last_tail: int  # bytes of a tensor in the chunk's final partial block (0: none)
 
@@ -239,12 +251,13 @@ def _chunk_plan(specs: list[TensorSpec], index: dict[str, int], start: int, end:
         longs(starts),
         longs(ends),
         longs(tails),
+        tails,
         torch.tensor(padding, dtype=torch.uint8, device=device).reshape(-1, BLOCK),
         last_tail,
     )
 
 
-_PLANS: dict[tuple[str, int, str], dict[tuple[int, int], _ChunkPlan]] = {}
+_PLANS: dict[tuple[str, int, str], tuple[dict[tuple[int, int], _ChunkPlan], tuple[list[int], list[bytes]]]] = {}
 
 
 class Fingerprinter:
@@ -267,8 +280,9 @@ class Fingerprinter:
         if key not in _PLANS:
             while len(_PLANS) >= 4:
                 _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = _plan(manifest, chunk_bytes, self.device)
-        self._plans = _PLANS[key]
+            records = [(s.name, s.dtype, s.shape) for s in manifest.tensors]
+            _PLANS[key] = _plan(manifest, chunk_bytes, self.device), encode_records(records)
+        self._plans, self._records = _PLANS[key]
         self._acc = torch.zeros(len(manifest.tensors), 2, dtype=torch.int64, device=self.device)
         self._weights = torch.arange(1, -(-chunk_bytes // BLOCK) + 1, dtype=torch.int64, device=self.device)
 
@@ -280,11 +294,10 @@ class Fingerprinter:
         stride, skip = self.sampling.stride, self.sampling.skip(plan.first_block)
         whole = data.numel() // BLOCK
         rows = _block_sums(data[: whole * BLOCK], skip, stride)
-        if plan.tails.numel() and rows.numel():  # a sampled block that ends a tensor: minus its padding's sum
-            pad = (data[: whole * BLOCK].view(-1, BLOCK).index_select(0, plan.tails) * plan.padding).view(torch.int64)
-            sampled = (plan.tails - skip).remainder(stride) == 0
-            at = (plan.tails - skip).div(stride, rounding_mode="floor").clamp_(0, rows.numel() - 1)
-            rows.index_add_(0, at, pad.sum(1).mul_(sampled).neg_())
+        tails, padding = self._sampled_tails(plan, skip)
+        if tails.numel():  # a sampled block that ends a tensor: minus the sum of its padding
+            pad = data[: whole * BLOCK].view(-1, BLOCK).index_select(0, tails).mul_(padding).view(torch.int64)
+            rows.index_add_(0, tails if stride == 1 else (tails - skip) // stride, pad.sum(1).neg_())
         if plan.blocks > whole and whole >= skip and (whole - skip) % stride == 0:
             last = _padded_block_sum(data[whole * BLOCK : whole * BLOCK + plan.last_tail])
             rows = torch.cat([rows, last.reshape(1)])
@@ -292,18 +305,30 @@ class Fingerprinter:
         prefix[:, 0] = 0
         torch.cumsum(rows, 0, out=prefix[0, 1:])
         torch.cumsum(rows.mul_(self._weights[skip : plan.blocks : stride]), 0, out=prefix[1, 1:])
-        # rows before local block x: ceil((x - skip) / stride), never negative as skip < stride
-        ends, starts = (plan.ends + (stride - 1 - skip)) // stride, (plan.starts + (stride - 1 - skip)) // stride
+        starts, ends = plan.starts, plan.ends
+        if stride > 1:  # rows before local block x: ceil((x - skip) / stride), never negative as skip < stride
+            starts, ends = (starts + (stride - 1 - skip)) // stride, (ends + (stride - 1 - skip)) // stride
         segments = prefix[:, ends] - prefix[:, starts]  # sum r, sum (local b + 1) r
         segments[1] += plan.first_block * segments[0]  # bucket-relative: sum (b + 1) r
         self._acc.index_add_(0, plan.ids, segments.t())
+
+    def _sampled_tails(self, plan: _ChunkPlan, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's tail blocks that are sampled (every one at stride 1), and their padding masks."""
+        stride = self.sampling.stride
+        if stride == 1:
+            return plan.tails, plan.padding
+        picked = [i for i, block in enumerate(plan.tail_blocks) if block >= skip and (block - skip) % stride == 0]
+        if len(picked) == len(plan.tail_blocks):
+            return plan.tails, plan.padding
+        index = torch.tensor(picked, dtype=torch.int64, device=self.device)
+        return plan.tails[index], plan.padding[index]
 
     def digest(self) -> bytes:
         """The fingerprint's 32 raw bytes (what the sender broadcasts after the buckets)."""
         first_blocks = torch.tensor([s.offset // BLOCK for s in self.manifest.tensors], device=self.device)
         s1, weighted = self._acc[:, 0], self._acc[:, 1]
         sums = torch.stack([s1, weighted - first_blocks * s1], dim=1)  # bucket-relative -> tensor-relative
-        return digest([(s.name, s.dtype, s.shape) for s in self.manifest.tensors], sums, self.sampling)
+        return digest([(s.name, s.dtype, s.shape) for s in self.manifest.tensors], sums, self.sampling, self._records)
 
     def hexdigest(self) -> str:
         return as_text(self.digest(), self.sampling)
