@@ -269,6 +269,11 @@ class Fingerprinter:
     ``hexdigest()`` equals ``manifest_fingerprint`` of the tensors those bytes hold. Only the sampled blocks
     of a chunk are read. The plan of a layout is built once per (layout, chunk size, device) and kept (the
     last few); it does not depend on the phase.
+
+    Sampled, successive chunks that continue each other in one buffer are folded together, at the latest
+    when the run reaches the end of its bucket (so a staging slot may be reused once its bucket's last chunk
+    was added): a chunk's sampled blocks cost a few microseconds to read, its fold's dozen small tensor ops
+    more, once per chunk.
     """
 
     def __init__(self, manifest: WeightManifest, chunk_bytes: int, device: torch.device | str) -> None:
@@ -285,10 +290,39 @@ class Fingerprinter:
         self._plans, self._records = _PLANS[key]
         self._acc = torch.zeros(len(manifest.tensors), 2, dtype=torch.int64, device=self.device)
         self._weights = torch.arange(1, -(-chunk_bytes // BLOCK) + 1, dtype=torch.int64, device=self.device)
+        self._run: tuple[int, int, torch.Tensor] | None = None  # sampled: (bucket, start, bytes) not yet folded
 
     def add(self, bucket: int, start: int, data: torch.Tensor) -> None:
+        if (bucket, start) not in self._plans:
+            raise KeyError(f"chunk: bucket {bucket} has no chunk at {start}")
+        if self.sampling == FULL:
+            self._fold(self._plans[(bucket, start)], data)
+            return
+        run = self._run
+        if run is not None and run[0] == bucket and _continues(run[2], data) and run[1] + run[2].numel() == start:
+            self._run = (bucket, run[1], _joined(run[2], data))
+        else:
+            self._flush()
+            self._run = (bucket, start, data)
+        if start + data.numel() >= self.manifest.buckets[bucket].nbytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Fold the pending run of chunks (sampled) with the plan of its span, made once per layout."""
+        if self._run is None:
+            return
+        bucket, start, data = self._run
+        self._run = None
+        key = (bucket, start, start + data.numel())
+        plan = self._plans.get(key)
+        if plan is None:
+            index = {spec.name: i for i, spec in enumerate(self.manifest.tensors)}
+            specs = [t for t in self.manifest.bucket_tensors(bucket) if t.nbytes]
+            plan = self._plans[key] = _chunk_plan(specs, index, key[1], key[2], self.device)  # type: ignore[index]
+        self._fold(plan, data)
+
+    def _fold(self, plan: _ChunkPlan, data: torch.Tensor) -> None:
         """Fold the sampled blocks of one chunk: rows i = 0, 1, ... are its blocks skip + i * stride."""
-        plan = self._plans[(bucket, start)]
         if not plan.ids.numel():
             return
         stride, skip = self.sampling.stride, self.sampling.skip(plan.first_block)
@@ -301,10 +335,17 @@ class Fingerprinter:
         if plan.blocks > whole and whole >= skip and (whole - skip) % stride == 0:
             last = _padded_block_sum(data[whole * BLOCK : whole * BLOCK + plan.last_tail])
             rows = torch.cat([rows, last.reshape(1)])
+        if not rows.numel():  # no sampled block in this chunk
+            return
         prefix = torch.empty(2, rows.numel() + 1, dtype=torch.int64, device=self.device)
         prefix[:, 0] = 0
         torch.cumsum(rows, 0, out=prefix[0, 1:])
-        torch.cumsum(rows.mul_(self._weights[skip : plan.blocks : stride]), 0, out=prefix[1, 1:])
+        weights = (
+            self._weights[: plan.blocks]
+            if stride == 1
+            else torch.arange(skip + 1, plan.blocks + 1, stride, dtype=torch.int64, device=self.device)
+        )
+        torch.cumsum(rows.mul_(weights), 0, out=prefix[1, 1:])
         starts, ends = plan.starts, plan.ends
         if stride > 1:  # rows before local block x: ceil((x - skip) / stride), never negative as skip < stride
             starts, ends = (starts + (stride - 1 - skip)) // stride, (ends + (stride - 1 - skip)) // stride
@@ -325,6 +366,7 @@ class Fingerprinter:
 
     def digest(self) -> bytes:
         """The fingerprint's 32 raw bytes (what the sender broadcasts after the buckets)."""
+        self._flush()
         first_blocks = torch.tensor([s.offset // BLOCK for s in self.manifest.tensors], device=self.device)
         s1, weighted = self._acc[:, 0], self._acc[:, 1]
         sums = torch.stack([s1, weighted - first_blocks * s1], dim=1)  # bucket-relative -> tensor-relative
@@ -332,6 +374,19 @@ class Fingerprinter:
 
     def hexdigest(self) -> str:
         return as_text(self.digest(), self.sampling)
+
+
+def _continues(first: torch.Tensor, then: torch.Tensor) -> bool:
+    """Whether flat ``then`` starts where flat ``first`` ends, in the same storage."""
+    return (
+        first.untyped_storage().data_ptr() == then.untyped_storage().data_ptr()
+        and first.data_ptr() + first.numel() == then.data_ptr()
+    )
+
+
+def _joined(first: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
+    """One flat view over ``first`` and ``then`` (``_continues(first, then)``)."""
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (first.numel() + then.numel(),))
 
 
 def in_band(manifest: WeightManifest, group: WeightBroadcastGroup) -> Fingerprinter | None:

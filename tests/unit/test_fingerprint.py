@@ -196,14 +196,15 @@ def test_sampled_sums_follow_the_formula_over_the_sampled_blocks(stride: int, ph
         assert got == reference_sums(tensor, first_block, stride, phase), name
 
 
-def fold_sampled(manifest: WeightManifest, arena: WeightArena, chunk_bytes: int) -> str:
+def fold_sampled(manifest: WeightManifest, arena: WeightArena, chunk_bytes: int, in_order: bool = False) -> str:
+    """Chunks in order are folded in runs (a bucket at a time), out of order one by one."""
     chunks = [
         (b.index, c.start, flat[c.start : c.end])
         for b, flat in zip(manifest.buckets, arena.buckets, strict=True)
         for c in transfer_chunks(manifest, b, chunk_bytes)
     ]
     fold = Fingerprinter(manifest, chunk_bytes, "cpu")
-    for bucket, start, data in reversed(chunks):
+    for bucket, start, data in chunks if in_order else reversed(chunks):
         fold.add(bucket, start, data)
     return fold.hexdigest()
 
@@ -225,6 +226,7 @@ def test_sampled_fold_equals_the_direct_value_on_the_same_tensors_for_any_chunki
             parts.add(name, tensor)
         assert direct.startswith("fs:")
         assert fold_sampled(manifest, arena, chunk_bytes) == direct == parts.checksum()
+        assert fold_sampled(manifest, arena, chunk_bytes, in_order=True) == direct
         assert direct == manifest_checksum(manifest, reversed(list(tensors.items())))
         assert direct != weights_checksum(tensors.items())  # not the full fingerprint, nor another phase's
         other = manifest.with_header(
