@@ -247,13 +247,25 @@ class WeightSyncConfig(Section):
     bucket_mib: float = Field(512, gt=0)
     timeout_s: float = Field(60.0, gt=0)
     mode: Literal["pause", "shadow"] = "pause"
-    # How workers check the bytes they loaded: "fingerprint" (folded as chunks land, compared in band),
-    # "sha256" (hashed by the trainer before the send and by every worker after it), "off".
-    verify: Literal["fingerprint", "sha256", "off"] = "fingerprint"
+    # How workers check the bytes they loaded (relayrl/weightsync/fingerprint.py): "sampled" (the default: the
+    # in-band fingerprint of one 256-byte block in sample_stride, the blocks changing from version to version;
+    # a change confined to unsampled blocks, e.g. one flipped word, passes one update with probability
+    # 1 - 1/sample_stride), "fingerprint" (every block, folded as chunks land, compared in band), "sha256"
+    # (hashed by the trainer before the send and by every worker after it), "off". The filesystem transport
+    # checks "sampled" as "fingerprint".
+    verify: Literal["sampled", "fingerprint", "sha256", "off"] = "sampled"
+    sample_stride: int = Field(64, ge=1)  # verify "sampled": a power of two
     master_address: str = "127.0.0.1"  # address rollout workers reach trainer rank 0 at
     path: str | None = None  # filesystem transport directory (default <run dir>/weights)
     # How often trainer rank 0 looks for operator SyncWeights requests and newly joined workers.
     on_demand_interval_s: float = Field(1.0, gt=0)
+
+    @field_validator("sample_stride")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"{value} is not a power of two")
+        return value
 
 
 class SupervisorConfig(Section):

@@ -10,10 +10,12 @@ end to end from the sender, the median of ``--repeat`` runs, and verified by che
   step: the gather is the pack) while the receivers run ``receive_into``: their parameters live in
   an arena too (adopted on the first update, as the hf engine does), so the bytes land in place.
   Ends in a collective vote. No verification (``weight_sync.verify: off``).
-- ``verified``: ``packed`` as relayrl runs by default (``verify: fingerprint``): sender and receivers fold
+- ``verified``: ``packed`` with the full fingerprint (``verify: fingerprint``): sender and receivers fold
   the fingerprint of every chunk as it passes, the sender's follows the buckets in band, every receiver
   compares and the vote carries it; each receiver answers with its fingerprint, checked against the
   sender's.
+- ``sampled``: ``verified`` as relayrl runs by default (``verify: sampled``): the same, folding one 256-byte
+  block in ``--sample-stride`` (the phase drawn from the update's version, as the trainer does).
 - ``sha256``: ``packed`` verified the way relayrl did before the fingerprint: sha256 of the sender's arena
   before the send, of every receiver's weights after it, compared by the receiver.
 - ``copying``: relayrl's other path, a copy at each end: the sender packs from separate tensors into
@@ -33,9 +35,10 @@ Either way the packed path pays the same per message, once per update.
 
 ``per_tensor_vs_raw`` is the ceiling of any speed-up over per-tensor on the link measured: even the
 raw single-buffer broadcast is only that much faster than per-tensor. ``verified_over_raw`` (seconds of
-a verified update / seconds of the raw broadcast) is what verification leaves of the transfer's speed.
-Verification alone is timed in the sender, per GiB: ``fingerprint_s_per_gib`` (folding the arena's
-chunks, as the sender does during a send), ``sha256_s_per_gib`` (``weights_checksum(..., method="sha256")``).
+a verified update / seconds of the raw broadcast) is what verification leaves of the transfer's speed;
+``sampled_over_raw`` the same for the default. Verification alone is timed in the sender, per GiB:
+``fingerprint_s_per_gib`` and ``sampled_s_per_gib`` (folding the arena's chunks, as the sender does during
+a send), ``sha256_s_per_gib`` (``weights_checksum(..., method="sha256")``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from typing import Any
 import grpc
 import torch
 
+from relayrl.config import WeightSyncConfig
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
@@ -79,7 +83,7 @@ from relayrl.weightsync import (
     weights_checksum,
     write_weights,
 )
-from relayrl.weightsync.fingerprint import Fingerprinter
+from relayrl.weightsync.fingerprint import Fingerprinter, phase_for
 from relayrl.weightsync.manifest import Spec, dtype_from_name, dtype_name, nbytes_of
 from relayrl.weightsync.packing import transfer_chunks
 
@@ -457,6 +461,7 @@ class _Cell:
     builder: ManifestBuilder
     sender: WeightSender
     tmp_dir: str
+    sample_stride: int
     version: int = 0
     layout_sent: bool = False  # receivers hold the layout: later manifests travel compact
 
@@ -464,15 +469,24 @@ class _Cell:
 def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
     """Manifest built, serialised and sent to every receiver, and the send started at once (as the
     trainer's UpdateWeights calls are in flight while it broadcasts); done when every receiver has
-    answered. "packed" / "verified" / "sha256": from the sender's arena into the receivers' arenas, with
-    no check, the in-band fingerprint, or sha256 at both ends (timed); "copying": packed from the tensors
+    answered. "packed" / "verified" / "sampled" / "sha256": from the sender's arena into the receivers'
+    arenas, with no check, the in-band fingerprint (full or sampled), or sha256 at both ends (timed);
+    "copying": packed from the tensors
     and received through staging buffers. A verified update's ``agreed``: every receiver answered with
     the sender's checksum."""
     cell.version += 1
     start = time.perf_counter()
     checksum = weights_checksum(cell.arena.views(), method="sha256") if method == "sha256" else ""
-    verify = {"verified": "fingerprint", "sha256": ""}.get(method, "off")
-    manifest = cell.builder.build(cell.specs, version=cell.version, checksum=checksum, verify=verify)
+    verify = {"verified": "fingerprint", "sampled": "sampled", "sha256": ""}.get(method, "off")
+    stride = cell.sample_stride if verify == "sampled" else 0
+    manifest = cell.builder.build(
+        cell.specs,
+        version=cell.version,
+        checksum=checksum,
+        verify=verify,
+        sample_stride=stride,
+        sample_phase=phase_for(cell.version, stride) if stride else 0,
+    )
     op = "copying" if method == "copying" else "packed"
     cell.fleet.start({"op": op}, manifest.to_proto(compact=cell.layout_sent).SerializeToString())
     cell.layout_sent = True
@@ -525,6 +539,7 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "packed": lambda: _run_packed(cell, "packed"),
         "verified": lambda: _run_packed(cell, "verified"),
+        "sampled": lambda: _run_packed(cell, "sampled"),
         "sha256": lambda: _run_packed(cell, "sha256"),
         "copying": lambda: _run_packed(cell, "copying"),
         "raw": lambda: _run_raw(cell, flat),
@@ -552,21 +567,29 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
 
 def _time_verification(cell: _Cell, repeat: int) -> dict[str, float]:
     """Seconds per GiB of verification alone on the sender, median of ``repeat`` (+1 warm-up): the
-    fingerprint folded over the arena's chunks (what a send does along the way), sha256 of its tensors."""
+    fingerprint, full and sampled, folded over the arena's chunks (what a send does along the way), sha256
+    of its tensors."""
 
-    def fold() -> None:
-        fingerprinter = Fingerprinter(cell.manifest, cell.group.chunk_bytes, "cpu")
-        for bucket, flat in zip(cell.manifest.buckets, cell.arena.buckets, strict=True):
-            for chunk in transfer_chunks(cell.manifest, bucket, cell.group.chunk_bytes):
+    def fold(manifest: WeightManifest) -> None:
+        fingerprinter = Fingerprinter(manifest, cell.group.chunk_bytes, "cpu")
+        for bucket, flat in zip(manifest.buckets, cell.arena.buckets, strict=True):
+            for chunk in transfer_chunks(manifest, bucket, cell.group.chunk_bytes):
                 fingerprinter.add(bucket.index, chunk.start, flat[chunk.start : chunk.end])
         fingerprinter.digest()
+
+    stride = cell.sample_stride
+    sampled = cell.manifest.with_header(version=1, verify="sampled", sample_stride=stride, sample_phase=stride // 2)
 
     def sha256() -> None:
         weights_checksum(cell.arena.views(), method="sha256")
 
     gib = cell.manifest.total_bytes / (1 << 30)
     row = {}
-    for name, run in (("fingerprint", fold), ("sha256", sha256)):
+    for name, run in (
+        ("fingerprint", lambda: fold(cell.manifest)),
+        ("sampled", lambda: fold(sampled)),
+        ("sha256", sha256),
+    ):
         times = []
         for _ in range(repeat + 1):
             start = time.perf_counter()
@@ -597,6 +620,8 @@ def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str,
     row |= {
         "packed_vs_raw": round(seconds["raw"] / seconds["packed"], 3),
         "verified_over_raw": round(seconds["verified"] / seconds["raw"], 3),
+        "sampled_over_raw": round(seconds["sampled"] / seconds["raw"], 3),
+        "sample_stride": cell.sample_stride,
         "sha256_over_raw": round(seconds["sha256"] / seconds["raw"], 3),
         "copying_vs_raw": round(seconds["raw"] / seconds["copying"], 3),
         "speedup_vs_per_tensor": round(seconds["per_tensor"] / seconds["packed"], 2),
@@ -652,6 +677,7 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                         builder=builder,
                         sender=WeightSender("cpu"),
                         tmp_dir=tmp_dir,
+                        sample_stride=args.sample_stride,
                     )
                     rows.append(_measure_cell(cell, args.repeat, log))
     return rows
@@ -663,6 +689,7 @@ COLUMNS = [
     ("receivers", "recv", "{}"),
     ("packed_s", "packed s", "{:.3f}"),
     ("verified_s", "verified s", "{:.3f}"),
+    ("sampled_s", "sampled s", "{:.3f}"),
     ("sha256_s", "sha256 s", "{:.3f}"),
     ("copying_s", "copying s", "{:.3f}"),
     ("raw_s", "raw s", "{:.3f}"),
@@ -672,8 +699,10 @@ COLUMNS = [
     ("raw_gbps", "raw GB/s", "{:.2f}"),
     ("packed_vs_raw", "packed/raw", "{:.2f}"),
     ("verified_over_raw", "verified s/raw s", "{:.2f}"),
+    ("sampled_over_raw", "sampled s/raw s", "{:.2f}"),
     ("sha256_over_raw", "sha256 s/raw s", "{:.2f}"),
     ("fingerprint_s_per_gib", "fp s/GiB", "{:.3f}"),
+    ("sampled_s_per_gib", "sampled s/GiB", "{:.4f}"),
     ("sha256_s_per_gib", "sha256 s/GiB", "{:.3f}"),
     ("copying_vs_raw", "copying/raw", "{:.2f}"),
     ("speedup_vs_per_tensor", "x per-tensor", "{:.1f}"),
@@ -709,9 +738,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="collective / control timeout")
     parser.add_argument("--tmp-dir", default=None, help="where the disk method writes (default: system tmp)")
+    parser.add_argument(
+        "--sample-stride",
+        type=int,
+        default=WeightSyncConfig().sample_stride,
+        help="weight_sync.sample_stride of the sampled method (a power of two)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.tensors < 1 or args.bucket_mib < 1 or not args.sizes or not args.receivers:
         parser.error("--repeat, --tensors, --bucket-mib, --sizes and --receivers must be positive")
+    if args.sample_stride < 1 or args.sample_stride & (args.sample_stride - 1):
+        parser.error("--sample-stride must be a power of two")
     return args
 
 

@@ -202,7 +202,8 @@ class _served_worker:
             {
                 "model": {"path": "check-engine"},
                 "data": {"path": "check-engine"},
-                "weight_sync": {"backend": backend, "bucket_mib": 64, "timeout_s": 120},
+                # the full fingerprint: the worker's Stats checksum (of its live weights) is compared with it
+                "weight_sync": {"backend": backend, "bucket_mib": 64, "timeout_s": 120, "verify": "fingerprint"},
             }
         )
         self.server = GrpcServer("127.0.0.1:0", security=cfg.security)

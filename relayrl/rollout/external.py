@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
 from relayrl.rollout.sampling import SamplingParams
-from relayrl.weightsync.checksum import ChecksumParts, checksum_method, weights_checksum
+from relayrl.weightsync.checksum import ChecksumParts, manifest_checksum
 from relayrl.weightsync.errors import WeightMismatch, WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import read_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
@@ -315,7 +315,7 @@ class EngineReceiver:
         inside the engine's process).
 
         Returns plain data (it crosses process boundaries): on success ``checksum`` (local rank 0 only:
-        ``weights_checksum`` of the model's own tensors read back under the HF names when this rank holds them
+        ``manifest_checksum`` of the model's own tensors read back under the HF names when this rank holds them
         whole; with tensor parallelism, of the received tensors, each found applied on every rank), ``seconds``,
         ``nbytes``, ``buckets``, ``peak_extra_bytes``, ``unverified`` (tensors no rule could read back); on
         failure ``error`` and ``error_type`` (a broken group is left).
@@ -330,8 +330,8 @@ class EngineReceiver:
                 tp_rank=self.local_rank % tp_size,
                 tp_size=tp_size,
             )
-            method = checksum_method(manifest.checksum)  # the trainer's rule (fingerprint when it sent none)
-            received = ChecksumParts(method) if self.local_rank == 0 and not layout.complete else None
+            # the trainer's rule: the manifest's sampling, or its checksum's method (fingerprint when it sent none)
+            received = ChecksumParts.for_manifest(manifest) if self.local_rank == 0 and not layout.complete else None
             unverified: list[str] = []
 
             def load(views: list[tuple[str, torch.Tensor]]) -> None:
@@ -362,7 +362,7 @@ class EngineReceiver:
         checksum = ""
         if self.local_rank == 0:
             if received is None:
-                checksum = weights_checksum(((t.name, layout.applied(t.name)) for t in manifest.tensors), method=method)
+                checksum = manifest_checksum(manifest, ((t.name, layout.applied(t.name)) for t in manifest.tensors))
             else:
                 checksum = received.checksum()
         return {

@@ -6,9 +6,11 @@ of the weights fits there (the gather is a device-to-device copy and the buckets
 device memory), else in pinned host memory, copied to the GPU chunk by chunk while the previous chunk
 is on the wire.
 
-Verification (``weight_sync.verify``): ``fingerprint`` is folded by the sender and every receiver as the
-chunks pass and compared in band (filesystem transport: computed before the write, checked after the
-read); ``sha256`` is hashed before the send and by every worker after its load; ``off`` checks nothing.
+Verification (``weight_sync.verify``): ``sampled`` (the default) and ``fingerprint`` are folded by the sender
+and every receiver as the chunks pass and compared in band, ``sampled`` over one block in ``sample_stride``
+at the phase ``phase_for(version)`` (filesystem transport: the full fingerprint, computed before the write,
+checked after the read); ``sha256`` is hashed before the send and by every worker after its load; ``off``
+checks nothing.
 
 Per update: ask the controller for the live workers; (re-)form the broadcast group when membership
 changed; send one UpdateWeights(manifest) per worker and broadcast the buckets while those calls are
@@ -38,6 +40,7 @@ from relayrl.weightsync.arena import WeightArena, arena_placement
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.fingerprint import phase_for
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import ManifestBuilder, Spec, WeightManifest
 from relayrl.weightsync.sender import WeightSender
@@ -138,14 +141,11 @@ class WeightPublisher:
         """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
         ``arena_for``). Never raises for a worker's failure; reports it."""
         start = time.perf_counter()
-        method, in_band = self.cfg.verify, self.cfg.verify == "fingerprint" and self.cfg.transport == "broadcast"
-        checksum = "" if in_band or method == "off" else weights_checksum(weights.views(), method=method)
         manifest = weights.manifest.with_header(
             version=version,
-            checksum=checksum,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
             transport=self.cfg.transport,
-            verify="fingerprint" if in_band else "off" if method == "off" else "",
+            **self._verification(version, weights),
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
@@ -189,6 +189,18 @@ class WeightPublisher:
         for wid, reason in failed.items():
             log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
         return SyncResult(version, time.perf_counter() - start, synced, failed, checksum, manifest.total_bytes)
+
+    def _verification(self, version: int, weights: WeightArena) -> dict[str, str | int]:
+        """The manifest's header fields that say how receivers check update ``version`` (module docstring)."""
+        if self.cfg.verify == "off":
+            return {"verify": "off"}
+        if self.cfg.transport != "broadcast" or self.cfg.verify == "sha256":  # checked against a checksum
+            method = "sha256" if self.cfg.verify == "sha256" else "fingerprint"
+            return {"checksum": weights_checksum(weights.views(), method=method)}
+        if self.cfg.verify == "sampled":
+            stride = self.cfg.sample_stride
+            return {"verify": "sampled", "sample_stride": stride, "sample_phase": phase_for(version, stride)}
+        return {"verify": "fingerprint"}
 
     def _update(
         self, members: list[tuple[str, str]], manifest: WeightManifest, group, weights: WeightArena

@@ -85,7 +85,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id", "verify")
+    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id", "verify", "sample_stride", "sample_phase")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class WeightManifest(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_PHASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
@@ -102,4 +104,6 @@ class WeightManifest(_message.Message):
     checksum: str
     layout_id: str
     verify: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ..., verify: _Optional[str] = ...) -> None: ...
+    sample_stride: int
+    sample_phase: int
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ..., verify: _Optional[str] = ..., sample_stride: _Optional[int] = ..., sample_phase: _Optional[int] = ...) -> None: ...

@@ -1,7 +1,7 @@
 """Weight sync: one manifest per update, packed double-buffered buckets over a separate c10d group,
 received in place into a ``WeightArena`` (or through staging buffers), a filesystem fallback driven
 by the same manifest, and checksums to compare the two ends: a fingerprint folded as the chunks pass
-and compared in band (the default), or sha256."""
+and compared in band (over a sample of the blocks by default, or all of them), or sha256."""
 
 from relayrl.weightsync.arena import Placement, WeightArena, arena_placement, same_layout
 from relayrl.weightsync.checksum import checksum_method, weights_checksum

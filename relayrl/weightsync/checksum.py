@@ -1,7 +1,9 @@
 """Checksums of named weights, for checking that trainer and workers hold the same bytes. Two methods:
 
-``fingerprint`` (the default; see ``relayrl.weightsync.fingerprint``): "fp:" + hex, integer sums computed
-on the tensors' own device at memory speed, and folded chunk by chunk while an update lands.
+``fingerprint`` (see ``relayrl.weightsync.fingerprint``): "fp:" + hex, integer sums computed on the
+tensors' own device at memory speed, and folded chunk by chunk while an update lands. Its sampled form
+("fs:" + hex, ``verify: sampled``) depends on the update's manifest (places, stride, phase):
+``manifest_checksum`` computes what a receiver of a manifest reports.
 
 ``sha256``: bare hex,
 
@@ -25,8 +27,18 @@ from typing import Literal
 
 import torch
 
-from relayrl.weightsync.fingerprint import PREFIX, as_text, digest, fingerprint, tensor_sums
-from relayrl.weightsync.manifest import dtype_name
+from relayrl.weightsync.fingerprint import (
+    BLOCK,
+    FULL,
+    PREFIX,
+    Sampling,
+    as_text,
+    digest,
+    fingerprint,
+    manifest_fingerprint,
+    tensor_sums,
+)
+from relayrl.weightsync.manifest import WeightManifest, dtype_name
 
 Method = Literal["fingerprint", "sha256"]
 METHODS: tuple[str, ...] = ("fingerprint", "sha256")
@@ -68,14 +80,23 @@ def weights_checksum(
         return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
+def manifest_checksum(manifest: WeightManifest, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The checksum a receiver of ``manifest`` reports for the tensors it loaded: the sampled fingerprint at
+    the manifest's places (``verify: sampled``), else ``weights_checksum`` by the method of its checksum."""
+    if manifest.verify == "sampled":
+        return manifest_fingerprint(manifest, list(named_tensors))
+    return weights_checksum(named_tensors, method=checksum_method(manifest.checksum))
+
+
 class ChecksumParts:
     """``weights_checksum`` by ``method``, taken one tensor at a time: for tensors that do not outlive their
-    chunk (staging views). Each ``add`` keeps only the tensor's part (a sha256 digest, or its two sums)."""
+    chunk (staging views). Each ``add`` keeps only the tensor's part (a sha256 digest, or its two sums).
+    ``for_manifest``: ``manifest_checksum``'s rule."""
 
-    def __init__(self, method: Method) -> None:
+    def __init__(self, method: Method, sampling: Sampling = FULL, places: dict[str, int] | None = None) -> None:
         if method not in METHODS:
             raise ValueError(f"method: {method!r} is not one of {METHODS}")
-        self.method = method
+        self.method, self.sampling, self.places = method, sampling, places or {}
         self._digests: dict[str, bytes] = {}
         self._records: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._sums: list[torch.Tensor] = []
@@ -85,10 +106,15 @@ class ChecksumParts:
             self._digests[name] = tensor_digest(name, tensor)
         else:
             self._records.append((name, tensor.dtype, tuple(tensor.shape)))
-            self._sums.append(tensor_sums(tensor).to("cpu"))
+            self._sums.append(tensor_sums(tensor, self.sampling, self.places.get(name, 0)).to("cpu"))
+
+    @classmethod
+    def for_manifest(cls, manifest: WeightManifest) -> ChecksumParts:
+        sampling = Sampling.of(manifest)
+        return cls(checksum_method(manifest.checksum), sampling, {t.name: t.offset // BLOCK for t in manifest.tensors})
 
     def checksum(self) -> str:
         if self.method == "sha256":
             return hashlib.sha256(b"".join(self._digests[name] for name in sorted(self._digests))).hexdigest()
         sums = torch.stack(self._sums) if self._sums else torch.zeros(0, 2, dtype=torch.int64)
-        return as_text(digest(self._records, sums))
+        return as_text(digest(self._records, sums, self.sampling), self.sampling)

@@ -27,8 +27,10 @@ from relayrl.v1 import common_pb2 as pb
 ALIGN = 256
 DEFAULT_BUCKET_BYTES = 512 << 20
 TRANSPORTS = ("broadcast", "filesystem")
-# WeightManifest.verify: "fingerprint" in band (broadcast), "off" (receivers check nothing), "" (by ``checksum``)
-VERIFY = ("", "fingerprint", "off")
+# WeightManifest.verify: "fingerprint" (every block) or "sampled" (one block in ``sample_stride``) in band
+# (broadcast), "off" (receivers check nothing), "" (by ``checksum``)
+VERIFY = ("", "fingerprint", "sampled", "off")
+IN_BAND = ("fingerprint", "sampled")
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -91,6 +93,8 @@ class WeightManifest:
     path: str = ""
     checksum: str = ""
     verify: str = ""  # one of VERIFY; "fingerprint": the sender's fingerprint follows the buckets over the group
+    sample_stride: int = 0  # verify "sampled": blocks b with (b + sample_phase) % sample_stride == 0 are checked
+    sample_phase: int = 0
     _by_bucket: dict[int, list[TensorSpec]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,16 +135,32 @@ class WeightManifest:
         return hashlib.sha256(layout.SerializeToString(deterministic=True)).hexdigest()
 
     def with_header(
-        self, *, version: int, checksum: str = "", path: str = "", transport: str = "broadcast", verify: str = ""
+        self,
+        *,
+        version: int,
+        checksum: str = "",
+        path: str = "",
+        transport: str = "broadcast",
+        verify: str = "",
+        sample_stride: int = 0,
+        sample_phase: int = 0,
     ) -> WeightManifest:
         """This layout for another update: a shallow copy with a new header (the layout, already checked,
         is shared with this manifest, and so is its computed ``layout_id``)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: {transport!r} is not one of {TRANSPORTS}")
-        if verify and verify != self.verify:
-            _check_verify(self.tensors, verify)
+        if verify != self.verify or (sample_stride, sample_phase) != (self.sample_stride, self.sample_phase):
+            _check_verify(self.tensors, verify, sample_stride, sample_phase)
         manifest = copy.copy(self)
-        header = {"version": version, "checksum": checksum, "path": path, "transport": transport, "verify": verify}
+        header = {
+            "version": version,
+            "checksum": checksum,
+            "path": path,
+            "transport": transport,
+            "verify": verify,
+            "sample_stride": sample_stride,
+            "sample_phase": sample_phase,
+        }
         for name, value in header.items():
             object.__setattr__(manifest, name, value)
         return manifest
@@ -156,6 +176,8 @@ class WeightManifest:
             checksum=self.checksum,
             layout_id=self.layout_id,
             verify=self.verify,
+            sample_stride=self.sample_stride,
+            sample_phase=self.sample_phase,
         )
 
     def _tensor_protos(self) -> list[pb.TensorSpec]:
@@ -184,6 +206,8 @@ class WeightManifest:
             path=msg.path,
             checksum=msg.checksum,
             verify=msg.verify,
+            sample_stride=msg.sample_stride,
+            sample_phase=msg.sample_phase,
         )
         if msg.layout_id and msg.layout_id != manifest.layout_id:
             raise ValueError(f"layout_id: {msg.layout_id[:12]} is not the id of the layout sent with it")
@@ -202,7 +226,7 @@ def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
     """Check every invariant a receiver relies on; return the tensors of each bucket by offset."""
     if m.transport not in TRANSPORTS:
         raise ValueError(f"transport: {m.transport!r} is not one of {TRANSPORTS}")
-    _check_verify(m.tensors, m.verify)
+    _check_verify(m.tensors, m.verify, m.sample_stride, m.sample_phase)
     by_bucket: dict[int, list[TensorSpec]] = {}
     for i, b in enumerate(m.buckets):
         if b.index != i or b.nbytes < 0:
@@ -231,13 +255,21 @@ def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
     return by_bucket
 
 
-def _check_verify(tensors: Sequence[TensorSpec], verify: str) -> None:
-    """ValueError unless ``verify`` is known and (fingerprint) every tensor starts at an ALIGN multiple."""
+def _check_verify(tensors: Sequence[TensorSpec], verify: str, stride: int, phase: int) -> None:
+    """ValueError unless ``verify`` is known, (in band) every tensor starts at an ALIGN multiple and (sampled
+    only) the stride is a power of two and 0 <= phase < stride."""
     if verify not in VERIFY:
         raise ValueError(f"verify: {verify!r} is not one of {VERIFY}")
-    misaligned = next((t for t in tensors if t.offset % ALIGN), None) if verify == "fingerprint" else None
+    if verify == "sampled":
+        if stride < 1 or stride & (stride - 1):
+            raise ValueError(f"sample_stride: {stride} is not a power of two")
+        if not 0 <= phase < stride:
+            raise ValueError(f"sample_phase: {phase} is not in [0, {stride})")
+    elif stride or phase:
+        raise ValueError(f"sample_stride: {stride}, sample_phase: {phase} need verify 'sampled', not {verify!r}")
+    misaligned = next((t for t in tensors if t.offset % ALIGN), None) if verify in IN_BAND else None
     if misaligned is not None:
-        raise ValueError(f"verify: fingerprint needs offsets that are multiples of {ALIGN}, {misaligned.name} is not")
+        raise ValueError(f"verify: {verify} needs offsets that are multiples of {ALIGN}, {misaligned.name} is not")
 
 
 def build_manifest(
@@ -278,14 +310,28 @@ class ManifestBuilder:
         self._layout: WeightManifest | None = None
 
     def build(
-        self, specs: Sequence[Spec], *, version: int, checksum: str = "", path: str = "", verify: str = ""
+        self,
+        specs: Sequence[Spec],
+        *,
+        version: int,
+        checksum: str = "",
+        path: str = "",
+        verify: str = "",
+        sample_stride: int = 0,
+        sample_phase: int = 0,
     ) -> WeightManifest:
         specs = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
         if self._layout is None or specs != self._specs:
             self._layout = build_manifest(specs, version=version, bucket_bytes=self.bucket_bytes)
             self._specs = specs
         return self._layout.with_header(
-            version=version, checksum=checksum, path=path, transport=self.transport, verify=verify
+            version=version,
+            checksum=checksum,
+            path=path,
+            transport=self.transport,
+            verify=verify,
+            sample_stride=sample_stride,
+            sample_phase=sample_phase,
         )
 
 
@@ -317,6 +363,8 @@ class LayoutCache:
                 path=msg.path,
                 transport=msg.transport or "broadcast",
                 verify=msg.verify,
+                sample_stride=msg.sample_stride,
+                sample_phase=msg.sample_phase,
             )
         self._layouts.move_to_end(manifest.layout_id)
         while len(self._layouts) > self.capacity:

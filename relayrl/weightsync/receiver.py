@@ -11,9 +11,9 @@ called with views of the tensors a chunk completes, as soon as it arrives; it mu
 the engine's parameters before returning (the buffer is overwritten two buckets later).
 
 Both fold every chunk into the update's fingerprint as it lands when the manifest asks for it
-(``verify: fingerprint``), compare it with the sender's (broadcast after the last bucket) and vote the
-result: a mismatch raises ``WeightMismatch`` here and fails the sender's send; ``ReceiveStats.checksum``
-is the fingerprint of what landed.
+(``verify: fingerprint``; ``sampled``: its sampled blocks), compare it with the sender's (broadcast after
+the last bucket) and vote the result: a mismatch raises ``WeightMismatch`` here and fails the sender's
+send; ``ReceiveStats.checksum`` is the fingerprint of what landed.
 """
 
 from __future__ import annotations

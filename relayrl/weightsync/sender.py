@@ -8,9 +8,10 @@ bucket, chunk c is broadcast as soon as it is staged, so staging chunk c+1 overl
 Staging a chunk is one copy from an arena elsewhere (a pinned CPU arena feeding NCCL: one
 host-to-device copy per chunk), or one ``_foreach_copy_`` of its tensors from a mapping. The update
 ends with a collective vote: ``send`` returns only once every receiver has loaded every tensor, and
-raises WeightSyncError if any failed to. When the manifest asks for it (``verify: fingerprint``), every
-chunk is fingerprinted as it goes out and the fingerprint is broadcast after the last bucket, before the
-vote (see ``relayrl.weightsync.fingerprint``); ``SendStats.checksum`` is that fingerprint.
+raises WeightSyncError if any failed to. When the manifest asks for it (``verify: fingerprint`` or
+``sampled``), every chunk is fingerprinted (sampled: its sampled blocks) as it goes out and the fingerprint
+is broadcast after the last bucket, before the vote (see ``relayrl.weightsync.fingerprint``);
+``SendStats.checksum`` is that fingerprint.
 """
 
 from __future__ import annotations

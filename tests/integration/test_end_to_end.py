@@ -31,7 +31,10 @@ MEGATRON_PP2 = {"backend": "megatron", "megatron": {"pipeline_parallel": 2}}
     ids=["broadcast", "filesystem", "megatron-pp2"],
 )
 def test_three_steps_with_verified_weights_and_logprobs(make_config, transport, trainer):
-    job, cfg = launch(make_config("e2e", trainer={"steps": 3, **trainer}, weight_sync={"transport": transport}))
+    # the full fingerprint: the trainer's per-version checksum is then a value anyone can take of the weights
+    # (the exported model's below); the default, sampled, also depends on the manifest's layout and phase
+    weight_sync = {"transport": transport, "verify": "fingerprint"}
+    job, cfg = launch(make_config("e2e", trainer={"steps": 3, **trainer}, weight_sync=weight_sync))
     try:
         assert wait_exit(job, "trainer", 300) == 0, tail(job, "trainer")
 

@@ -98,13 +98,16 @@ def receiver_main(rank: int, inbox: Any, outbox: Any, die_signal: int | None) ->
 
 def corrupt_next_chunk(on: bool, fold=fingerprint.Fingerprinter.add) -> None:
     """While ``on``, the first chunk a Fingerprinter is given has one byte flipped first (in the received
-    weights themselves: a corrupted landing); off restores the real ``add``."""
+    weights themselves: a corrupted landing), in the sampled block nearest its middle (any block when
+    every block is read); off restores the real ``add``."""
     if not on:
         fingerprint.Fingerprinter.add = fold
         return
 
     def add(self, bucket: int, start: int, data: torch.Tensor) -> None:
-        data[data.numel() // 2] ^= 0x10
+        stride, blocks = self.sampling.stride, data.numel() // fingerprint.BLOCK
+        skip = self.sampling.skip(start // fingerprint.BLOCK)
+        data[(skip + (blocks - skip) // (2 * stride) * stride) * fingerprint.BLOCK + 5] ^= 0x10
         fingerprint.Fingerprinter.add = fold
         fold(self, bucket, start, data)
 
@@ -215,32 +218,39 @@ def test_in_place_and_staged_receivers_match_from_an_arena_or_from_tensors_with_
             assert stats.checksum == in_place[5] == staged[5] == expected
 
 
+@pytest.mark.parametrize("verify", ["fingerprint", "sampled"])
 def test_a_byte_flipped_as_it_lands_fails_that_receiver_and_the_send_and_the_group_goes_on(
-    receivers_factory: Any,
+    receivers_factory: Any, verify: str
 ) -> None:
-    """verify=fingerprint: receiver 1 (in place) gets one byte flipped in a chunk as it lands; it raises
-    WeightMismatch, the sender's vote fails, receiver 2 holds the right weights. The group stays in step:
-    the next update reaches both."""
+    """Receiver 1 (in place) gets one byte flipped in a chunk as it lands (sampled: in a block the update
+    samples); it raises WeightMismatch, the sender's vote fails, receiver 2 holds the right weights. The
+    group stays in step: the next update reaches both, and all three fold the value computed directly from
+    the tensors (sampled: at that version's phase)."""
     receivers = receivers_factory({1: None, 2: None})
     sender, builder = WeightSender("cpu"), ManifestBuilder(bucket_bytes=BUCKET_BYTES)
+    stride = 64 if verify == "sampled" else 0
     with WeightBroadcastGroup("127.0.0.1", 0, 0, 3, "ws-it-5", timeout_s=10.0, chunk_bytes=CHUNK_BYTES) as group:
         receivers.join([1, 2], group)
         for version, corrupt in ((1, "corrupt"), (2, "clean")):
             tensors = random_tensors(SPECS, seed=version)
-            wire = builder.build(SPECS, version=version, verify="fingerprint").to_proto().SerializeToString()
-            receivers.tell([1], "in_place", wire, corrupt)
-            receivers.tell([2], "weights", wire, "clean")
+            phase = fingerprint.phase_for(version, stride) if stride else 0
+            manifest = builder.build(SPECS, version=version, verify=verify, sample_stride=stride, sample_phase=phase)
+            receivers.tell([1], "in_place", manifest.to_proto().SerializeToString(), corrupt)
+            receivers.tell([2], "weights", manifest.to_proto().SerializeToString(), "clean")
             expected = weights_checksum(tensors.items())
             if corrupt == "corrupt":
                 with pytest.raises(WeightSyncError, match="holds other bytes than were sent"):
-                    sender.send(group, builder.build(SPECS, version=version, verify="fingerprint"), tensors)
+                    sender.send(group, manifest, tensors)
                 mismatch, fine = receivers.replies(2)
                 assert mismatch[:2] == ("mismatch", 1) and "checksum" in mismatch[2]
                 assert fine[:3] == ("ok", 2, expected)
             else:
-                stats = sender.send(group, builder.build(SPECS, version=version, verify="fingerprint"), tensors)
-                assert [r[:3] for r in receivers.replies(2)] == [("ok", 1, expected), ("ok", 2, expected)]
-                assert stats.checksum == expected and not group.broken
+                stats = sender.send(group, manifest, tensors)
+                replies = receivers.replies(2)
+                assert [r[:3] for r in replies] == [("ok", 1, expected), ("ok", 2, expected)]
+                folded = fingerprint.manifest_fingerprint(manifest, list(tensors.items()))
+                assert stats.checksum == replies[0][5] == replies[1][5] == folded and not group.broken
+                assert folded.startswith("fs:" if stride else "fp:")
 
 
 def test_killed_receiver_fails_the_send_within_the_timeout_then_a_new_group_works(

@@ -39,6 +39,7 @@ from relayrl.rollout.vllm import EXTENSION, VLLMEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.fingerprint import manifest_fingerprint, phase_for
 from relayrl.weightsync.group import WeightBroadcastGroup
 
 
@@ -346,6 +347,27 @@ def test_tensor_parallel_workers_join_as_consecutive_ranks(fake, model_dir: Path
         worker.init_weight_sync(request)
     params = SamplingParams(n=1, temperature=0.0, max_tokens=8)  # generated from the two ranks' shards
     assert_trainer_logprobs(trained, PROMPTS, by_key(list(eng.generate(PROMPTS, params))), 1.0)
+    eng.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_sampled_update_reports_the_senders_sampled_fingerprint(fake, model_dir: Path, tp: int) -> None:
+    """verify: sampled (the default) in band: the engine's workers fold what lands and compare it with the
+    sender's; the checksum they report is the sampled value of the tensors they applied (tp 1: read back
+    from the model, tp 2: from the received tensors, each found applied), as the trainer expects."""
+    eng = VLLMEngine(str(model_dir), dtype="float32", seed=0, tensor_parallel_size=tp)
+    weights, _ = new_weights(model_dir, seed=5)
+    with WeightBroadcastGroup("127.0.0.1", 0, 0, tp + 1, group_name="s", backend="gloo", timeout_s=30) as trainer:
+        group = eng.init_weight_sync(GroupArgs("127.0.0.1", trainer.port, 1, tp + 1, "s", "gloo", 30.0))
+        manifest = sync_manifest(weights).with_header(
+            version=1, verify="sampled", sample_stride=4, sample_phase=phase_for(1, 4)
+        )
+        join = send_in_background(trainer, manifest, weights)
+        eng.receive_update(manifest)
+        join()
+        group.close()
+    assert eng.loaded_checksum() == manifest_fingerprint(manifest, list(weights.items()))
+    assert eng.loaded_checksum().startswith("fs:")
     eng.close()
 
 
