@@ -235,3 +235,46 @@ def test_acquire_agrees_with_its_contract_over_random_fleet_events() -> None:
                 assert keys[got.worker_id] == keys[expected.worker_id], step  # equal keys: equally right
                 assert got is expected or expected.last_dispatch > 0, step  # never-called ones in join order
                 held.append(got)
+
+
+@pytest.mark.parametrize("index", [0, 5])
+def test_group_samples_carry_every_field_of_the_group_and_its_completions(index: int) -> None:
+    from relayrl.controller.core import Controller
+    from relayrl.controller.scoring import ScoredGroup
+    from relayrl.data.dataset import PromptRecord
+    from relayrl.v1 import controller_pb2
+
+    record = PromptRecord("0:17", "what?", [11, 12, 13], "4")
+    completions = [
+        common_pb2.Completion(
+            prompt_id="0:17",
+            sample_index=i,
+            token_ids=[20 + i, 2],
+            logprobs=[-0.25 * i, -1.0],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            policy_version=3 + i,
+            worker_id=f"w{i}",
+        )
+        for i in range(3)
+    ]
+    group = ScoredGroup(record, completions, scores=[1.0, 0.0, 1.0], rewards=[0.5, -0.5, 1.0])
+    expected = [
+        controller_pb2.Sample(
+            prompt_id="0:17",
+            group=index,
+            prompt_token_ids=[11, 12, 13],
+            response_token_ids=c.token_ids,
+            rollout_logprobs=c.logprobs,
+            reward=r,
+            score=s,
+            finish_reason=c.finish_reason,
+            policy_version=c.policy_version,
+            worker_id=c.worker_id,
+        )
+        for c, r, s in zip(completions, group.rewards, group.scores)
+    ]
+    samples = Controller._group_samples(index, group)
+    assert samples == expected
+    assert [s.SerializeToString(deterministic=True) for s in samples] == [
+        s.SerializeToString(deterministic=True) for s in expected
+    ]
