@@ -59,10 +59,11 @@ def wait_for_shutdown() -> str:
 
 
 def cmd_controller_serve(args: argparse.Namespace) -> int:
-    from relayrl.services.controller_server import serve_controller
+    from relayrl.services.controller_server import freeze_startup_heap, serve_controller
 
     cfg = _config(args)
     server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir, metrics_port=args.metrics_port)
+    freeze_startup_heap()  # this process is the controller alone: its startup heap lives as long as it does
     print(f"controller listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
     logging.info("%s: shutting down the controller", sig)

@@ -391,12 +391,14 @@ class Controller:
 
     @staticmethod
     def _group_samples(index: int, group: ScoredGroup) -> list[controller_pb2.Sample]:
-        """The samples of the batch's group number ``index``."""
-        return [
-            controller_pb2.Sample(
-                prompt_id=group.record.prompt_id,
-                group=index,
-                prompt_token_ids=group.record.token_ids,
+        """The samples of the batch's group number ``index``. What the group's samples share (prompt id and
+        tokens, group) is built once and merged into each, a copy in C rather than the prompt's tokens
+        converted from Python once per sample (half the cost of a sample)."""
+        shared = controller_pb2.Sample(prompt_id=group.record.prompt_id, group=index)
+        shared.prompt_token_ids.extend(group.record.token_ids)
+        samples = []
+        for c, reward, score in zip(group.completions, group.rewards, group.scores):
+            sample = controller_pb2.Sample(
                 response_token_ids=c.token_ids,
                 rollout_logprobs=c.logprobs,
                 reward=reward,
@@ -405,8 +407,9 @@ class Controller:
                 policy_version=c.policy_version,
                 worker_id=c.worker_id,
             )
-            for c, reward, score in zip(group.completions, group.rewards, group.scores)
-        ]
+            sample.MergeFrom(shared)
+            samples.append(sample)
+        return samples
 
     def _batch_message(self, build: _Build, kept: list[ScoredGroup], seconds: float) -> controller_pb2.Batch:
         samples = [sample for gi, g in enumerate(kept) for sample in self._group_samples(gi, g)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,11 @@ class WorkerRegistry:
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
         self._channel_options = [*(channel_options or []), *WORKER_CHANNEL_OPTIONS]
-        self._workers: dict[str, WorkerHandle] = {}
+        self._workers: dict[str, WorkerHandle] = {}  # registration order
+        # acquire's order, every worker in exactly one: never given a call (registration order), then the others
+        # least recently given a call first (each call moves its worker to the end)
+        self._never_called: dict[str, WorkerHandle] = {}
+        self._by_last_call: dict[str, WorkerHandle] = {}
         self._rotation = 0  # where the next ``rotation`` slice starts
         self.lock = threading.Condition()
         self.paused = False  # an operator paused the run: nothing is handed out
@@ -58,6 +63,9 @@ class WorkerRegistry:
                 channel = open_channel(address, self._channel_options)
                 handle = WorkerHandle(worker_id, address, engine, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
                 self._workers[worker_id] = handle
+                self._by_last_call.pop(worker_id, None)  # a new process at a new address: as if it just joined
+                self._never_called.pop(worker_id, None)
+                self._never_called[worker_id] = handle
             handle.last_seen = time.monotonic()
             changed = changed or handle.policy_version != policy_version
             handle.policy_version = policy_version
@@ -75,6 +83,8 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> WorkerHandle | None:
         with self.lock:
             handle = self._workers.pop(worker_id, None)
+            self._never_called.pop(worker_id, None)
+            self._by_last_call.pop(worker_id, None)
             if handle is not None:
                 handle.state = DEAD
                 for call in list(handle.calls):
@@ -126,26 +136,36 @@ class WorkerRegistry:
         only: frozenset[str] | None = None,
     ) -> WorkerHandle | None:
         """The least-loaded ready worker at ``min_version`` or newer with a free slot (least recently used
-        among equals); its load is taken. With ``idle_other_than``: only a worker with nothing in flight
-        that is not that one (a straggler's chunk goes there too). With ``only``: one of those worker ids.
-        None while the registry is paused."""
+        among equals: never-called workers first, in the order they joined); its load is taken. With
+        ``idle_other_than``: only a worker with nothing in flight that is not that one (a straggler's chunk goes
+        there too). With ``only``: one of those worker ids. None while the registry is paused.
+
+        Workers are visited least recently called first, so the first idle candidate is the answer: O(1) while
+        the fleet has idle workers, one pass when every candidate is busy."""
         with self.lock:
             if self.paused:
                 return None
-            candidates = [
-                w
-                for w in self._workers.values()
-                if w.state == READY
-                and w.policy_version >= min_version
-                and w.in_flight < self.max_in_flight
-                and (idle_other_than is None or (w.in_flight == 0 and w.worker_id != idle_other_than.worker_id))
-                and (only is None or w.worker_id in only)
-            ]
-            if not candidates:
+            worker = None
+            for w in itertools.chain(self._never_called.values(), self._by_last_call.values()):
+                if (
+                    w.state != READY
+                    or w.policy_version < min_version
+                    or w.in_flight >= self.max_in_flight
+                    or (only is not None and w.worker_id not in only)
+                    or (idle_other_than is not None and (w.in_flight or w.worker_id == idle_other_than.worker_id))
+                ):
+                    continue
+                if worker is None or w.in_flight < worker.in_flight:
+                    worker = w
+                    if not w.in_flight:
+                        break
+            if worker is None:
                 return None
-            worker = min(candidates, key=lambda w: (w.in_flight, w.last_dispatch))  # ties: least recently used
             worker.in_flight += 1
             worker.last_dispatch = time.monotonic()
+            self._never_called.pop(worker.worker_id, None)
+            self._by_last_call.pop(worker.worker_id, None)
+            self._by_last_call[worker.worker_id] = worker
             return worker
 
     def release(self, worker: WorkerHandle) -> None:

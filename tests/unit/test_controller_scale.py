@@ -1,5 +1,5 @@
 """The control plane's hot helpers keep their behaviour: batched prompt draws, batched decoding, the registry's
-rotation, the Generate latency histogram and its quantiles."""
+rotation and its acquire order, the Generate latency histogram and its quantiles."""
 
 from __future__ import annotations
 
@@ -169,3 +169,112 @@ def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry
     attempt = Attempt([PromptJob("p0", [4, 5])], worker)
     groups, error = dispatcher._generate_chunk(attempt, params, 0, GroupClaims(None))
     assert groups == {} and error.startswith("UNAVAILABLE: worker removed")  # run() re-dispatches the prompt
+
+
+def _expected_acquire(registry: WorkerRegistry, min_version: int, only=None, idle_other_than=None):
+    """acquire's contract, by brute force: the candidate with the least (in flight, last call); never-called workers
+    (last call 0) tie in registration order."""
+    candidates = [
+        w
+        for w in registry.snapshot()
+        if w.state == "ready"
+        and w.policy_version >= min_version
+        and w.in_flight < registry.max_in_flight
+        and (only is None or w.worker_id in only)
+        and (idle_other_than is None or (w.in_flight == 0 and w.worker_id != idle_other_than.worker_id))
+    ]
+    return min(candidates, key=lambda w: (w.in_flight, w.last_dispatch), default=None)
+
+
+def test_acquire_takes_the_least_loaded_then_least_recently_called_worker() -> None:
+    registry = WorkerRegistry(timeout_s=30, max_in_flight=2)
+    for i in range(3):
+        registry.register(f"w{i}", f"127.0.0.1:{i + 1}", "hf", 0)
+    assert [registry.acquire(0).worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]  # then w0's second slot
+    registry.release(registry.get("w1"))
+    assert registry.acquire(0).worker_id == "w1"  # idle beats loaded
+    registry.register("w3", "127.0.0.1:9", "hf", 0)
+    assert registry.acquire(0).worker_id == "w3"  # never called: first
+    registry.release(registry.get("w2"))
+    registry.release(registry.get("w1"))
+    assert registry.acquire(0).worker_id == "w2"  # both idle: w2 was called before w1's second call
+    registry.set_state("w1", "draining")
+    assert registry.acquire(0).worker_id == "w3"  # w1 is draining, w3 and w2 hold one call each, w3 called first
+    assert registry.acquire(0).worker_id == "w2"
+    assert registry.acquire(0) is None  # every ready worker is full
+    assert registry.acquire(0, idle_other_than=registry.get("w0")) is None
+
+
+def test_acquire_agrees_with_its_contract_over_random_fleet_events() -> None:
+    import random
+
+    rng = random.Random(7)
+    registry = WorkerRegistry(timeout_s=30, max_in_flight=2)
+    ids = [f"w{i}" for i in range(12)]
+    held: list = []
+    for step in range(3000):
+        event = rng.random()
+        worker_id = rng.choice(ids)
+        if event < 0.1:
+            registry.register(worker_id, f"127.0.0.1:{ids.index(worker_id) + 1}", "hf", rng.randrange(3))
+        elif event < 0.13:
+            registry.remove(worker_id)
+        elif event < 0.16:
+            registry.set_state(worker_id, rng.choice(["ready", "draining"]))
+        elif event < 0.4 and held:
+            registry.release(held.pop(rng.randrange(len(held))))
+        else:
+            min_version = rng.randrange(3)
+            only = frozenset(rng.sample(ids, 6)) if rng.random() < 0.3 else None
+            other = rng.choice(held) if held and rng.random() < 0.2 else None
+            keys = {w.worker_id: (w.in_flight, w.last_dispatch) for w in registry.snapshot()}
+            expected = _expected_acquire(registry, min_version, only, other)
+            got = registry.acquire(min_version, only=only, idle_other_than=other)
+            assert (got is None) == (expected is None), step
+            if got is not None:
+                assert keys[got.worker_id] == keys[expected.worker_id], step  # equal keys: equally right
+                assert got is expected or expected.last_dispatch > 0, step  # never-called ones in join order
+                held.append(got)
+
+
+@pytest.mark.parametrize("index", [0, 5])
+def test_group_samples_carry_every_field_of_the_group_and_its_completions(index: int) -> None:
+    from relayrl.controller.core import Controller
+    from relayrl.controller.scoring import ScoredGroup
+    from relayrl.data.dataset import PromptRecord
+    from relayrl.v1 import controller_pb2
+
+    record = PromptRecord("0:17", "what?", [11, 12, 13], "4")
+    completions = [
+        common_pb2.Completion(
+            prompt_id="0:17",
+            sample_index=i,
+            token_ids=[20 + i, 2],
+            logprobs=[-0.25 * i, -1.0],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            policy_version=3 + i,
+            worker_id=f"w{i}",
+        )
+        for i in range(3)
+    ]
+    group = ScoredGroup(record, completions, scores=[1.0, 0.0, 1.0], rewards=[0.5, -0.5, 1.0])
+    expected = [
+        controller_pb2.Sample(
+            prompt_id="0:17",
+            group=index,
+            prompt_token_ids=[11, 12, 13],
+            response_token_ids=c.token_ids,
+            rollout_logprobs=c.logprobs,
+            reward=r,
+            score=s,
+            finish_reason=c.finish_reason,
+            policy_version=c.policy_version,
+            worker_id=c.worker_id,
+        )
+        for c, r, s in zip(completions, group.rewards, group.scores)
+    ]
+    samples = Controller._group_samples(index, group)
+    assert samples == expected
+    assert [s.SerializeToString(deterministic=True) for s in samples] == [
+        s.SerializeToString(deterministic=True) for s in expected
+    ]
