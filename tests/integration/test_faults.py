@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -161,12 +159,7 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger
     ``queued``, and ``relayrl up --resume`` rewinds them to the checkpoint's cursor and trains them."""
     steps, groups = 5, 4
     config = make_config("upterm", trainer={"steps": steps}, controller={"train_batch_groups": groups})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    proc = start_up(config)
     cfg = load_config(config)
     try:
         wait_steps(cfg, 2)
@@ -196,12 +189,7 @@ def test_sigkill_of_relayrl_up_stops_every_child(make_config):
     stops as on a SIGTERM to it, the trainer too, although its controller stops at the same moment (its retries give
     up). Nothing is left running."""
     config = make_config("upkill", trainer={"steps": 50})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_up(config)
     cfg = load_config(config)
     tree: list[int] = []
     try:
