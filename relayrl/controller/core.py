@@ -350,11 +350,7 @@ class Controller:
             return
         build.kept += 1
         if build.streamed and build.kept <= build.filler.target_groups:
-            samples = self._group_samples(build.kept - 1, group)
-            with self._cond:
-                if build.step in self._streams:
-                    self._streams[build.step].extend(samples)
-                    self._cond.notify_all()
+            self._stream(build, self._group_samples(build.kept - 1, group))
 
     def _exact_workers(self, required: int) -> frozenset[str] | None:
         """The workers a streamed step may use (verified at version ``required``, ready), or None: this step is
@@ -377,12 +373,15 @@ class Controller:
         reason = "zero-advantage top-up of an exhausted batch"
         self.ledger.mark([g.record.prompt_id for g in extra], PENDING, reason, build.step, refilter=True)
         if build.streamed:
-            samples = [s for i, g in enumerate(extra) for s in self._group_samples(len(kept) + i, g)]
-            with self._cond:
-                if build.step in self._streams:
-                    self._streams[build.step].extend(samples)
-                    self._cond.notify_all()
+            self._stream(build, [s for i, g in enumerate(extra) for s in self._group_samples(len(kept) + i, g)])
         return extra
+
+    def _stream(self, build: _Build, samples: list[controller_pb2.Sample]) -> None:
+        """Append ``samples`` to the stream of ``build``'s step, if it is still open, and wake its reader."""
+        with self._cond:
+            if build.step in self._streams:
+                self._streams[build.step].extend(samples)
+                self._cond.notify_all()
 
     def _min_partial_groups(self) -> int:
         """Fewest groups a partial batch may hold: one per mini-batch, and a row for every trainer rank in each."""
