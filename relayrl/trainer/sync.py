@@ -149,6 +149,7 @@ class WeightPublisher:
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
+        checksum = manifest.checksum  # out of band; in band it comes from the transfer, if one happens
         for _attempt in range(3):
             plan = call_with_retry(
                 partial(

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from relayrl.bench.weightsync import random_tensors
 from relayrl.config import WeightSyncConfig
 from relayrl.trainer import sync
+from relayrl.v1 import controller_pb2
 from relayrl.weightsync import (
     Fingerprinter,
     WeightArena,
@@ -335,3 +336,26 @@ def test_the_trainer_asks_for_the_configured_check_with_a_phase_per_version(
     if verify == "sampled" and transport == "broadcast":
         assert [m.sample_phase for m in manifests] == [phase_for(1, 16), phase_for(2, 16)]
         assert phase_for(1, 16) != phase_for(2, 16)
+
+
+class EmptyPlanController:
+    """A controller with no registered rollout worker yet (a trainer that starts before its workers)."""
+
+    def GetWeightSyncPlan(self, request, timeout: float):
+        return controller_pb2.WeightSyncPlan()
+
+
+@pytest.mark.parametrize(
+    ("verify", "transport"), [("sampled", "broadcast"), ("sha256", "broadcast"), ("fingerprint", "filesystem")]
+)
+def test_a_publish_with_no_worker_to_update_reports_nothing_synced(verify: str, transport: str, tmp_path) -> None:
+    """Nothing is sent, nothing fails; the recorded checksum is the out-of-band one where the manifest has
+    it and empty where the check would have been folded in band (no transfer happened)."""
+    cfg = WeightSyncConfig(verify=verify, transport=transport)
+    publisher = sync.WeightPublisher(cfg, controller=EmptyPlanController(), weights_dir=str(tmp_path))
+    arena = publisher.arena_for(SPECS)
+    arena.load(random_tensors(SPECS).items())
+    result = publisher.publish(0, arena)
+    assert (result.version, result.synced, result.failed) == (0, [], {})
+    expected = "" if verify == "sampled" else weights_checksum(arena.views(), method=verify)
+    assert result.checksum == expected
