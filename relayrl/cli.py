@@ -98,11 +98,12 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 
 def cmd_trainer_run(args: argparse.Namespace) -> int:
     from relayrl.trainer.loop import run_trainer
+    from relayrl.trainer.world import restart_attempt
 
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun --max-restarts brought us back
+    restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     try:
         return run_trainer(_config(args), controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
