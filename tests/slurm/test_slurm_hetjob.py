@@ -426,7 +426,7 @@ def test_relayrl_hetjob(cluster: Cluster, tmp_path: Path):
     for role in ("controller", "rollout"):  # the sbatch drops --metrics-port when its port is ""
         if "--metrics-port" not in _cli_help(role):
             env[f"RELAYRL_{role.upper()}_METRICS_PORT"] = ""
-    job = _submit_relayrl(cluster, tmp_path, cwd=REPO, config=config, timeout=900, env=env, args=sizes)
+    job = _submit_relayrl(cluster, tmp_path, cwd=REPO, config=config, timeout=420, env=env, args=sizes)
     _assert_completed(job)
     _assert_placement(job)
     _assert_reward_improves(job)
