@@ -9,7 +9,8 @@ mirrors the real worker (``relayrl/rollout/worker.py`` behind ``relayrl/services
   else streams one ``GenerateResponse`` holding a ``Completion`` per sample (all finish at once), each stamped
   with the worker's version and id;
 - every worker heartbeats ``RegisterWorker`` with its version every ``--heartbeat-s``, then as often as the
-  controller's answer asks (``heartbeat_interval_s``, as ``Heartbeat``);
+  controller's answer asks (``heartbeat_interval_s``, as ``Heartbeat``), skipping a beat while a dispatch it
+  answered in full (``renews_registration``) renewed its registration within the interval (``Registration``);
 - ``Pause`` makes ``Generate`` answer ``UNAVAILABLE`` ("worker <id> is paused") until ``Resume``;
 - ``Stats`` answers the controller's poll.
 
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import mmap
 import os
 import random
@@ -90,6 +92,7 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
         self.rng = random.Random(seed)
         self.generated_tokens = 0
         self.paused = False
+        self.renewed_at = -math.inf  # event-loop time of the last dispatch answered in full
 
     async def Generate(self, request, context):
         if self.paused:
@@ -119,6 +122,8 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
                     )
                 )
         yield rollout_pb2.GenerateResponse(completions=completions)  # all finish at once, as in one engine step
+        if request.renews_registration:
+            self.renewed_at = asyncio.get_running_loop().time()
 
     async def Pause(self, request, context):
         self.paused = True
@@ -166,7 +171,8 @@ async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]],
         next_beat = loop.time()
         while True:
             for worker, address in workers:
-                if worker.worker_id not in in_flight:
+                renewed = loop.time() < worker.renewed_at + interval_s
+                if worker.worker_id not in in_flight and not renewed:
                     in_flight[worker.worker_id] = asyncio.create_task(beat(worker, address))
                 next_beat += interval_s / len(workers)
                 await asyncio.sleep(max(0.0, next_beat - loop.time()))

@@ -252,6 +252,7 @@ class Dispatcher:
             prompts=[rollout_pb2.PromptInput(prompt_id=j.prompt_id, token_ids=j.token_ids) for j in attempt.chunk],
             params=params.to_proto(),
             min_policy_version=min_version,
+            renews_registration=True,
         )
         worker = attempt.worker
         samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in attempt.chunk}
@@ -276,6 +277,7 @@ class Dispatcher:
                 group.append(completion)
                 if len(group) == params.n and claims.claim(completion.prompt_id, group):
                     won[completion.prompt_id] = group
+            worker.last_seen = time.monotonic()  # answered in full: this call was its heartbeat
         except grpc.RpcError as err:
             error = f"{err.code().name}: {err.details()}"
         finally:

@@ -27,7 +27,7 @@ class WorkerHandle:
     stub: rollout_pb2_grpc.RolloutServiceStub
     policy_version: int = 0
     state: str = READY
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # its last heartbeat or fully answered dispatch
     in_flight: int = 0
     last_dispatch: float = 0.0  # monotonic time of the last Generate handed to it
     calls: set = field(default_factory=set)  # live Generate calls, cancelled when the worker dies
@@ -36,7 +36,8 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    """Workers register and heartbeat with RegisterWorker; silence beyond ``timeout_s`` means dead."""
+    """Workers register and heartbeat with RegisterWorker (a dispatch answered in full counts as a beat);
+    silence beyond ``timeout_s`` means dead."""
 
     def __init__(self, timeout_s: float, max_in_flight: int = 2, channel_options: list | None = None) -> None:
         self.timeout_s = timeout_s

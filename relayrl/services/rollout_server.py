@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 
 import grpc
 import torch
@@ -24,8 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, worker: RolloutWorker, cfg: RelayConfig) -> None:
+    def __init__(self, worker: RolloutWorker, cfg: RelayConfig, registration: Registration | None = None) -> None:
         self.worker = worker
+        self.registration = registration or Registration()  # what the heartbeat (if any) reads
         self.limits = cfg.rollout.limits
         self.sync_timeout_s = cfg.weight_sync.timeout_s
 
@@ -34,6 +37,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         for i, prompt in enumerate(request.prompts):
             check_length(f"prompts[{i}].prompt_id", prompt.prompt_id, self.limits.max_id_chars)
         yield from self.worker.generate(request, context.is_active)
+        if request.renews_registration:  # answered in full (a cancelled stream never gets here)
+            self.registration.renew()
 
     @guarded
     def InitWeightSync(self, request, context):
@@ -66,12 +71,31 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return self.worker.stats(request.with_checksum)
 
 
+class Registration:
+    """When this worker last answered a controller dispatch in full (``renews_registration``), which the
+    controller counts as a heartbeat (``relayrl/controller/dispatch.py``): a busy worker need not also beat."""
+
+    def __init__(self) -> None:
+        self.renewed_at = -math.inf
+
+    def renew(self) -> None:
+        self.renewed_at = time.monotonic()
+
+    def renewed_for(self, interval_s: float) -> float:
+        """Seconds until a beat is due: ``renewed_at + interval_s - now`` (<= 0: due now)."""
+        return self.renewed_at + interval_s - time.monotonic()
+
+
 class Heartbeat:
     """Registers the worker with the controller every ``interval_s``, or as often as the controller's last answer
-    asked (``heartbeat_interval_s``: a large fleet beats less often); also after a controller restart."""
+    asked (``heartbeat_interval_s``: a large fleet beats less often); also after a controller restart. A beat is
+    skipped while an answered dispatch renewed the registration within the interval: at 1,000 workers the beats
+    of a busy fleet cost the controller ~1 ms of CPU each, for nothing."""
 
-    def __init__(self, worker: RolloutWorker, controller: str, address: str, interval_s: float = 1.0) -> None:
-        self.worker, self.address, self.interval_s = worker, address, interval_s
+    def __init__(
+        self, worker: RolloutWorker, registration: Registration, controller: str, address: str, interval_s: float = 1.0
+    ) -> None:
+        self.worker, self.registration, self.address, self.interval_s = worker, registration, address, interval_s
         self.next_beat_s = interval_s
         self._stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller))
         self._stop = threading.Event()
@@ -93,6 +117,9 @@ class Heartbeat:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if (renewed_for := self.registration.renewed_for(self.next_beat_s)) > 0:
+                self._stop.wait(renewed_for)
+                continue
             try:
                 self.beat()
                 self._warned = False
@@ -151,16 +178,17 @@ def serve_rollout(
     )
     address = advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{server.port}"
     worker = RolloutWorker(engine, worker_id or address, mode=cfg.weight_sync.mode, limits=limits)
+    registration = Registration()
     server.add(
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(worker, cfg),
+        RolloutServicer(worker, cfg, registration),
         rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
     )
     server.start()
     metrics.start(RolloutCollector(worker))
     heartbeat = None
     if controller:
-        heartbeat = Heartbeat(worker, controller, address)
+        heartbeat = Heartbeat(worker, registration, controller, address)
         heartbeat.start()
     log.info("rollout worker %s (%s) serving on %s", worker.worker_id, engine.name, address)
     return server, worker, heartbeat

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ from relayrl.client import AsyncRelayClient, RelayClient, SamplingParams
 from relayrl.config import parse_config
 from relayrl.ports import free_port
 from relayrl.services.controller_server import serve_controller
-from relayrl.services.rollout_server import serve_rollout
+from relayrl.services.rollout_server import Heartbeat, Registration, serve_rollout
 from relayrl.v1 import controller_pb2
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,7 @@ class Service:
     address: str
     controller: object
     workers: dict  # worker id -> RolloutWorker
+    heartbeats: dict  # worker id -> Heartbeat
     controller_metrics: int
     worker_metrics: int
 
@@ -68,7 +70,9 @@ def service(tmp_path_factory, tiny_model_dir, digits_path):
     while len(controller.registry.snapshot()) < 2:
         assert time.monotonic() < deadline, "workers did not register"
         time.sleep(0.1)
-    yield Service(address, controller, {w.worker_id: w for _, w, _ in started}, controller_metrics, worker_metrics)
+    workers = {w.worker_id: w for _, w, _ in started}
+    heartbeats = {w.worker_id: h for _, w, h in started}
+    yield Service(address, controller, workers, heartbeats, controller_metrics, worker_metrics)
     for worker_server, _, heartbeat in started:
         heartbeat.stop(deregister=True)
         worker_server.stop(grace_s=0)
@@ -208,6 +212,41 @@ def test_token_is_sent_and_never_printed(service):
         result = relay(*args, env=env)
         assert result.returncode == 0, result.stderr
         assert token not in result.stdout + result.stderr
+
+
+def test_a_dispatch_answered_in_full_renews_the_registration_at_both_ends(service):
+    """The controller counts a Generate it read to the end as the worker's heartbeat, and the worker, which
+    answered it, skips the beat it would have sent (a busy 1,000-worker fleet beats for nothing otherwise)."""
+    before = time.monotonic()
+    with RelayClient(service.address) as client:
+        served = {c.worker_id for c in client.submit(DIGITS, SamplingParams(n=2, max_tokens=4))}
+    assert served
+    for worker_id in served:
+        assert service.controller.registry.get(worker_id).last_seen >= before
+        assert service.heartbeats[worker_id].registration.renewed_at >= before
+
+
+def test_a_renewed_registration_sends_no_heartbeat(service):
+    """Two heartbeats for new worker ids against the real controller: the one whose registration was just
+    renewed (by an answered dispatch, an hour's interval) never registers; the other does at once."""
+    registration = Registration()
+    registration.renew()
+    worker = SimpleNamespace(worker_id="renewed", engine=SimpleNamespace(name="hf"), reported_version=0)
+    quiet = Heartbeat(worker, registration, service.address, "127.0.0.1:1", interval_s=3600)
+    control = Heartbeat(
+        SimpleNamespace(**{**vars(worker), "worker_id": "beating"}), Registration(), service.address, "127.0.0.1:2"
+    )
+    quiet.start()
+    control.start()
+    try:
+        deadline = time.monotonic() + 30
+        while service.controller.registry.get("beating") is None:
+            assert time.monotonic() < deadline, "the control heartbeat never registered"
+            time.sleep(0.05)
+        quiet.stop(deregister=False)  # joined: a beat it had sent would have landed before this returns
+        assert service.controller.registry.get("renewed") is None
+    finally:
+        control.stop(deregister=True)
 
 
 def scrape(port: int) -> str:
