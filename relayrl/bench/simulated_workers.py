@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import mmap
 import os
 import random
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import grpc
 
+from relayrl.services.registration import Registration
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
         self.rng = random.Random(seed)
         self.generated_tokens = 0
         self.paused = False
-        self.renewed_at = -math.inf  # event-loop time of the last dispatch answered in full
+        self.registration = Registration()
 
     async def Generate(self, request, context):
         if self.paused:
@@ -123,7 +123,7 @@ class SimulatedWorker(rollout_pb2_grpc.RolloutServiceServicer):
                 )
         yield rollout_pb2.GenerateResponse(completions=completions)  # all finish at once, as in one engine step
         if request.renews_registration:
-            self.renewed_at = asyncio.get_running_loop().time()
+            self.registration.renew()
 
     async def Pause(self, request, context):
         self.paused = True
@@ -171,7 +171,7 @@ async def heartbeat(controller: str, workers: list[tuple[SimulatedWorker, str]],
         next_beat = loop.time()
         while True:
             for worker, address in workers:
-                renewed = loop.time() < worker.renewed_at + interval_s
+                renewed = worker.registration.renewed_for(interval_s) > 0
                 if worker.worker_id not in in_flight and not renewed:
                     in_flight[worker.worker_id] = asyncio.create_task(beat(worker, address))
                 next_beat += interval_s / len(workers)

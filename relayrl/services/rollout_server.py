@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
-import time
 
 import grpc
 import torch
@@ -17,6 +15,7 @@ from relayrl.rollout.sampling import GenerationLimits
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.services.channels import configure_client, open_channel
 from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
+from relayrl.services.registration import Registration
 from relayrl.services.server import GrpcServer, guarded
 from relayrl.services.validate import check_init_weight_sync, check_length
 from relayrl.threads import torch_threads
@@ -69,21 +68,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @guarded
     def Stats(self, request, context):
         return self.worker.stats(request.with_checksum)
-
-
-class Registration:
-    """When this worker last answered a controller dispatch in full (``renews_registration``), which the
-    controller counts as a heartbeat (``relayrl/controller/dispatch.py``): a busy worker need not also beat."""
-
-    def __init__(self) -> None:
-        self.renewed_at = -math.inf
-
-    def renew(self) -> None:
-        self.renewed_at = time.monotonic()
-
-    def renewed_for(self, interval_s: float) -> float:
-        """Seconds until a beat is due: ``renewed_at + interval_s - now`` (<= 0: due now)."""
-        return self.renewed_at + interval_s - time.monotonic()
 
 
 class Heartbeat:

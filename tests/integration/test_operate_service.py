@@ -21,7 +21,8 @@ from relayrl.client import AsyncRelayClient, RelayClient, SamplingParams
 from relayrl.config import parse_config
 from relayrl.ports import free_port
 from relayrl.services.controller_server import serve_controller
-from relayrl.services.rollout_server import Heartbeat, Registration, serve_rollout
+from relayrl.services.registration import Registration
+from relayrl.services.rollout_server import Heartbeat, serve_rollout
 from relayrl.v1 import controller_pb2
 
 pytestmark = pytest.mark.slow
