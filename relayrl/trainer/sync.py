@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import grpc
@@ -73,6 +74,7 @@ class WeightPublisher:
         self.members: list[tuple[str, str]] = []  # (worker id, address) in group-rank order
         self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
         self._silent_until: dict[str, tuple[float, str]] = {}  # address -> (monotonic time, why): not probed again
+        self._probe_s = min(10.0, cfg.timeout_s / 2)  # a probe's deadline: room for a live worker on a busy machine
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self._stubs:
@@ -218,20 +220,22 @@ class WeightPublisher:
             for wid, addr in members
         }
         send_error, expected = None, manifest.checksum
-        if group is not None:
-            try:
-                expected = self.sender.send(group, manifest, weights).checksum or expected
-            except WeightSyncError as err:
-                send_error = str(err)
+        with ThreadPoolExecutor(1, thread_name_prefix="update-watch") as pool:
+            watch = pool.submit(self._answers, futures, dict(members))
+            if group is not None:
+                try:
+                    expected = self.sender.send(group, manifest, weights).checksum or expected
+                except WeightSyncError as err:
+                    send_error = str(err)
+            answers = watch.result()
         outcome: dict[str, str | None] = {}
-        for wid, future in futures.items():
-            try:
-                response = future.result()
-                same = not expected or response.checksum == expected
-                ok = response.policy_version == manifest.version and same
-                outcome[wid] = None if ok else f"loaded version {response.policy_version} checksum mismatch"
-            except grpc.RpcError as err:
-                outcome[wid] = f"{err.code().name}: {err.details()}"
+        for wid, answer in answers.items():
+            if isinstance(answer, str):
+                outcome[wid] = answer
+                continue
+            same = not expected or answer.checksum == expected
+            ok = answer.policy_version == manifest.version and same
+            outcome[wid] = None if ok else f"loaded version {answer.policy_version} checksum mismatch"
         if send_error and all(reason is None for reason in outcome.values()):
             outcome = {wid: f"broadcast failed: {send_error}" for wid in outcome}
         for wid, reason in outcome.items():
@@ -241,6 +245,32 @@ class WeightPublisher:
                 self._layout_holders.discard(wid)
         return outcome, expected
 
+    def _answers(
+        self, calls: dict[str, grpc.Future], addresses: dict[str, str]
+    ) -> dict[str, rollout_pb2.UpdateWeightsResponse | str]:
+        """Each member's UpdateWeights answer, or why it has none. While calls are out, the members that have
+        not answered by the end of each probe period are probed (``_unreachable``); one that misses its probe
+        is left out at once, its call cancelled: a worker frozen during an update costs at most two probe
+        periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe."""
+        answered = threading.Event()
+        for call in calls.values():
+            call.add_done_callback(lambda _call: answered.set())
+        answers: dict[str, rollout_pb2.UpdateWeightsResponse | str] = {}
+        pending = dict(calls)
+        next_probe = time.monotonic() + self._probe_s
+        while pending:
+            answered.clear()
+            for wid in [wid for wid, call in pending.items() if call.done()]:
+                answers[wid] = _answer(pending.pop(wid))
+            if not pending or answered.wait(max(0.0, next_probe - time.monotonic())):
+                continue  # a call ended: collect it; the probe period runs on
+            for wid, why in self._unreachable({wid: addresses[wid] for wid in pending}).items():
+                if pending[wid].cancel():
+                    answers[wid] = f"{why} (during the update)"
+                    del pending[wid]
+            next_probe = time.monotonic() + self._probe_s
+        return answers
+
     def _unreachable(self, workers: dict[str, str]) -> dict[str, str]:
         """Of ``workers`` (id -> address), those that do not answer Stats within min(10 s, timeout_s / 2), probed
         at once: a refused connection fails in milliseconds, a frozen process at the deadline. An address that
@@ -248,9 +278,8 @@ class WeightPublisher:
         update); a restarted worker has a new address."""
         now = time.monotonic()
         dead = {wid: why for wid, addr in workers.items() if (why := self._silent(addr, now))}
-        deadline = min(10.0, self.cfg.timeout_s / 2)  # room for a live worker on a busy machine
         probes = {
-            wid: self._stub(addr).Stats.future(rollout_pb2.StatsRequest(), timeout=deadline)
+            wid: self._stub(addr).Stats.future(rollout_pb2.StatsRequest(), timeout=self._probe_s)
             for wid, addr in workers.items()
             if wid not in dead
         }
@@ -269,6 +298,14 @@ class WeightPublisher:
             self._silent_until.pop(address, None)
             return ""
         return f"{why} (not probed again for {until - now:.0f}s)"
+
+
+def _answer(call: grpc.Future) -> rollout_pb2.UpdateWeightsResponse | str:
+    """The finished UpdateWeights call's response, or why it failed."""
+    try:
+        return call.result()
+    except grpc.RpcError as err:
+        return f"{err.code().name}: {err.details()}"
 
 
 def _failures(futures: dict[str, Future]) -> dict[str, str]:

@@ -108,7 +108,9 @@ def test_up_rides_out_a_frozen_worker(make_config):
     slowest = max(r["step_seconds"] for r in records[1:])  # step 1 includes the workers' first load
     copied = (cfg.run_dir / "logs" / "controller.log").read_text().count("also sending")
     print(json.dumps({"slowest_step_s": slowest, "median_generation_s": median_generation, "chunks_copied": copied}))
-    assert slowest <= 3 * median_generation + sync_timeout, (slowest, median_generation)
+    # the freeze is seen within sync_timeout (one probe before an update, at most two probe periods during one),
+    # then the update is redone without it: 2 x sync_timeout in all, under the heartbeat timeout (30 s)
+    assert slowest <= 3 * median_generation + 2 * sync_timeout, (slowest, median_generation)
     # chunks_copied > 0 only when the frozen worker held a chunk at the freeze: on a loaded machine it does, on a
     # quiet one the run may finish on the other worker first; the exact counts above hold either way
 

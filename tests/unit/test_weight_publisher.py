@@ -1,0 +1,78 @@
+"""Trainer rank 0's publisher against real gRPC rollout services: a worker that freezes while its update is
+out is left out by a probe, not at the update call's deadline, and the others are updated without it."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from relayrl.bench.weightsync import random_tensors
+from relayrl.config import WeightSyncConfig
+from relayrl.services.server import GrpcServer
+from relayrl.trainer import sync
+from relayrl.v1 import controller_pb2, rollout_pb2, rollout_pb2_grpc
+
+SPECS = [("embed", (64, 8), torch.float32), ("bias", (8,), torch.float32)]
+
+
+class Worker(rollout_pb2_grpc.RolloutServiceServicer):
+    """Answers Stats and loads every update, unless ``freezes``: then, once an update arrives, it answers
+    nothing more (Stats included) until released, as a SIGSTOPped process would."""
+
+    def __init__(self, freezes: bool) -> None:
+        self.freezes, self.frozen, self.released = freezes, threading.Event(), threading.Event()
+        self.updates = 0
+
+    def Stats(self, request, context):
+        if self.frozen.is_set():
+            self.released.wait()
+        return rollout_pb2.StatsResponse()
+
+    def UpdateWeights(self, request, context):
+        self.updates += 1
+        if self.freezes:
+            self.frozen.set()
+            self.released.wait()
+        return rollout_pb2.UpdateWeightsResponse(
+            policy_version=request.manifest.version, checksum=request.manifest.checksum
+        )
+
+
+class Plan:
+    def __init__(self, workers: dict[str, str]) -> None:
+        self.workers = workers
+
+    def GetWeightSyncPlan(self, request, timeout: float):
+        endpoints = [controller_pb2.WorkerEndpoint(worker_id=w, address=a) for w, a in self.workers.items()]
+        return controller_pb2.WeightSyncPlan(workers=endpoints)
+
+
+def test_a_worker_frozen_during_its_update_is_left_out_by_a_probe_and_the_rest_are_updated(tmp_path) -> None:
+    workers = {"live": Worker(freezes=False), "frozen": Worker(freezes=True)}
+    servers = {}
+    for wid, servicer in workers.items():
+        servers[wid] = GrpcServer("127.0.0.1:0")
+        servers[wid].add(
+            rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+            servicer,
+            rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        )
+        servers[wid].start()
+    try:
+        cfg = WeightSyncConfig(transport="filesystem", verify="fingerprint", timeout_s=2)  # probes of 1 s
+        plan = Plan({wid: f"127.0.0.1:{server.port}" for wid, server in servers.items()})
+        publisher = sync.WeightPublisher(cfg, controller=plan, weights_dir=str(tmp_path))
+        arena = publisher.arena_for(SPECS)
+        arena.load(random_tensors(SPECS).items())
+        result = publisher.publish(1, arena)
+    finally:
+        for servicer in workers.values():
+            servicer.released.set()
+        for server in servers.values():
+            server.stop(0)
+    assert workers["frozen"].frozen.is_set()  # it answered the probe before the update, then froze
+    assert result.synced == ["live"] and list(result.failed) == ["frozen"]
+    # left out by the probe while its call was out (the call's own deadline, 4 s, would say DEADLINE_EXCEEDED)
+    assert "unreachable" in result.failed["frozen"] and "during the update" in result.failed["frozen"]
+    assert workers["frozen"].updates == 1  # not tried again: its address is silent for timeout_s
