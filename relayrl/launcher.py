@@ -31,7 +31,7 @@ from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.ports import free_port
 from relayrl.procs import PARENT_ENV, kill_tree
 from relayrl.services.channels import open_channel
-from relayrl.threads import COLOCATED_ENV, torch_threads
+from relayrl.threads import COLOCATED_ENV, trainer_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
@@ -160,7 +160,7 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
         "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
         "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
     ] + (["--resume"] if resume else [])  # fmt: skip
-    job.spawn("trainer", trainer_argv, env={"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))})
+    job.spawn("trainer", trainer_argv, env=trainer_env(cfg))
     roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer"]
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
     (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands

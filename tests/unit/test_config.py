@@ -190,11 +190,12 @@ def test_controller_serve_refuses_a_weak_token_without_printing_it(tmp_path) -> 
 
 @pytest.mark.parametrize(
     ("staleness", "colocated", "nproc", "rollout", "trainer"),
-    [(0, True, 1, 4, 8), (1, True, 2, 2, 2), (0, False, 1, 8, 8), (1, False, 2, 8, 8)],
+    [(0, True, 1, 4, 8), (1, True, 2, 2, 4), (0, False, 1, 8, 8), (1, False, 2, 8, 8)],
 )
 def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) -> None:
-    """8 cores, 2 workers on one machine with the trainer: alternating phases take every core, overlapped
-    phases split them; a role on its own machine takes every core; an explicit count always wins."""
+    """8 cores, 2 workers on one machine with the trainer: alternating phases take every core; overlapped,
+    the workers share half and the trainer ranks all of them (waiting passively, below); a role on its own
+    machine takes every core; an explicit count always wins."""
     from relayrl.threads import torch_threads
 
     cfg = RelayConfig.model_validate(
@@ -210,6 +211,26 @@ def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) 
     assert torch_threads(cfg, "trainer", cores=8, colocated=colocated) == trainer
     fixed = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"threads": 3})})
     assert torch_threads(fixed, "rollout", cores=8, colocated=colocated) == 3
+
+
+@pytest.mark.parametrize(
+    ("staleness", "preset", "policy"), [(0, None, None), (1, None, "PASSIVE"), (1, "ACTIVE", None)]
+)
+def test_an_overlapped_trainer_waits_passively_unless_told_otherwise(monkeypatch, staleness, preset, policy) -> None:
+    """The trainer beside its workers yields the cores generation needs only when the two overlap (K >= 1);
+    a wait policy the user exported is left alone (the child inherits it)."""
+    from relayrl.threads import trainer_env
+
+    if preset is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+    monkeypatch.setattr("relayrl.threads.available_cores", lambda: 8)
+    cfg = RelayConfig.model_validate(
+        {"model": {"path": "m"}, "data": {"path": "d"}, "controller": {"max_staleness": staleness}}
+    )
+    assert trainer_env(cfg).get("OMP_WAIT_POLICY") == policy
+    assert trainer_env(cfg)["OMP_NUM_THREADS"] == "8"
 
 
 def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
