@@ -425,4 +425,9 @@ class Engine:
         return True, "Success"
 
     def shutdown(self) -> None:
+        """Real SGLang kills its scheduler process; the fake ends its scheduler task (the adapter shuts down
+        between calls, with the loop stopped) so that nothing is left pending when the loop is collected."""
         self.closed = True
+        if self._scheduler is not None and not self.loop.is_running():
+            self._scheduler.cancel()
+            self.loop.run_until_complete(asyncio.gather(self._scheduler, return_exceptions=True))

@@ -213,6 +213,17 @@ def test_concurrent_calls_share_scheduler_batches(engine: SGLangEngine, model_di
     assert engine.engine.cache_flushes == 1
 
 
+def test_closing_ends_the_fakes_scheduler_task(fake, model_dir: Path) -> None:
+    """Nothing is left pending on the engine's loop once the adapter is closed (a pending task left behind
+    is reported as destroyed when the loop is collected at exit)."""
+    eng = SGLangEngine(str(model_dir), dtype="float32", max_batch_size=8, seed=0)
+    list(eng.generate(PROMPTS[:1], SamplingParams(n=1, max_tokens=2, seed=0)))
+    scheduler = eng.engine._scheduler
+    assert scheduler is not None and not scheduler.done()  # waiting for the next request
+    eng.close()
+    assert scheduler.done()
+
+
 def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
     (free,) = engine.generate(PROMPTS[1:2], greedy)
