@@ -8,9 +8,10 @@ the roles share one machine's C cores, and the split follows the loop:
 - overlapped (K >= 1): both phases run at once for part of a step: the workers share ceil(C / 2); the
   trainer ranks take every core (C / nproc each) but wait passively (``OMP_WAIT_POLICY=PASSIVE``: an idle
   OpenMP thread sleeps instead of spinning), so while generation runs the kernel shares the cores between
-  the two, and once it is done the trainer has them all. Measured on 2 cores (gen-heavy, K = 1): 7.8 s a
-  step with the trainer on 1 thread, 6.6 s on 2 spinning threads, 5.5-6.0 s on 2 passive ones; passive
-  waiting everywhere is slower (decode's small kernels pay the wake-ups), so only the trainer does it.
+  the two, and once it is done the trainer has them all. Measured on 2 cores (gen-heavy, K = 1, runs in
+  the same hour): 7.8 s a step with the trainer on 1 thread, 6.6 s on 2 spinning threads, 6.0 s on 2
+  passive ones; passive waiting in every role is no faster at K = 1 and slower at K = 0 (decode's small
+  kernels pay the wake-ups), so only the overlapped trainer does it.
 
 An explicit ``rollout.threads`` / ``trainer.threads`` overrides the count; a wait policy already in the
 environment is kept.

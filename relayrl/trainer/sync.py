@@ -26,11 +26,12 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from relayrl.config import WeightSyncConfig
 from relayrl.ports import free_port
@@ -300,19 +301,14 @@ class WeightPublisher:
         return f"{why} (not probed again for {until - now:.0f}s)"
 
 
-def _answer(call: grpc.Future) -> rollout_pb2.UpdateWeightsResponse | str:
-    """The finished UpdateWeights call's response, or why it failed."""
+def _answer(call: grpc.Future) -> Message | str:
+    """A call's response once it is done (it waits), or why it failed, as a string."""
     try:
         return call.result()
     except grpc.RpcError as err:
         return f"{err.code().name}: {err.details()}"
 
 
-def _failures(futures: dict[str, Future]) -> dict[str, str]:
-    failed = {}
-    for wid, future in futures.items():
-        try:
-            future.result()
-        except grpc.RpcError as err:
-            failed[wid] = f"InitWeightSync {err.code().name}: {err.details()}"
-    return failed
+def _failures(calls: dict[str, grpc.Future]) -> dict[str, str]:
+    """The InitWeightSync calls that failed: member id -> why."""
+    return {wid: f"InitWeightSync {why}" for wid, call in calls.items() if isinstance(why := _answer(call), str)}
