@@ -12,6 +12,11 @@ import os
 
 from relayrl.config import ConfigError, RelayConfig, RolloutConfig
 
+# What a GPU runtime needs on the host before torch.cuda can count a device: NVIDIA's control node, AMD's
+# ROCm kernel driver (HIP), WSL2's GPU paravirtualisation. ``relayrl up`` on a machine with none of them
+# (every CPU run) places nothing without importing torch (~3 s before the first role starts).
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
 PARALLEL_OPTIONS = {
     "vllm": ("tensor_parallel_size", "pipeline_parallel_size"),
     "sglang": ("tp_size", "pp_size"),
@@ -35,6 +40,8 @@ def node_devices(configured: int | None) -> list[str]:
         return (ids or [str(i) for i in range(configured)])[:configured]
     if ids is not None:
         return ids
+    if not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        return []  # no GPU driver: torch could not see a device either, and importing it costs seconds
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -130,3 +131,22 @@ def test_relayrl_status_shows_the_restarts():
     for table in status_tables(controller_pb2.StatusResponse(restarts={"rollout-1": 2, "controller": 0})):
         console.print(table)
     assert "rollout-1 2" in console.export_text() and "controller 0" not in console.export_text()
+
+
+@pytest.mark.parametrize("driver", [False, True], ids=["no-driver", "driver-node"])
+def test_gpus_are_counted_through_torch_only_where_a_gpu_driver_is(tmp_path, driver):
+    node = tmp_path / "nvidiactl"
+    if driver:
+        node.touch()
+    probe = (
+        "import sys; import relayrl.ops.placement as p; "
+        f"p.GPU_DRIVER_NODES = ({str(node)!r},); "
+        "print(p.node_devices(None), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    devices, imported = done.stdout.split()[0], done.stdout.split()[-1]
+    assert imported == str(driver)  # torch (seconds to import) only where it could find a device
+    if not driver:
+        assert devices == "[]"
