@@ -50,3 +50,8 @@ class FailedPrecondition(RelayError):
 
 class NotFound(RelayError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+def rpc_error_text(err: grpc.RpcError) -> str:
+    """How a failed call is reported everywhere (logs, ledger reasons, CLI): ``"<STATUS>: <details>"``."""
+    return f"{err.code().name}: {err.details()}"

@@ -50,6 +50,7 @@ from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.config import ControllerConfig, load_config
 from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
+from relayrl.errors import rpc_error_text
 from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.ports import free_port
 from relayrl.services.channels import open_channel
@@ -139,7 +140,7 @@ def pull(stub, step: int, deadline: float) -> controller_pb2.Batch:
             return stub.PullBatch(request, timeout=30)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise RuntimeError(f"PullBatch(step={step}): {err.code().name}: {err.details()}") from None
+                raise RuntimeError(f"PullBatch(step={step}): {rpc_error_text(err)}") from None
 
 
 def simulated_trainer(stub, versions: VersionFile, trajectories: int, deadline: float) -> list[Pulled]:

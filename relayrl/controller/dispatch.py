@@ -26,6 +26,7 @@ import grpc
 
 from relayrl.controller.latency import LatencyHistogram
 from relayrl.controller.workers import WorkerHandle, WorkerRegistry
+from relayrl.errors import rpc_error_text
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2, rollout_pb2
 
@@ -279,7 +280,7 @@ class Dispatcher:
                     won[completion.prompt_id] = group
             worker.last_seen = time.monotonic()  # answered in full: this call was its heartbeat
         except grpc.RpcError as err:
-            error = f"{err.code().name}: {err.details()}"
+            error = rpc_error_text(err)
         finally:
             with self.registry.lock:
                 worker.calls.discard(call)

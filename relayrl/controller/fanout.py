@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import grpc
 
 from relayrl.controller.workers import WorkerHandle
+from relayrl.errors import rpc_error_text
 
 
 def fan_out(workers: Iterable[WorkerHandle], method: str, request, timeout_s: float) -> tuple[dict, dict[str, str]]:
@@ -23,5 +24,5 @@ def fan_out(workers: Iterable[WorkerHandle], method: str, request, timeout_s: fl
         try:
             responses[worker_id] = future.result()
         except grpc.RpcError as err:
-            errors[worker_id] = f"{err.code().name}: {err.details()}"
+            errors[worker_id] = rpc_error_text(err)
     return responses, errors

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from relayrl.client import ClientConfigError, RelayClient, SamplingParams
 from relayrl.client.options import ENV_ADDRESS
+from relayrl.errors import rpc_error_text
 from relayrl.ops import k8s, slurm
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
 
@@ -43,7 +44,7 @@ def operator_command(fn: Callable[[argparse.Namespace], int]) -> Callable[[argpa
             err.print(f"[red]relayrl: {error}[/red]")
             return 2
         except grpc.RpcError as error:
-            err.print(f"[red]relayrl: {error.code().name}: {error.details()}[/red]")
+            err.print(f"[red]relayrl: {rpc_error_text(error)}[/red]")
             return 1
         except TimeoutError as error:
             err.print(f"[red]relayrl: {error}[/red]")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, dump_config
-from relayrl.errors import PAUSED_DETAIL
+from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.threads import torch_threads
@@ -72,7 +72,7 @@ def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_ev
             return stub.PullBatch(request, timeout=30).SerializeToString()
         except grpc.RpcError as err:
             if err.code() not in RETRYABLE:
-                raise RuntimeError(f"PullBatch(step={step}) failed: {err.code().name}: {err.details()}") from None
+                raise RuntimeError(f"PullBatch(step={step}) failed: {rpc_error_text(err)}") from None
             if (err.details() or "").startswith(PAUSED_DETAIL):  # an operator's pause is not a stall
                 deadline = time.monotonic() + deadline_s
             now = time.monotonic()

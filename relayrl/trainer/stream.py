@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from relayrl.config import AlgorithmConfig, TrainerConfig
-from relayrl.errors import PAUSED_DETAIL
+from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.services.retry import RETRYABLE
 from relayrl.trainer.algorithms import compute_advantages
 from relayrl.trainer.algorithms.aggregation import UNIT_COUNTS, agg_denominator
@@ -181,10 +181,10 @@ def read_stream(stub, step: int, deadline_s: float, call_timeout_s: float, stop)
             raise RuntimeError(f"StreamBatch(step={step}) ended without its last part")
         except grpc.RpcError as err:
             if received and err.code() in BROKEN:
-                yield "broken", f"{err.code().name}: {err.details()}"
+                yield "broken", rpc_error_text(err)
                 return
             if err.code() not in RETRYABLE:
-                raise RuntimeError(f"StreamBatch(step={step}) failed: {err.code().name}: {err.details()}") from None
+                raise RuntimeError(f"StreamBatch(step={step}) failed: {rpc_error_text(err)}") from None
             if (err.details() or "").startswith(PAUSED_DETAIL):
                 deadline = time.monotonic() + deadline_s
             if time.monotonic() > deadline:

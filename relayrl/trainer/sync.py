@@ -34,6 +34,7 @@ import torch
 from google.protobuf.message import Message
 
 from relayrl.config import WeightSyncConfig
+from relayrl.errors import rpc_error_text
 from relayrl.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
@@ -288,7 +289,7 @@ class WeightPublisher:
             try:
                 probe.result()
             except grpc.RpcError as err:
-                dead[wid] = f"unreachable: {err.code().name}: {err.details()}"
+                dead[wid] = f"unreachable: {rpc_error_text(err)}"
                 self._silent_until[workers[wid]] = (time.monotonic() + self.cfg.timeout_s, dead[wid])
         return dead
 
@@ -306,7 +307,7 @@ def _answer(call: grpc.Future) -> Message | str:
     try:
         return call.result()
     except grpc.RpcError as err:
-        return f"{err.code().name}: {err.details()}"
+        return rpc_error_text(err)
 
 
 def _failures(calls: dict[str, grpc.Future]) -> dict[str, str]:
