@@ -529,6 +529,10 @@ class Controller:
         """Roll the run back to a trainer checkpoint: undo later batches, ledger entries and draws."""
         if request.cursor < 0 or request.cursor > self.progress.cursor:
             raise InvalidArgument("cursor", f"{request.cursor} is outside [0, {self.progress.cursor}]")
+        if request.step > self.progress.trainer_step:  # the trainer checkpoints a step only after reporting it
+            raise InvalidArgument(
+                "step", f"{request.step} is past the last step the trainer reported ({self.progress.trainer_step})"
+            )
         with self._cond:
             for step in list(self._batches):
                 (self._batch_dir / f"step_{step}.pb").unlink(missing_ok=True)

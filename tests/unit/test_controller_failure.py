@@ -13,6 +13,7 @@ import pytest
 from relayrl.config import load_config
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import DispatchResult
+from relayrl.errors import InvalidArgument
 from relayrl.v1 import common_pb2, controller_pb2
 
 
@@ -65,6 +66,23 @@ def test_a_failed_run_produces_again_after_a_rewind(make_config, tmp_path) -> No
         assert ctl.state == "running" and not ctl.error
         wait_for(lambda: ctl.batches_ready >= 1)
         assert ctl.dispatcher.calls >= 2
+    finally:
+        ctl.stop()
+
+
+def test_a_rewind_past_the_reported_step_is_refused_and_changes_nothing(make_config, tmp_path) -> None:
+    """A trainer checkpoints a step only after reporting it, so a rewind to a later step cannot come from one;
+    taken, it would set the policy version to weights no worker will ever get, and every client prompt would
+    wait for them (the fuzz test found step 16200 doing that)."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}))
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n))
+    try:
+        wait_for(lambda: ctl.batches_ready >= 1)
+        with pytest.raises(InvalidArgument, match=r"^step: 16200 is past the last step the trainer reported \(0\)"):
+            ctl.rewind(controller_pb2.RewindRequest(step=16200, cursor=0))
+        assert ctl.progress.policy_version == 0 and ctl.batches_ready >= 1  # nothing rewound
+        ctl.rewind(controller_pb2.RewindRequest(step=0, cursor=0))  # what a restarted trainer sends
+        assert ctl.progress.policy_version == 0 and ctl.state == "running"
     finally:
         ctl.stop()
 
