@@ -177,6 +177,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "generation_seconds": stats.generation_seconds,
         **train,
         "sync_seconds": sync.seconds,
+        "sync_plan_wait_seconds": sync.plan_wait_seconds,
         "sync_bytes": sync.nbytes,
         "weights_checksum": sync.checksum,
         "workers_synced": len(sync.synced),

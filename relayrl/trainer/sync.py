@@ -59,6 +59,7 @@ class SyncResult:
     failed: dict[str, str]  # worker id -> reason
     checksum: str
     nbytes: int
+    plan_wait_seconds: float = 0.0  # waiting for the controller's plan (a control-plane outage), not in `seconds`
 
 
 class WeightPublisher:
@@ -143,8 +144,10 @@ class WeightPublisher:
 
     def publish(self, version: int, weights: WeightArena, only: set[str] | None = None) -> SyncResult:
         """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
-        ``arena_for``). Never raises for a worker's failure; reports it."""
+        ``arena_for``). Never raises for a worker's failure; reports it. ``seconds`` is the update's own time:
+        the wait for the controller's plan (it may be restarting) is ``plan_wait_seconds``."""
         start = time.perf_counter()
+        plan_wait = 0.0
         manifest = weights.manifest.with_header(
             version=version,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
@@ -155,6 +158,7 @@ class WeightPublisher:
         synced: list[str] = []
         checksum = manifest.checksum  # out of band; in band it comes from the transfer, if one happens
         for _attempt in range(3):
+            asked = time.perf_counter()
             plan = call_with_retry(
                 partial(
                     self.controller.GetWeightSyncPlan,
@@ -164,6 +168,7 @@ class WeightPublisher:
                 what="GetWeightSyncPlan",
                 deadline_s=600,
             )
+            plan_wait += time.perf_counter() - asked
             members = [
                 (w.worker_id, w.address)
                 for w in plan.workers
@@ -193,7 +198,8 @@ class WeightPublisher:
             self.close()
         for wid, reason in failed.items():
             log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
-        return SyncResult(version, time.perf_counter() - start, synced, failed, checksum, manifest.total_bytes)
+        seconds = time.perf_counter() - start - plan_wait
+        return SyncResult(version, seconds, synced, failed, checksum, manifest.total_bytes, plan_wait)
 
     def _verification(self, version: int, weights: WeightArena) -> dict[str, str | int]:
         """The manifest's header fields that say how receivers check update ``version`` (module docstring)."""

@@ -69,7 +69,9 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
     pending = [pid for pid, fates in ledger_fates(cfg).items() if fates[-1] not in {"trained", "filtered", "failed"}]
     assert not pending, pending[:5]
     timeout_s = cfg.weight_sync.timeout_s
-    assert all(r["sync_seconds"] < timeout_s / 2 for r in records), "a weight sync waited for a dead receiver"
+    # the wait for the restarted controller's plan is sync_plan_wait_seconds, not the update's time
+    slow_syncs = [(r["step"], r["sync_seconds"]) for r in records if r["sync_seconds"] >= timeout_s / 2]
+    assert not slow_syncs, f"a weight sync waited for a dead receiver: {slow_syncs}"
     median = statistics.median(r["step_seconds"] for r in records)
     after_kill = max(r["step_seconds"] for r in records[10:12])  # the kill lands in step 11 (or 12)
     print(json.dumps({"median_step_s": median, "step_after_worker_kill_s": after_kill}))

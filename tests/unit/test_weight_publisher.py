@@ -1,10 +1,13 @@
 """Trainer rank 0's publisher against real gRPC rollout services: a worker that freezes while its update is
-out is left out by a probe, not at the update call's deadline, and the others are updated without it."""
+out is left out by a probe, not at the update call's deadline, and the others are updated without it; a
+controller that is restarting delays the plan, which the result reports apart from the update's own time."""
 
 from __future__ import annotations
 
 import threading
+import time
 
+import grpc
 import torch
 
 from relayrl.bench.weightsync import random_tensors
@@ -48,8 +51,29 @@ class Plan:
         return controller_pb2.WeightSyncPlan(workers=endpoints)
 
 
-def test_a_worker_frozen_during_its_update_is_left_out_by_a_probe_and_the_rest_are_updated(tmp_path) -> None:
-    workers = {"live": Worker(freezes=False), "frozen": Worker(freezes=True)}
+class Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "failed to connect to all addresses"
+
+
+class RestartingPlan(Plan):
+    """Refuses connections (UNAVAILABLE) until ``down_s`` has passed since its creation, as a controller that
+    is being restarted does."""
+
+    def __init__(self, workers: dict[str, str], down_s: float) -> None:
+        super().__init__(workers)
+        self.up_at = time.monotonic() + down_s
+
+    def GetWeightSyncPlan(self, request, timeout: float):
+        if time.monotonic() < self.up_at:
+            raise Unavailable()
+        return super().GetWeightSyncPlan(request, timeout)
+
+
+def serve(workers: dict[str, Worker]) -> dict[str, GrpcServer]:
     servers = {}
     for wid, servicer in workers.items():
         servers[wid] = GrpcServer("127.0.0.1:0")
@@ -59,6 +83,12 @@ def test_a_worker_frozen_during_its_update_is_left_out_by_a_probe_and_the_rest_a
             rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
         )
         servers[wid].start()
+    return servers
+
+
+def test_a_worker_frozen_during_its_update_is_left_out_by_a_probe_and_the_rest_are_updated(tmp_path) -> None:
+    workers = {"live": Worker(freezes=False), "frozen": Worker(freezes=True)}
+    servers = serve(workers)
     try:
         cfg = WeightSyncConfig(transport="filesystem", verify="fingerprint", timeout_s=2)  # probes of 1 s
         plan = Plan({wid: f"127.0.0.1:{server.port}" for wid, server in servers.items()})
@@ -76,3 +106,21 @@ def test_a_worker_frozen_during_its_update_is_left_out_by_a_probe_and_the_rest_a
     # left out by the probe while its call was out (the call's own deadline, 4 s, would say DEADLINE_EXCEEDED)
     assert "unreachable" in result.failed["frozen"] and "during the update" in result.failed["frozen"]
     assert workers["frozen"].updates == 1  # not tried again: its address is silent for timeout_s
+
+
+def test_the_wait_for_a_restarting_controller_is_reported_apart_from_the_update(tmp_path) -> None:
+    servers = serve({"live": Worker(freezes=False)})
+    try:
+        cfg = WeightSyncConfig(transport="filesystem", verify="fingerprint", timeout_s=2)
+        plan = RestartingPlan({"live": f"127.0.0.1:{servers['live'].port}"}, down_s=1.5)
+        publisher = sync.WeightPublisher(cfg, controller=plan, weights_dir=str(tmp_path))
+        arena = publisher.arena_for(SPECS)
+        arena.load(random_tensors(SPECS).items())
+        began = time.perf_counter()
+        result = publisher.publish(1, arena)
+        wall = time.perf_counter() - began
+    finally:
+        servers["live"].stop(0)
+    assert result.synced == ["live"] and not result.failed
+    assert result.plan_wait_seconds >= 1.4  # the outage, retried through
+    assert abs(result.seconds + result.plan_wait_seconds - wall) < 0.05  # the two add up to the publish
