@@ -79,7 +79,9 @@ def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
 def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_model_dir) -> None:
     engine, engine_metrics = train(tiny_model_dir, "auto", exact=True)
     recomputed, recomputed_metrics = train(tiny_model_dir, "recompute", exact=True)
-    assert engine.forwards == 2 and recomputed.forwards == 4  # 2 mini-batches; recompute adds one forward each
+    # 2 mini-batches; recompute forwards the second one's old logprobs before the first update, while the first
+    # one's are its own training forward (nothing updated yet)
+    assert engine.forwards == 2 and recomputed.forwards == 3
     assert engine_metrics["old_logprobs_from_engine"] == 1.0 and recomputed_metrics["old_logprobs_from_engine"] == 0
     for name, tensor in weights(engine).items():
         torch.testing.assert_close(tensor, weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
@@ -90,7 +92,33 @@ def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_mode
 
 def test_a_batch_not_generated_by_the_starting_weights_is_recomputed(tiny_model_dir) -> None:
     backend, metrics = train(tiny_model_dir, "auto", exact=False)
-    assert backend.forwards == 4 and metrics["old_logprobs_from_engine"] == 0
+    assert backend.forwards == 3 and metrics["old_logprobs_from_engine"] == 0
+
+
+def test_rollout_old_logprobs_take_the_engines_for_any_batch(tiny_model_dir) -> None:
+    """``old_logprobs: rollout`` anchors on the behaviour policy whatever its version: no forward for old logprobs.
+    Here the rollout logprobs are the starting weights' own, so the update is the recomputed one."""
+    bypass, bypass_metrics = train(tiny_model_dir, "rollout", exact=False)
+    recomputed, _ = train(tiny_model_dir, "recompute", exact=False)
+    assert bypass.forwards == 2 and bypass_metrics["old_logprobs_from_engine"] == 1.0
+    for name, tensor in weights(bypass).items():
+        torch.testing.assert_close(tensor, weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> None:
+    """With two passes the first mini-batch's old logprobs (its first training forward) stay those of the starting
+    weights: the second pass's clip anchors on them, as it does on the engine's exact ones."""
+    results = {}
+    for mode in ("auto", "recompute"):
+        torch.manual_seed(0)
+        tcfg = TrainerConfig(lr=0.01, mini_batches=2, epochs=2)
+        backend = CountingBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
+        batch = rollout_batch(backend)
+        metrics = train_on_batch(backend, batch, AlgorithmConfig(old_logprobs=mode), tcfg, temperature=1.0, norm_len=7)
+        results[mode] = weights(backend), metrics
+    for name, tensor in results["auto"][0].items():
+        torch.testing.assert_close(tensor, results["recompute"][0][name], atol=1e-5, rtol=0, msg=name)
+    assert abs(results["auto"][1]["clip_frac"] - results["recompute"][1]["clip_frac"]) < 1e-6
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
