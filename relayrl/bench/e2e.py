@@ -10,7 +10,8 @@ Workloads:
 - ``gen-heavy``: tiny Qwen2 (hidden 256, 4 layers), 16 prompts x 16 samples of exactly 48 tokens
   (relayrl ``rollout.ignore_eos``, TRL ``min_new_tokens``; checked from the measured lengths), 1 rollout
   worker, 1 trainer rank, no dynamic sampling, 2 optimizer steps per batch; relayrl at
-  ``max_staleness`` 0 (groups streamed to the trainer, and whole batches) and 1. Same number of steps for
+  ``max_staleness`` 0 (groups streamed to the trainer, and whole batches) and 1 (old logprobs of the stale
+  batches the trainer's, and the engine's: ``algorithm.old_logprobs=rollout``). Same number of steps for
   every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
@@ -127,7 +128,8 @@ def workload(name: str, workdir: Path, args: argparse.Namespace) -> Workload:
     variants = {  # K = 0 with groups streamed to the trainer as they are kept, and with whole batches
         "k0-stream": ["controller.max_staleness=0", "trainer.stream=on"],
         "k0-whole": ["controller.max_staleness=0", "trainer.stream=off"],
-        "k1": ["controller.max_staleness=1"],
+        "k1": ["controller.max_staleness=1"],  # stale batches' old logprobs: the trainer's (decoupled PPO)
+        "k1-rollout": ["controller.max_staleness=1", "algorithm.old_logprobs=rollout"],  # the engine's (bypass)
     }
     return Workload("gen-heavy", overrides, variants, samples_budget=False)
 

@@ -31,7 +31,8 @@ def test_quick_bench_runs_both_systems_on_every_workload(tmp_path: Path) -> None
     result = json.loads(done.stdout)
     assert result["machine"]["cpus"] >= 1 and result["machine"]["versions"]["trl"]
     heavy, demo = result["workloads"]["gen-heavy"], result["workloads"]["demo"]
-    assert [r["system"] for r in heavy["runs"]] == ["relayrl-k0-stream", "relayrl-k0-whole", "relayrl-k1", "trl"]
+    k1 = ["relayrl-k1", "relayrl-k1-rollout"]
+    assert [r["system"] for r in heavy["runs"]] == ["relayrl-k0-stream", "relayrl-k0-whole", *k1, "trl"]
     assert [r["system"] for r in demo["runs"]] == ["relayrl-default", "trl"]
     for row in heavy["runs"] + demo["runs"]:
         assert "error" not in row, row
@@ -45,5 +46,6 @@ def test_quick_bench_runs_both_systems_on_every_workload(tmp_path: Path) -> None
     for wl in (heavy, demo):
         assert wl["systems"]["trl"]["rounds_ok"] == 1
         assert all(ratios["samples_per_s"] > 0 for ratios in wl["relayrl_vs_trl"].values())
-    assert set(heavy["relayrl_vs_trl"]) == {"relayrl-k0-stream/trl", "relayrl-k0-whole/trl", "relayrl-k1/trl"}
+    variants = ["relayrl-k0-stream", "relayrl-k0-whole", *k1]
+    assert set(heavy["relayrl_vs_trl"]) == {f"{variant}/trl" for variant in variants}
     assert all(r["step_speedup"] > 0 for r in heavy["relayrl_vs_trl"].values())  # same samples per step
