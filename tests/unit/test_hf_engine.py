@@ -216,9 +216,21 @@ def test_registry_creates_hf_and_lists_known_engines(model_dir) -> None:
     assert "hf" in ENGINES
 
 
-def generate_in_threads(engine: HFEngine, calls: list[tuple[list[list[int]], SamplingParams]], delays: list[float]):
-    """Run each call's ``generate`` in its own thread (after its delay); returns each call's completions."""
+def generate_in_threads(
+    engine: HFEngine, calls: list[tuple[list[list[int]], SamplingParams]], delays: list[float], step_s: float = 0.005
+):
+    """Run each call's ``generate`` in its own thread (after its delay); returns each call's completions. Each
+    decode step takes at least ``step_s`` (a sleep, no change to what it computes), so calls started ``delays``
+    apart find the earlier ones still decoding on any machine (a fast one finished a call within 20 ms)."""
     results: list[list[EngineCompletion]] = [[] for _ in calls]
+    runner = engine._batcher.runner
+    decode = runner.decode
+
+    def paced(*args):
+        time.sleep(step_s)
+        return decode(*args)
+
+    runner.decode = paced
 
     def run(i: int) -> None:
         time.sleep(delays[i])
@@ -229,6 +241,7 @@ def generate_in_threads(engine: HFEngine, calls: list[tuple[list[list[int]], Sam
         t.start()
     for t in threads:
         t.join(timeout=120)
+    del runner.decode  # the class's own again
     return results
 
 
