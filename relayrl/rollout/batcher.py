@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from relayrl.rollout.engine import EngineCompletion, FinishReason
+from relayrl.rollout.intra_op import start_intra_op_owner
 from relayrl.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,12 @@ class RequestHandle:
 class ContinuousBatcher:
     """The scheduler described in the module docstring, around one ``ModelRunner``."""
 
-    def __init__(self, runner: ModelRunner, *, max_rows: int, generator: torch.Generator) -> None:
-        self.runner, self.max_rows, self.generator = runner, max_rows, generator
+    def __init__(
+        self, runner: ModelRunner, *, max_rows: int, generator: torch.Generator, threads: int | None = None
+    ) -> None:
+        """``threads``: the scheduler thread's torch intra-op threads, every other thread of the process then
+        running its torch ops on one (``relayrl.rollout.intra_op``); None leaves torch's counts alone."""
+        self.runner, self.max_rows, self.generator, self.threads = runner, max_rows, generator, threads
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()  # admitted or waiting, oldest first
         self._closed = False
@@ -197,8 +202,7 @@ class ContinuousBatcher:
             if request.unfinished:
                 self._requests.append(request)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="continuous-batching", daemon=True)
-                self._thread.start()
+                self._thread = self._start_scheduler()
             self._cond.notify_all()
         return RequestHandle(request, self)
 
@@ -214,6 +218,13 @@ class ContinuousBatcher:
             self._thread.join(timeout=30)
 
     # -- the scheduler thread ----------------------------------------------------------------------
+    def _start_scheduler(self) -> threading.Thread:
+        if self.threads is not None:
+            return start_intra_op_owner(self._loop, self.threads, name="continuous-batching")
+        thread = threading.Thread(target=self._loop, name="continuous-batching", daemon=True)
+        thread.start()
+        return thread
+
     def _loop(self) -> None:
         rows: list[_Row] = []
         logits: torch.Tensor | None = None

@@ -42,7 +42,9 @@ class HFEngine(InferenceEngine):
 
     ``decode`` (config ``rollout.hf_decode``) picks the decode steps' runner: "fast" is ``LlamaDecodeRunner``
     (refused at start, with the reason, when ``llama_decode.unsupported_reason`` finds the model unsupported),
-    "transformers" the model's own forward, "auto" the fast one whenever it is supported.
+    "transformers" the model's own forward, "auto" the fast one whenever it is supported. ``threads``: torch
+    intra-op threads of the decoding (scheduler) thread; the process's other threads then use one
+    (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are.
     """
 
     name = "hf"
@@ -57,6 +59,7 @@ class HFEngine(InferenceEngine):
         attn_implementation: str = "sdpa",
         seed: int = 0,
         decode: str = "auto",
+        threads: int | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -79,7 +82,7 @@ class HFEngine(InferenceEngine):
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         runner = self._runner(decode)
         self.decoder = "fast" if isinstance(runner, LlamaDecodeRunner) else "transformers"  # the one chosen
-        self._batcher = ContinuousBatcher(runner, max_rows=max_batch_size, generator=self._generator)
+        self._batcher = ContinuousBatcher(runner, max_rows=max_batch_size, generator=self._generator, threads=threads)
 
     def _runner(self, decode: str) -> _HFRunner | LlamaDecodeRunner:
         """The runner ``decode`` asks for (class docstring); logs the choice and, for "auto", why."""

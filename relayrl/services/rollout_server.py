@@ -137,14 +137,18 @@ def serve_rollout(
     given) the heartbeat."""
     from relayrl.rollout.engine import create_engine
 
-    torch.set_num_threads(torch_threads(cfg, "rollout"))
+    threads = torch_threads(cfg, "rollout")
+    # the hf engine decodes on its scheduler thread with `threads`; every other thread of this process (the model
+    # load here, weight loads and checksums on gRPC threads) on one: a second OpenMP team halves decode speed
+    # (relayrl/rollout/intra_op.py). vLLM and SGLang compute in their own processes.
+    torch.set_num_threads(1)
     engine = create_engine(
         cfg.rollout.engine,
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
         max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.run.seed,
-        **({"decode": cfg.rollout.hf_decode} if cfg.rollout.engine == "hf" else {}),
+        **({"decode": cfg.rollout.hf_decode, "threads": threads} if cfg.rollout.engine == "hf" else {}),
         **cfg.rollout.engine_options,
     )
     limits = GenerationLimits(

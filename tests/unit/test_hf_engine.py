@@ -296,3 +296,29 @@ def test_a_caller_that_stops_listening_frees_its_rows(model_dir) -> None:
     stream.close()  # the rest of this request leaves the batch; the engine serves the next call
     done = list(engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=3)))
     assert len(done) == len(PROMPTS)
+
+
+def test_only_the_scheduler_thread_runs_multithreaded_torch(model_dir) -> None:
+    """``threads``: decoding uses that many intra-op threads and every other thread of the process (a gRPC thread
+    loading weights) one, so libgomp never holds two teams (relayrl/rollout/intra_op.py)."""
+    before = torch.get_num_threads()
+    engine = HFEngine(str(model_dir), max_batch_size=8, threads=2)
+    seen: list[int] = []
+    decode = engine._batcher.runner.decode
+
+    def counting_decode(*args):
+        seen.append(torch.get_num_threads())
+        return decode(*args)
+
+    engine._batcher.runner.decode = counting_decode
+    try:
+        list(engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=4, seed=1)))
+        loader: list[int] = []
+        thread = threading.Thread(target=lambda: loader.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen and set(seen) == {2}
+        assert loader == [1] and torch.get_num_threads() == 1
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
