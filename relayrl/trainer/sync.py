@@ -235,6 +235,7 @@ class WeightPublisher:
                     expected = self.sender.send(group, manifest, weights).checksum or expected
                 except WeightSyncError as err:
                     send_error = str(err)
+                    group.close()  # its connections go: receivers still waiting for chunks fail now, not at timeout
             answers = watch.result()
         outcome: dict[str, str | None] = {}
         for wid, answer in answers.items():
