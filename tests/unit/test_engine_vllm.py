@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +210,15 @@ def test_stop_token_ends_the_sample_and_is_included(engine: VLLMEngine) -> None:
     assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-6)
 
 
-def test_should_abort_aborts_the_unfinished_requests(engine: VLLMEngine) -> None:
+def test_should_abort_aborts_the_unfinished_requests(engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     llm_engine = engine.llm.llm_engine
+    step = llm_engine.step
+
+    def paced_step():  # 0.1 s a step, so the 50 ms poll of should_abort sees step 2 or 3 on any machine, not 6
+        time.sleep(0.1)
+        return step()
+
+    monkeypatch.setattr(llm_engine, "step", paced_step)
     params = SamplingParams(n=2, max_tokens=6, seed=0, ignore_eos=True)  # nothing finishes before step 6
     seen = list(engine.generate(PROMPTS, params, should_abort=lambda: len(llm_engine.steps) >= 2))
     assert len(by_key(seen)) == 6
