@@ -24,16 +24,18 @@ def start_intra_op_owner(target: Callable[[], None], threads: int, name: str) ->
     """Start ``target`` on a daemon thread whose torch ops use ``threads`` intra-op threads; returns it once that
     count is fixed. From then on every other thread of the process runs its torch ops on one thread (torch's
     process-wide count is set to 1; the calling thread's own count too)."""
-    pinned = threading.Event()
+    pinned, released = threading.Event(), threading.Event()
 
     def run() -> None:
         torch.set_num_threads(threads)
         torch.get_num_threads()  # a thread takes torch's process-wide count once, when it first asks: now
         pinned.set()
+        released.wait()  # no torch work here while the process-wide count changes
         target()
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     pinned.wait()
     torch.set_num_threads(1)
+    released.set()
     return thread
