@@ -13,6 +13,7 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
 from relayrl.procs import exit_now, stop_with_parent
 from relayrl.services.retry import STOPPING
@@ -75,6 +76,8 @@ def cmd_controller_serve(args: argparse.Namespace) -> int:
 def cmd_rollout_serve(args: argparse.Namespace) -> int:
     from relayrl.services.rollout_server import serve_rollout
 
+    retain_freed_memory()
+
     cfg = _config(args)
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     server, worker, heartbeat = serve_rollout(
@@ -104,6 +107,7 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
+    retain_freed_memory()
     try:
         return run_trainer(_config(args), controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
