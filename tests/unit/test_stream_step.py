@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trainer_testing import full_weights
 
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
 from relayrl.ports import free_port
@@ -76,10 +77,6 @@ def make_batch(backend: FSDPBackend, groups: int, seed: int) -> controller_pb2.B
     return controller_pb2.Batch(batch_id="b", step=1, samples=samples, stats=header, minibatch_groups=sizes)
 
 
-def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
-    return {name: p.full_tensor().detach().clone() for name, p in backend.model.named_parameters()}
-
-
 def relay_config(loss_agg: str) -> RelayConfig:
     return parse_config(
         {
@@ -125,7 +122,7 @@ def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broke
     results = []
     for mode in ("whole", "streamed"):
         backend = FSDPBackend(ModelConfig(path=model_dir), cfg.trainer, with_reference=False)
-        before = weights(backend)
+        before = full_weights(backend)
         batch = make_batch(backend, groups, seed=groups)
         if mode == "whole":
             train = to_train_batch(batch, PAD, version=0, verified_workers=verified)
@@ -137,7 +134,7 @@ def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broke
             parts = stream_source(batch, chunks, broken) if dist.get_rank() == 0 else None
             trained, metrics = train_streamed(backend, cfg, 1, parts, verified, PAD)
             assert list(trained.samples) == list(batch.samples) and metrics["streamed"] == 1.0
-        results.append((weights(backend), metrics))
+        results.append((full_weights(backend), metrics))
     (w_whole, m_whole), (w_streamed, m_streamed) = results
     out = {"weights": max(float((w_whole[k] - w_streamed[k]).abs().max()) for k in w_whole)}
     out["moved"] = max(float((w_whole[k] - before[k]).abs().max()) for k in w_whole)  # not vacuous

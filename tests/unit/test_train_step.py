@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_testing import full_weights
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
@@ -72,10 +73,6 @@ def train(tiny_model_dir, old_logprobs: str, exact: bool) -> tuple[CountingBacke
     return backend, metrics
 
 
-def weights(backend: FSDPBackend) -> dict[str, torch.Tensor]:
-    return {name: p.full_tensor().detach().clone() for name, p in backend.model.named_parameters()}
-
-
 def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_model_dir) -> None:
     engine, engine_metrics = train(tiny_model_dir, "auto", exact=True)
     recomputed, recomputed_metrics = train(tiny_model_dir, "recompute", exact=True)
@@ -83,8 +80,8 @@ def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_mode
     # one's are its own training forward (nothing updated yet)
     assert engine.forwards == 2 and recomputed.forwards == 3
     assert engine_metrics["old_logprobs_from_engine"] == 1.0 and recomputed_metrics["old_logprobs_from_engine"] == 0
-    for name, tensor in weights(engine).items():
-        torch.testing.assert_close(tensor, weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+    for name, tensor in full_weights(engine).items():
+        torch.testing.assert_close(tensor, full_weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
     # the mismatch is still measured, from the first mini-batch's forward at the step's starting weights
     assert engine_metrics["logprob_mismatch_max"] < 1e-5
     assert abs(engine_metrics["loss"] - recomputed_metrics["loss"]) < 1e-5
@@ -101,8 +98,8 @@ def test_rollout_old_logprobs_take_the_engines_for_any_batch(tiny_model_dir) -> 
     bypass, bypass_metrics = train(tiny_model_dir, "rollout", exact=False)
     recomputed, _ = train(tiny_model_dir, "recompute", exact=False)
     assert bypass.forwards == 2 and bypass_metrics["old_logprobs_from_engine"] == 1.0
-    for name, tensor in weights(bypass).items():
-        torch.testing.assert_close(tensor, weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+    for name, tensor in full_weights(bypass).items():
+        torch.testing.assert_close(tensor, full_weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
 
 
 def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> None:
@@ -115,7 +112,7 @@ def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> N
         backend = CountingBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
         batch = rollout_batch(backend)
         metrics = train_on_batch(backend, batch, AlgorithmConfig(old_logprobs=mode), tcfg, temperature=1.0, norm_len=7)
-        results[mode] = weights(backend), metrics
+        results[mode] = full_weights(backend), metrics
     for name, tensor in results["auto"][0].items():
         torch.testing.assert_close(tensor, results["recompute"][0][name], atol=1e-5, rtol=0, msg=name)
     assert abs(results["auto"][1]["clip_frac"] - results["recompute"][1]["clip_frac"]) < 1e-6

@@ -1,5 +1,10 @@
 """FSDP2 backend: ``fully_shard`` per decoder layer and at the root, gloo on CPU / NCCL on CUDA.
 
+A world of one rank trains the plain module: there is nothing to shard, and FSDP's per-layer hooks,
+parameter all-gathers and DTensor dispatch (copies and no-op collectives of one rank) cost a third of a
+demo step (0.087 -> 0.063 s) and 5 % of a gen-heavy one. The math is the same (a one-rank gradient reduction
+divides by 1); checkpoints are DCP's in both cases, so a run resumes on another world size.
+
 Contract: every method is called by every rank (they hold collectives), except where noted.
 """
 
@@ -32,10 +37,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_sharded_model(path: str, dtype: torch.dtype, device: torch.device, *, trainable: bool) -> torch.nn.Module:
-    """from_pretrained, then fully_shard every decoder layer and the root module."""
+    """from_pretrained, then, in a world of more than one rank, fully_shard every decoder layer and the root."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
+    if dist.get_world_size() == 1:  # nothing to shard (module docstring)
+        return model
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
