@@ -11,15 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from trainer_testing import full_weights
+from trainer_testing import full_weights, rollout_batch
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.ports import free_port
 from relayrl.procs import exit_now
-from relayrl.trainer.backends.fsdp import FSDPBackend
-from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.backends.fsdp import FSDPBackend, shard
 from relayrl.trainer.step import train_on_batch
 
 TCFG = TrainerConfig(lr=0.01, mini_batches=2)
@@ -27,24 +25,9 @@ ALG = AlgorithmConfig(old_logprobs="recompute")
 TOLERANCE = 1e-5
 
 
-def batch(seed: int, groups: int = 4, n: int = 4) -> TrainBatch:
-    """Random prompts and responses; the old logprobs are recomputed, so the rollout ones play no part."""
-    g = torch.Generator().manual_seed(seed)
-    rows, prompt_len, response_len = groups * n, 5, 7
-    input_ids = torch.randint(2, 20, (rows, prompt_len + response_len), generator=g)
-    response_mask = torch.zeros(rows, prompt_len + response_len - 1)
-    response_mask[:, prompt_len - 1 :] = 1.0
-    return TrainBatch(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), response_mask=response_mask,
-        rollout_logprobs=torch.zeros_like(response_mask), rewards=torch.rand(rows, generator=g),
-        scores=torch.zeros(rows), group_ids=torch.arange(groups).repeat_interleave(n),
-        truncated=torch.zeros(rows, dtype=torch.bool), versions=torch.zeros(rows, dtype=torch.long),
-        exact_rollout=torch.zeros(rows, dtype=torch.bool),
-    )  # fmt: skip
-
-
 def train(backend: FSDPBackend, seed: int) -> dict[str, float]:
-    return train_on_batch(backend, batch(seed), ALG, TCFG, temperature=1.0, norm_len=7)
+    """One step on ``seed``'s batch; its old logprobs are recomputed, so the rollout ones play no part."""
+    return train_on_batch(backend, rollout_batch(backend, seed=seed), ALG, TCFG, temperature=1.0, norm_len=7)
 
 
 def is_sharded(backend: FSDPBackend) -> bool:
@@ -58,9 +41,7 @@ def one_rank_cases(rank: int, world: int, port: int, model_dir: str, out: str) -
     try:
         plain = FSDPBackend(ModelConfig(path=model_dir), TCFG, with_reference=False)
         sharded = FSDPBackend(ModelConfig(path=model_dir), TCFG, with_reference=False)
-        for layer in sharded.model.model.layers:
-            fully_shard(layer)
-        fully_shard(sharded.model)
+        shard(sharded.model)
         sharded.optimizer = torch.optim.AdamW(
             sharded.model.parameters(), lr=TCFG.lr, betas=TCFG.betas, weight_decay=TCFG.weight_decay
         )

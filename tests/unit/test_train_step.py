@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from trainer_testing import full_weights
+from trainer_testing import full_weights, rollout_batch
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.ports import free_port
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
-from relayrl.trainer.batch import TrainBatch, right_padded
+from relayrl.trainer.batch import right_padded
 from relayrl.trainer.step import train_on_batch
 
 
@@ -37,30 +37,6 @@ class CountingBackend(FSDPBackend):
         return super().logprobs(*args, **kwargs)
 
 
-def rollout_batch(backend: FSDPBackend, groups: int = 4, n: int = 4, seed: int = 0) -> TrainBatch:
-    """Random prompts and responses whose rollout logprobs are the backend's own at its current weights."""
-    g = torch.Generator().manual_seed(seed)
-    rows, prompt_len, response_len = groups * n, 5, 7
-    input_ids = torch.randint(2, 20, (rows, prompt_len + response_len), generator=g)
-    attention_mask = torch.ones_like(input_ids)
-    response_mask = torch.zeros(rows, prompt_len + response_len - 1)
-    response_mask[:, prompt_len - 1 :] = 1.0
-    with torch.no_grad():
-        rollout = backend.logprobs(input_ids, attention_mask, 1.0)[0] * response_mask
-    return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_mask=response_mask,
-        rollout_logprobs=rollout,
-        rewards=torch.rand(rows, generator=g),
-        scores=torch.zeros(rows),
-        group_ids=torch.arange(groups).repeat_interleave(n),
-        truncated=torch.zeros(rows, dtype=torch.bool),
-        versions=torch.zeros(rows, dtype=torch.long),
-        exact_rollout=torch.ones(rows, dtype=torch.bool),
-    )
-
-
 def train(tiny_model_dir, old_logprobs: str, exact: bool) -> tuple[CountingBackend, dict]:
     torch.manual_seed(0)
     tcfg = TrainerConfig(lr=0.01, mini_batches=2)
@@ -80,8 +56,9 @@ def test_exact_batches_skip_the_old_logprob_forward_and_train_the_same(tiny_mode
     # one's are its own training forward (nothing updated yet)
     assert engine.forwards == 2 and recomputed.forwards == 3
     assert engine_metrics["old_logprobs_from_engine"] == 1.0 and recomputed_metrics["old_logprobs_from_engine"] == 0
+    expected = full_weights(recomputed)
     for name, tensor in full_weights(engine).items():
-        torch.testing.assert_close(tensor, full_weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
     # the mismatch is still measured, from the first mini-batch's forward at the step's starting weights
     assert engine_metrics["logprob_mismatch_max"] < 1e-5
     assert abs(engine_metrics["loss"] - recomputed_metrics["loss"]) < 1e-5
@@ -98,8 +75,9 @@ def test_rollout_old_logprobs_take_the_engines_for_any_batch(tiny_model_dir) -> 
     bypass, bypass_metrics = train(tiny_model_dir, "rollout", exact=False)
     recomputed, _ = train(tiny_model_dir, "recompute", exact=False)
     assert bypass.forwards == 2 and bypass_metrics["old_logprobs_from_engine"] == 1.0
+    expected = full_weights(recomputed)
     for name, tensor in full_weights(bypass).items():
-        torch.testing.assert_close(tensor, full_weights(recomputed)[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0, msg=name)
 
 
 def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> None:

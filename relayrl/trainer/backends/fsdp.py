@@ -41,12 +41,16 @@ def load_sharded_model(path: str, dtype: torch.dtype, device: torch.device, *, t
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
-    if dist.get_world_size() == 1:  # nothing to shard (module docstring)
-        return model
+    if dist.get_world_size() > 1:  # one rank: nothing to shard (module docstring)
+        shard(model)
+    return model
+
+
+def shard(model: torch.nn.Module) -> None:
+    """fully_shard every decoder layer, then the root (the embeddings, final norm and head)."""
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    return model
 
 
 class FSDPBackend:
