@@ -17,6 +17,7 @@ from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
 from relayrl.procs import exit_now, stop_with_parent
 from relayrl.services.retry import STOPPING
+from relayrl.threads import yield_cores_to_generation
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
@@ -108,6 +109,7 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     retain_freed_memory()
+    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/threads.py)
     try:
         return run_trainer(_config(args), controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
