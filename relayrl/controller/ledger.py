@@ -59,10 +59,9 @@ class Ledger:
                 current = self._entries.get(pid)
                 if current is not None and current[0] in TERMINAL and not (refilter and current[0] == FILTERED):
                     raise LedgerError(f"prompt {pid} is already {current[0]}; refusing {state}")
+            for pid in prompt_ids:
                 self._entries[pid] = (state, reason, step)
-                if self._path is not None:
-                    record = {"id": pid, "state": state, "reason": reason, "step": step}
-                    self._file.write(json.dumps(record) + "\n")
+            self._append([{"id": pid, "state": state, "reason": reason, "step": step} for pid in prompt_ids])
 
     def rewind(self, prompt_ids: list[str], reason: str) -> int:
         """Forget prompts drawn after a checkpoint the run rolled back to (logged, then dropped)."""
@@ -70,9 +69,14 @@ class Ledger:
             known = [pid for pid in prompt_ids if pid in self._entries]
             for pid in known:
                 del self._entries[pid]
-                if self._path is not None:
-                    self._file.write(json.dumps({"id": pid, "state": REWOUND, "reason": reason}) + "\n")
+            self._append([{"id": pid, "state": REWOUND, "reason": reason} for pid in known])
             return len(known)
+
+    def _append(self, events: list[dict]) -> None:
+        """One write for the events of one call (in the kernel when the call returns: a killed controller loses
+        none; the demo marks ~260 prompts a step, a write each cost ~2 ms of a step's CPU)."""
+        if self._path is not None and events:
+            self._file.write("".join(json.dumps(event) + "\n" for event in events))
 
     def state(self, prompt_id: str) -> tuple[str, str, int] | None:
         with self._lock:
