@@ -9,6 +9,7 @@ once (one per Generate call) and expects the engine to batch them (continuous ba
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -117,6 +118,15 @@ def engine_class(name: str) -> type[InferenceEngine]:
         module, _, attr = target.partition(":")
         target = getattr(importlib.import_module(module), attr)
     return target
+
+
+def worker_seed(run_seed: int, worker: str) -> int:
+    """The engine seed of one rollout worker: ``run.seed`` mixed with the worker's identity (sha256, the same in
+    every process and after a restart), in [0, 2**32) as vLLM's and SGLang's seeds must be. Seeding every
+    worker with ``run.seed`` itself gave them all one random stream for requests without a seed: two workers
+    handed chunks of the same shape drew the same uniforms row for row, so their samples were correlated."""
+    digest = hashlib.sha256(f"{run_seed}:{worker}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def create_engine(name: str, **options: Any) -> InferenceEngine:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 
 import grpc
@@ -135,7 +137,7 @@ def serve_rollout(
 ) -> tuple[GrpcServer, RolloutWorker, Heartbeat | None]:
     """Load the engine, start the gRPC server, /metrics (when ``metrics_port``) and (when a controller is
     given) the heartbeat."""
-    from relayrl.rollout.engine import create_engine
+    from relayrl.rollout.engine import create_engine, worker_seed
 
     threads = torch_threads(cfg, "rollout")
     # the hf engine decodes on its scheduler thread with `threads`; every other thread of this process (the model
@@ -147,7 +149,8 @@ def serve_rollout(
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
         max_batch_size=cfg.rollout.max_batch_size,
-        seed=cfg.run.seed,
+        # each worker its own random stream: its id (relayrl up names them), else where it serves from
+        seed=worker_seed(cfg.run.seed, worker_id or advertise or f"{socket.gethostname()}:{port}:{os.getpid()}"),
         **({"decode": cfg.rollout.hf_decode, "threads": threads} if cfg.rollout.engine == "hf" else {}),
         **cfg.rollout.engine_options,
     )
