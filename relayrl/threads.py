@@ -19,9 +19,9 @@ chunks want the cores of the batch's last decode steps the kernel runs the worke
 what is left. It has to be the session's *autogroup*: each role starts in a session of its own (the
 launcher's ``start_new_session``, torchrun's for its ranks) and with ``kernel.sched_autogroup_enabled`` CFS
 first splits a core evenly between sessions, whatever the threads' nice values say; ``/proc/self/autogroup``
-takes the nice of the whole session. Without it a decode step that
-shares the cores with a training chunk falls from ~10 ms to 0.3-0.8 s: a decode step is ~100 short OpenMP
-regions, and each waits for whichever of the worker's threads the kernel has just handed to the trainer.
+takes the nice of the whole session. Without it a decode step that shares the cores with a training chunk
+falls from ~10 ms to 0.3-0.8 s: a decode step is ~100 short OpenMP regions, and each waits for whichever of
+the worker's threads the kernel has just handed to the trainer.
 Measured on 2 cores (gen-heavy, K = 0 streamed, 14 steps): generation 0.44-3.3 s a step (median 0.55) without
 it, 0.42-0.47 s with it, and 1.49 s a step, level with the whole-batch step. Not done for the other loops: at
 K = 1 it changed nothing (1.50 against 1.51 s; the trainer's passive threads already give way), and a whole
