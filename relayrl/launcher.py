@@ -4,7 +4,8 @@ Children run in their own sessions, so a terminal's Ctrl-C reaches only the laun
 stops every child in order (trainer, workers, controller) with SIGTERM, and SIGKILL after a grace
 period. Each child logs to ``<run dir>/logs/<role>.log``. While the run goes on, a child that dies is
 restarted within its budget (relayrl.ops.supervise); on a GPU node each child sees only its own devices
-(relayrl.ops.placement).
+(relayrl.ops.placement). Roles are forked from a server that imported torch once (relayrl.forkserver),
+unless ``supervisor.fork_roles`` is off or a role's environment cannot be forked.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
+from relayrl.forkserver import ForkedRole, ForkServer
 from relayrl.ops.placement import node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.ports import free_port
-from relayrl.procs import PARENT_ENV, kill_tree
+from relayrl.procs import PARENT_ENV, kill_tree, reap_orphans
 from relayrl.services.channels import open_channel
 from relayrl.threads import COLOCATED_ENV, trainer_env
+from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
@@ -47,32 +50,54 @@ class LocalJob:
     cfg: RelayConfig
     config_path: Path
     logs: Path
-    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+    children: dict[str, subprocess.Popen | ForkedRole] = field(default_factory=dict)
     controller_address: str = ""
     devices: dict[str, str] = field(default_factory=dict)  # role -> CUDA_VISIBLE_DEVICES (GPU nodes)
-    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # role -> argv, env
+    commands: dict[str, tuple[list[str], dict[str, str], bool]] = field(default_factory=dict)  # argv, env, own store
+    forks: ForkServer | None = None
 
-    def spawn(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``role`` (its log appended to, its devices placed); ``respawn`` repeats it."""
-        self.commands[role] = (list(argv), dict(env or {}))
-        log_file = (self.logs / f"{role}.log").open("ab")
+    def spawn(
+        self, role: str, argv: list[str], env: dict[str, str] | None = None, *, own_store: bool = False
+    ) -> subprocess.Popen | ForkedRole:
+        """Start ``argv`` as ``role`` (its log appended to, its devices placed), forked when it is a ``relay``
+        command that can be; ``respawn`` repeats it. ``own_store``: a trainer of one rank, given at every start
+        what torchrun's agent would give it (``single_rank_env``: a fresh store port each time)."""
+        self.commands[role] = (list(argv), dict(env or {}), own_store)
+        log = self.logs / f"{role}.log"
         placed = {"CUDA_VISIBLE_DEVICES": self.devices[role]} if role in self.devices else {}
         ours = {"PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", PARENT_ENV: str(os.getpid())}
-        child_env = {**os.environ, **ours, **placed, **(env or {})}
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=child_env)
-        log_file.close()  # the child holds its own descriptor
+        child_env = {**os.environ, **ours, **placed, **(env or {}), **(single_rank_env() if own_store else {})}
+        relayed = argv[: len(self.relay())] == self.relay()
+        proc = None
+        if self.forks is not None and relayed:
+            proc = self.forks.spawn(role, argv[len(self.relay()) :], child_env, log)
+        if proc is None:
+            with log.open("ab") as log_file:  # the child holds its own descriptor
+                if self.forks is not None and relayed:
+                    log_file.write(f"relayrl up: {role} not forked ({', '.join(self.forks.refused[role])})\n".encode())
+                proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=child_env)  # fmt: skip
         self.children[role] = proc
         return proc
 
-    def respawn(self, role: str) -> subprocess.Popen:
+    def respawn(self, role: str) -> subprocess.Popen | ForkedRole:
         """Start ``role`` again as it was started; the trainer continues from its newest checkpoint."""
-        argv, env = self.commands[role]
+        argv, env, own_store = self.commands[role]
         if role == "trainer" and "--resume" not in argv:
             argv = [*argv, "--resume"]
-        return self.spawn(role, argv, env)
+        return self.spawn(role, argv, env, own_store=own_store)
 
     def relay(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "relayrl.cli", *args]
+
+    def reap_orphans(self) -> None:
+        """Reap exited processes reparented to this subreaper that are no role (a dead role's own children)."""
+        keep = {proc.pid for proc in self.children.values()}
+        reap_orphans(keep | ({self.forks.proc.pid} if self.forks is not None else set()))
+
+    def close(self) -> None:
+        if self.forks is not None:
+            self.forks.close()
 
     def check_alive(self, roles: list[str]) -> None:
         for role in roles:
@@ -143,8 +168,20 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
     job.spawn(role, job.relay(*argv, "--worker-id", role))
 
 
+def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
+    """The run's fork server (relayrl.forkserver), or None: ``supervisor.fork_roles`` off, or no subreaper."""
+    if not cfg.supervisor.fork_roles:
+        return None
+    try:
+        return ForkServer.start(cfg.model.path, logs / "forkserver.log")
+    except OSError as err:
+        console.print(f"[yellow]roles start as fresh interpreters: {err}[/yellow]")
+        return None
+
+
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
+    job.forks = start_forks(cfg, job.logs)
     job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = free_port()
     job.controller_address = f"127.0.0.1:{port}"
@@ -155,12 +192,14 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
     for i in range(cfg.rollout.workers):
         spawn_rollout(job, i)
-    trainer_argv = [
-        sys.executable, "-m", "relayrl.cli", "trainer", "launch",
-        "--standalone", f"--nproc-per-node={cfg.trainer.nproc}",
-        "-m", "relayrl.cli", "trainer", "run", *common, "--controller", job.controller_address,
-    ] + (["--resume"] if resume else [])  # fmt: skip
-    job.spawn("trainer", trainer_argv, env=trainer_env(cfg))
+    # One rank runs as the role itself, with what torchrun's agent would give it (relayrl.trainer.launch does
+    # the same outside `relayrl up`); more ranks run under `relayrl trainer launch` (torchrun).
+    rank = ["trainer", "run", *common, "--controller", job.controller_address, *(["--resume"] if resume else [])]
+    if cfg.trainer.nproc == 1:
+        job.spawn("trainer", job.relay(*rank), env=trainer_env(cfg), own_store=True)
+    else:
+        launch = ["trainer", "launch", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}", "-m", "relayrl.cli"]
+        job.spawn("trainer", job.relay(*launch, *rank), env=trainer_env(cfg))
     roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer"]
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
     (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
@@ -190,6 +229,7 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
         supervisor = Supervisor(job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, progress))
         task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
         while job.children["trainer"].poll() != 0:
+            job.reap_orphans()
             scaler.tick()  # `relayrl scale rollout N`
             supervisor.tick(leave=scaler.draining)  # a dead role restarted, or the run ends here
             records = read_metrics(metrics_path)
@@ -268,12 +308,15 @@ def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
         console.print(f"[yellow]{stop_signal[0] if stop_signal else 'SIGINT'}: stopping every process[/yellow]")
         if job is not None:
             job.stop(["trainer", *[r for r in job.children if r.startswith("rollout")], "controller"])
+            job.close()
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted) as err:
         console.print(f"[red]relayrl up failed: {err}[/red]")
         if job is not None:
             job.stop()
+            job.close()
         return 1
     job.stop([r for r in job.children if r != "trainer"], in_order=False)
+    job.close()
     summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started)
     return 0

@@ -76,3 +76,32 @@ def stop_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the launcher died before the call
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Make this process a child subreaper (prctl(2)): orphans below it are reparented to it, not to init, so it
+    can wait for them and read their exit status. Raises OSError where the kernel refuses (or is not Linux)."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        raise OSError("PR_SET_CHILD_SUBREAPER needs Linux")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
+
+
+def reap_orphans(keep: set[int]) -> list[int]:
+    """Reap this process's exited children that are not in ``keep`` (orphans a subreaper inherited); their pids."""
+    reaped = []
+    for pid in child_pids(os.getpid()):
+        if pid in keep:
+            continue
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z" and os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+    return reaped

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 from relayrl.client import RelayClient, SamplingParams
+from relayrl.config import load_config
 from relayrl.trainer.metrics import read_metrics
+
+from .jobs import assert_roles_forked
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +92,7 @@ def test_scale_rollout_up_and_down_on_a_live_run(make_config, monkeypatch):
             return False
 
         wait(rollout1_current, 90, "rollout-1 to receive the current weights")
+        assert_roles_forked(load_config(config), up.pid)  # the worker the scaler started too
         assert seen[-1][2] == 0  # registered at version 0, brought to the current version before any work
         joiners = [s for s in client.weights_status().recent_syncs if s.reason in ("joiners", "step")]
         assert any("rollout-1" in s.synced_worker_ids for s in joiners)

@@ -10,6 +10,7 @@ import json
 import signal
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from relayrl.launcher import controller_status
 from relayrl.procs import kill_tree
 
 from .jobs import (
+    assert_roles_forked,
     contiguous_records,
     finish,
     ledger_fates,
@@ -37,7 +39,7 @@ RESTART_FAST = {"backoff_s": 0.5, "max_restarts": 2}
 @pytest.mark.timeout(1500)  # about 3 minutes on a quiet 2-core machine; a busy one takes several times that
 def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
     """SIGKILL rollout-1 at step 10, the controller at step 20 and trainer rank 1 at step 30 of 60: every one
-    is restarted, the run completes, and the ledger and metrics are exact."""
+    is restarted (forked again, as it was started), the run completes, and the ledger and metrics are exact."""
     steps, groups = 60, 4
     config = make_config(
         "chaos",
@@ -55,6 +57,7 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
         address = (cfg.run_dir / "controller.address").read_text()
         counted = dict(controller_status(address).restarts)  # what `relayrl status` shows
         assert counted == {"controller": 1, "rollout-0": 0, "rollout-1": 1, "trainer": 0}, counted
+        assert_roles_forked(cfg, up.pid)  # the restarted ones too
         kill_tree(rank_pid(supervised_roles(cfg)["trainer"]["pid"], rank=1))
         code, err = finish(up)
     assert code == 0, err
@@ -76,6 +79,30 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
     after_kill = max(r["step_seconds"] for r in records[10:12])  # the kill lands in step 11 (or 12)
     print(json.dumps({"median_step_s": median, "step_after_worker_kill_s": after_kill}))
     assert after_kill <= 3 * median  # its chunk re-dispatched, no collective timeout paid
+
+
+@pytest.mark.timeout(1200)
+def test_up_restarts_a_killed_single_rank_trainer_forked_from_its_checkpoint(make_config):
+    """One trainer rank is the role itself (no torchrun), forked: SIGKILL it at step 4 of 12 and it is forked
+    again with ``--resume`` and a fresh store port; the run completes with every step once."""
+    steps = 12
+    config = make_config(
+        "rank1", trainer={"steps": steps, "nproc": 1, "checkpoint_every": 2}, supervisor=RESTART_FAST,
+        controller={"dynamic_sampling": False},
+    )  # fmt: skip
+    cfg = load_config(config)
+    with running_up(config) as up:
+        wait_steps(cfg, 4, timeout_s=600)
+        assert_roles_forked(cfg, up.pid)
+        kill_tree(supervised_roles(cfg)["trainer"]["pid"])
+        wait_until(lambda: supervised_roles(cfg)["trainer"]["restarts"] == 1, what="the trainer's restart")
+        assert_roles_forked(cfg, up.pid)
+        code, err = finish(up)
+    assert code == 0, err
+    contiguous_records(cfg, steps)
+    trainer = supervised_roles(cfg)["trainer"]
+    assert trainer["exit_codes"] == [-9], trainer
+    assert "resumed from" in Path(trainer["log"]).read_text()
 
 
 @pytest.mark.timeout(1500)

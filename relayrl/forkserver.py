@@ -1,0 +1,291 @@
+"""A fork server for ``relayrl up``: roles forked from one interpreter that imported torch once.
+
+Every role of a local run is a Python process that imports torch, transformers, datasets and gRPC before it
+does anything else: 2-3 s of a core each, four or five times over on the way to the first step, and again at
+every restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then forks
+each role from that state. A forked role is still its own OS process in its own session, with its own log,
+environment and command line (``setproctitle``, as vLLM names its processes); it runs ``relayrl.cli.main``
+exactly as ``python -m relayrl.cli`` would.
+
+Contract:
+- Double fork: the role is the grandchild of the server and, once the intermediate process exits, a child of
+  the launcher, which is a child subreaper (``PR_SET_CHILD_SUBREAPER``, prctl(2)). The launcher waits for it,
+  reads its exit status and signals it as if it had started it itself (``ForkedRole``), and the server's
+  death stops no role.
+- The server forks only with no Python thread but its main one running, and never touches CUDA or gRPC
+  channels: native pools that exist at import (OpenBLAS, jemalloc) have their own ``pthread_atfork`` handlers.
+- An environment that differs from the server's in anything but ``RUNTIME_ENV`` is not forked
+  (``ForkServer.spawn`` returns None and the launcher starts a fresh interpreter): libraries read some variables
+  once when they load, OMP_WAIT_POLICY by libgomp when torch loads, for one.
+- Random state: CPython reseeds ``random`` in a forked child (``os.register_at_fork``); NumPy's global
+  generator is reseeded here from the OS, as a fresh process's is. torch's default seed is a constant.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from relayrl.procs import PARENT_ENV, exit_now, stop_with_parent
+
+# what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
+# the run's modeling module. A role's modules are imported at its first request, so the controller is forked
+# (and starts on the other core) while the server still imports what the workers and the trainer need.
+MODEL = "<modeling module>"
+ROLE_PRELOAD = {
+    "controller": ("relayrl.services.controller_server",),
+    "rollout": ("relayrl.services.rollout_server", "relayrl.rollout.hf", MODEL),
+    "trainer": ("relayrl.trainer.loop", MODEL),
+}
+# variables read at run time only (by relayrl, torch.distributed's env:// rendezvous, the CUDA driver at cuInit)
+RUNTIME_ENV_PREFIXES = ("RELAYRL_",)
+RUNTIME_ENV = frozenset({
+    "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+})  # fmt: skip
+REPARENT_TIMEOUT_S = 5.0
+
+
+def modeling_module(model_path: str | Path) -> str | None:
+    """``transformers.models.<m>.modeling_<m>`` for the ``model_type`` in ``model_path``/config.json, if any."""
+    try:
+        model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+def env_forkable(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
+    """The variables that keep ``env`` from being forked from a server started with ``server_env`` (sorted)."""
+    differ = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
+    return sorted(k for k in differ if k not in RUNTIME_ENV and not k.startswith(RUNTIME_ENV_PREFIXES))
+
+
+# ---------------------------------------------------------------------------------------------- server side
+
+
+def _run_role(request: dict, log: int) -> None:
+    """In the forked role: become what ``python -m relayrl.cli <args>`` with ``request['env']`` and its output on
+    ``log`` would be, run it, and exit with its code. Never returns."""
+    code = 1
+    try:
+        launcher = int(request["env"][PARENT_ENV])
+        deadline = time.monotonic() + REPARENT_TIMEOUT_S
+        while os.getppid() != launcher and time.monotonic() < deadline:  # the intermediate process is exiting
+            time.sleep(0.001)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
+        os.close(log)
+        os.close(null)
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - for the life of the process; the server's reader may hold the next request in its buffer
+        args = list(request["args"])
+        with contextlib.suppress(ImportError):  # before the environment is replaced: setproctitle moves it
+            from setproctitle import setproctitle
+
+            setproctitle(" ".join([sys.executable, "-m", "relayrl.cli", *args]))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.modules["relayrl.cli"].__file__, *args]
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        from relayrl.cli import main
+
+        try:
+            code = main(args)
+        except SystemExit as done:  # argparse's errors and --help, as the interpreter would exit with them
+            code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
+            if not isinstance(done.code, int | None):
+                print(done.code, file=sys.stderr)
+        atexit._run_exitfuncs()  # the handlers the interpreter would run at exit (the server's imports' included)
+    except BaseException:  # whatever happens, this process must not return into the server
+        traceback.print_exc()
+    finally:
+        exit_now(code)
+
+
+def _fork_role(request: dict) -> int:
+    """Fork ``request`` twice (module docstring); returns the role's pid once it is the launcher's child."""
+    if threading.active_count() != 1:
+        raise RuntimeError(f"{threading.active_count()} Python threads are running: forking is unsafe")
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # there once we reply
+    try:
+        read_end, write_end = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            try:
+                os.close(read_end)
+                role = os.fork()
+                if role == 0:
+                    os.close(write_end)
+                    os.setsid()  # its own session, process group and CFS autogroup, as start_new_session gives
+                    _run_role(request, log)
+                os.write(write_end, str(role).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+    finally:
+        os.close(log)
+    with os.fdopen(read_end, "rb") as pipe:
+        reply = pipe.read()
+    os.waitpid(middle, 0)  # exited: the role has been reparented (exit_notify reparents before notifying us)
+    if not reply:
+        raise RuntimeError("the intermediate process died before forking the role")
+    return int(reply)
+
+
+class Preloader:
+    """Imports each role's ``ROLE_PRELOAD`` once, before its first fork."""
+
+    def __init__(self, model_path: str | None) -> None:
+        self.model = modeling_module(model_path) if model_path else None
+        self.done: set[str] = set()
+
+    def prepare(self, role: str) -> None:
+        for name in ROLE_PRELOAD.get(role, ()):
+            name = self.model if name == MODEL else name
+            if name is None or name in self.done:
+                continue
+            self.done.add(name)
+            started = time.monotonic()
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # a module not preloaded is imported by the role itself
+                print(f"fork server: not preloading {name}: {err}", file=sys.stderr, flush=True)
+                continue
+            print(f"fork server: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+
+
+def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> int:
+    """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
+    ``{"error": text}``, importing what the role needs first (``Preloader``)."""
+    stop_with_parent()
+    import relayrl.cli  # noqa: F401 - every role's entry point
+
+    preloader = Preloader(model_path)
+    for line in requests:
+        try:
+            request = json.loads(line)
+            preloader.prepare(request["args"][0] if request["args"] else "")
+            reply = {"pid": _fork_role(request)}
+        except Exception as err:  # a failed fork is answered; the launcher starts the role itself
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        replies.write(json.dumps(reply).encode() + b"\n")
+        replies.flush()
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- launcher side
+
+
+@dataclass
+class ForkedRole:
+    """A role the fork server started and this process inherited: the part of ``subprocess.Popen`` the
+    launcher uses (pid; args: the command line it runs as; returncode: the exit code, or -N for signal N;
+    poll, wait, send_signal)."""
+
+    pid: int
+    args: list[str]
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its exit status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+@dataclass
+class ForkServer:
+    """The launcher's handle on the fork server (``python -m relayrl.forkserver``), started with ``env``."""
+
+    proc: subprocess.Popen
+    env: dict[str, str]
+    refused: dict[str, list[str]] = field(default_factory=dict)  # role -> why it was started fresh
+
+    @classmethod
+    def start(cls, model_path: str | None, log: Path) -> ForkServer:
+        """Make this process a child subreaper and start the server (it imports while the caller goes on)."""
+        from relayrl.procs import become_subreaper
+
+        become_subreaper()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+        argv = [sys.executable, "-m", "relayrl.forkserver", *(["--model", model_path] if model_path else [])]
+        with log.open("ab") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                                    start_new_session=True)  # fmt: skip
+        return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})
+
+    def spawn(self, role: str, args: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
+        """``python -m relayrl.cli <args>`` forked with ``env`` and its output appended to ``log``; None when it
+        cannot be forked (``refused[role]`` says why) and must be started as a fresh interpreter."""
+        blockers = env_forkable({k: v for k, v in env.items() if k != PARENT_ENV}, self.env)
+        if blockers or self.proc.poll() is not None:
+            self.refused[role] = blockers or [f"fork server exited with code {self.proc.returncode}"]
+            return None
+        request = {"args": args, "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)}
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline() or b'{"error": "fork server closed its pipe"}')
+        except (OSError, ValueError) as err:
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        if "pid" not in reply:
+            self.refused[role] = [reply["error"]]
+            return None
+        return ForkedRole(reply["pid"], [sys.executable, "-m", "relayrl.cli", *args])
+
+    def close(self) -> None:
+        """Stop the server (roles it forked are not its children and go on)."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m relayrl.forkserver", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model directory whose modeling module is preloaded too")
+    args = parser.parse_args(argv)
+    return serve(args.model, sys.stdin.buffer, sys.stdout.buffer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

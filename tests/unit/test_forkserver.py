@@ -1,0 +1,83 @@
+"""relayrl.forkserver: roles forked from one interpreter are the launcher's own processes, with their own
+session, command line, environment, log and exit status, and outlive the server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from relayrl.forkserver import env_forkable, modeling_module
+
+# The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
+DRIVER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from relayrl.forkserver import ForkServer
+
+    logs, config = Path(sys.argv[1]), sys.argv[2]
+    server = ForkServer.start(None, logs / "forkserver.log")
+    env = {**server.env, "RELAYRL_LOG_LEVEL": "DEBUG"}
+    out = {"launcher": os.getpid()}
+    bad = server.spawn("bad", ["controller", "serve", "--config", str(logs / "missing.yaml")], env, logs / "bad.log")
+    out["bad_code"] = bad.wait(timeout=120)
+    out["refused"] = server.spawn("x", ["--help"], {**env, "OMP_WAIT_POLICY": "PASSIVE"}, logs / "x.log")
+    out["refused_why"] = server.refused["x"]
+    serve = ["controller", "serve", "--config", config, "--port", "0"]
+    role = server.spawn("controller", serve, env, logs / "controller.log")
+    deadline = time.monotonic() + 120
+    while "listening on port" not in (logs / "controller.log").read_text() and time.monotonic() < deadline:
+        assert role.poll() is None, (logs / "controller.log").read_text()
+        time.sleep(0.1)
+    stat = Path(f"/proc/{role.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    out["ppid"], out["sid"], out["pid"] = int(stat[1]), os.getsid(role.pid), role.pid
+    out["cmdline"] = Path(f"/proc/{role.pid}/cmdline").read_bytes().replace(b"\\0", b" ").decode().strip()
+    server.proc.kill()  # the server dies; the role it forked goes on
+    server.proc.wait()
+    time.sleep(1.0)
+    out["alive_after_server"] = role.poll() is None
+    out["after_server"] = server.spawn("y", ["--help"], env, logs / "y.log")
+    out["after_server_why"] = server.refused["y"]
+    os.kill(role.pid, signal.SIGTERM)
+    out["code"] = role.wait(timeout=60)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_runtime_variables_fork_and_load_time_ones_do_not():
+    server = {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "HF_HOME": "/h"}
+    assert env_forkable({**server, "RELAYRL_COLOCATED": "1", "CUDA_VISIBLE_DEVICES": "3", "RANK": "0"}, server) == []
+    assert env_forkable({**server, "OMP_WAIT_POLICY": "PASSIVE"}, server) == ["OMP_WAIT_POLICY"]
+    assert env_forkable({"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}, server) == ["HF_HOME"]  # removed counts
+    assert env_forkable({**server, "MALLOC_ARENA_MAX": "2", "A": "1"}, server) == ["A", "MALLOC_ARENA_MAX"]
+
+
+def test_the_modeling_module_comes_from_the_model_type(tiny_model_dir, tmp_path):
+    assert modeling_module(tiny_model_dir) == "transformers.models.qwen2.modeling_qwen2"
+    assert modeling_module(tmp_path) is None  # no config.json: nothing extra preloaded
+
+
+def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
+    config = make_config("forked")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(logs), str(config)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # an error of the role is its exit code and its log, as for `python -m relayrl.cli`
+    assert out["bad_code"] == 2 and "config error" in (logs / "bad.log").read_text()
+    # an environment a library reads when it loads is not forked: the launcher starts that role fresh
+    assert out["refused"] is None and out["refused_why"] == ["OMP_WAIT_POLICY"]
+    # the role: the launcher's child (double fork, subreaper), its own session, its own command line
+    assert out["ppid"] == out["launcher"] and out["sid"] == out["pid"]
+    assert out["cmdline"].endswith(f"-m relayrl.cli controller serve --config {config} --port 0"), out["cmdline"]
+    log = (logs / "controller.log").read_text()
+    assert " DEBUG " in log  # its environment (RELAYRL_LOG_LEVEL) reached it
+    # the server's death stops no role, and later roles are refused (started fresh) with the reason
+    assert out["alive_after_server"] and out["after_server"] is None
+    assert out["after_server_why"] == ["fork server exited with code -9"]
+    assert out["code"] == 0 and "SIGTERM: shutting down the controller" in log
