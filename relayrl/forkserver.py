@@ -24,7 +24,6 @@ Contract:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib
 import json
 import os
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from setproctitle import setproctitle
+
 from relayrl.procs import PARENT_ENV, exit_now, stop_with_parent
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
@@ -48,10 +49,12 @@ ROLE_PRELOAD = {
     "rollout": ("relayrl.services.rollout_server", "relayrl.rollout.hf", MODEL),
     "trainer": ("relayrl.trainer.loop", MODEL),
 }
-# variables read at run time only (by relayrl, torch.distributed's env:// rendezvous, the CUDA driver at cuInit)
+# variables read at run time only (by relayrl, torch.distributed's env:// rendezvous, the CUDA driver at cuInit).
+# OMP_NUM_THREADS is one for a role: each sets its torch threads itself (torch.set_num_threads sets OpenMP's and
+# MKL's), and the one library left that reads it at load is NumPy's OpenBLAS, which no role does its math with.
 RUNTIME_ENV_PREFIXES = ("RELAYRL_",)
 RUNTIME_ENV = frozenset({
-    "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+    "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "OMP_NUM_THREADS",
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
 })  # fmt: skip
@@ -93,12 +96,10 @@ def _run_role(request: dict, log: int) -> None:
             os.dup2(fd, target)
         os.close(log)
         os.close(null)
-        sys.stdin = open(os.devnull)  # noqa: SIM115 - for the life of the process; the server's reader may hold the next request in its buffer
+        # for the life of the process: the server's reader may hold the next request in its buffer
+        sys.stdin = open(os.devnull)  # noqa: SIM115
         args = list(request["args"])
-        with contextlib.suppress(ImportError):  # before the environment is replaced: setproctitle moves it
-            from setproctitle import setproctitle
-
-            setproctitle(" ".join([sys.executable, "-m", "relayrl.cli", *args]))
+        setproctitle(" ".join([sys.executable, "-m", "relayrl.cli", *args]))  # before the environment moves
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.modules["relayrl.cli"].__file__, *args]

@@ -76,12 +76,8 @@ def torch_threads(cfg: RelayConfig, role: Role, *, cores: int | None = None, col
 
 
 def trainer_env(cfg: RelayConfig) -> dict[str, str]:
-    """The OpenMP environment of a trainer started beside its rollout workers (module docstring).
-
-    ``OMP_NUM_THREADS`` only for ranks under torchrun, which sets 1 where it is unset; a rank sets its torch
-    threads itself (``torch_threads``), so one rank started directly needs nothing that libraries read when
-    they load, and can be forked (relayrl.forkserver)."""
-    env = {"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))} if cfg.trainer.nproc > 1 else {}
+    """The OpenMP environment of a trainer started beside its rollout workers (module docstring)."""
+    env = {"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))}
     if cfg.controller.max_staleness > 0 and "OMP_WAIT_POLICY" not in os.environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if cfg.streams and TRAINER_NICE_ENV not in os.environ:

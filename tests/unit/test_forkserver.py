@@ -49,7 +49,8 @@ DRIVER = textwrap.dedent(
 
 def test_runtime_variables_fork_and_load_time_ones_do_not():
     server = {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "HF_HOME": "/h"}
-    assert env_forkable({**server, "RELAYRL_COLOCATED": "1", "CUDA_VISIBLE_DEVICES": "3", "RANK": "0"}, server) == []
+    runtime = {"RELAYRL_COLOCATED": "1", "CUDA_VISIBLE_DEVICES": "3", "RANK": "0", "OMP_NUM_THREADS": "2"}
+    assert env_forkable({**server, **runtime}, server) == []
     assert env_forkable({**server, "OMP_WAIT_POLICY": "PASSIVE"}, server) == ["OMP_WAIT_POLICY"]
     assert env_forkable({"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}, server) == ["HF_HOME"]  # removed counts
     assert env_forkable({**server, "MALLOC_ARENA_MAX": "2", "A": "1"}, server) == ["A", "MALLOC_ARENA_MAX"]
