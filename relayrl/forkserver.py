@@ -2,8 +2,8 @@
 
 Every role of a local run is a Python process that imports torch, transformers, datasets and gRPC before it
 does anything else: 2-3 s of a core each, four or five times over on the way to the first step, and again at
-every restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then forks
-each role from that state. A forked role is still its own OS process in its own session, with its own log,
+every restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
+forks each role from that state. A forked role is still its own OS process in its own session, with its own log,
 environment and command line (``setproctitle``, as vLLM names its processes); it runs ``relayrl.cli.main``
 exactly as ``python -m relayrl.cli`` would.
 
@@ -73,7 +73,7 @@ def modeling_module(model_path: str | Path) -> str | None:
     return f"transformers.models.{name}.modeling_{name}"
 
 
-def env_forkable(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
+def env_fork_blockers(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
     """The variables that keep ``env`` from being forked from a server started with ``server_env`` (sorted)."""
     differ = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
     return sorted(k for k in differ if k not in RUNTIME_ENV and not k.startswith(RUNTIME_ENV_PREFIXES))
@@ -252,7 +252,7 @@ class ForkServer:
     def spawn(self, role: str, args: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
         """``python -m relayrl.cli <args>`` forked with ``env`` and its output appended to ``log``; None when it
         cannot be forked (``refused[role]`` says why) and must be started as a fresh interpreter."""
-        blockers = env_forkable({k: v for k, v in env.items() if k != PARENT_ENV}, self.env)
+        blockers = env_fork_blockers({k: v for k, v in env.items() if k != PARENT_ENV}, self.env)
         if blockers or self.proc.poll() is not None:
             self.refused[role] = blockers or [f"fork server exited with code {self.proc.returncode}"]
             return None

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from relayrl.forkserver import env_forkable, modeling_module
+from relayrl.forkserver import env_fork_blockers, modeling_module
 
 # The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
 DRIVER = textwrap.dedent(
@@ -50,10 +50,10 @@ DRIVER = textwrap.dedent(
 def test_runtime_variables_fork_and_load_time_ones_do_not():
     server = {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "HF_HOME": "/h"}
     runtime = {"RELAYRL_COLOCATED": "1", "CUDA_VISIBLE_DEVICES": "3", "RANK": "0", "OMP_NUM_THREADS": "2"}
-    assert env_forkable({**server, **runtime}, server) == []
-    assert env_forkable({**server, "OMP_WAIT_POLICY": "PASSIVE"}, server) == ["OMP_WAIT_POLICY"]
-    assert env_forkable({"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}, server) == ["HF_HOME"]  # removed counts
-    assert env_forkable({**server, "MALLOC_ARENA_MAX": "2", "A": "1"}, server) == ["A", "MALLOC_ARENA_MAX"]
+    assert env_fork_blockers({**server, **runtime}, server) == []
+    assert env_fork_blockers({**server, "OMP_WAIT_POLICY": "PASSIVE"}, server) == ["OMP_WAIT_POLICY"]
+    assert env_fork_blockers({"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"}, server) == ["HF_HOME"]  # removed counts
+    assert env_fork_blockers({**server, "MALLOC_ARENA_MAX": "2", "A": "1"}, server) == ["A", "MALLOC_ARENA_MAX"]
 
 
 def test_the_modeling_module_comes_from_the_model_type(tiny_model_dir, tmp_path):
