@@ -283,8 +283,8 @@ class SupervisorConfig(Section):
     backoff_max_s: float = Field(30.0, ge=0)
     # GPUs on this node for placement (CUDA_VISIBLE_DEVICES per child); null: what torch sees, 0: no placement
     gpus: int | None = Field(None, ge=0)
-    # `relayrl up` forks roles from a server that imported torch once (relayrl.forkserver); false: each role
-    # starts as a fresh interpreter
+    # `relayrl up` forks roles from a server that imported torch once (relayrl.forkserver; not on a GPU host);
+    # false: each role starts as a fresh interpreter
     fork_roles: bool = True
 
 

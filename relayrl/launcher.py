@@ -27,7 +27,7 @@ from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
 from relayrl.forkserver import ForkedRole, ForkServer
-from relayrl.ops.placement import node_devices, place
+from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.ports import free_port
@@ -169,8 +169,13 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
 
 
 def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
-    """The run's fork server (relayrl.forkserver), or None: ``supervisor.fork_roles`` off, or no subreaper."""
+    """The run's fork server (relayrl.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
+    host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
+    does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh."""
     if not cfg.supervisor.fork_roles:
+        return None
+    if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        console.print("[dim]GPU host: roles start as fresh interpreters (no fork server)[/dim]")
         return None
     try:
         return ForkServer.start(cfg.model.path, logs / "forkserver.log")

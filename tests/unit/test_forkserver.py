@@ -82,3 +82,16 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["alive_after_server"] and out["after_server"] is None
     assert out["after_server_why"] == ["fork server exited with code -9"]
     assert out["code"] == 0 and "SIGTERM: shutting down the controller" in log
+
+
+def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
+    from relayrl.config import RelayConfig
+    from relayrl.launcher import start_forks
+
+    cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}})
+    off = cfg.model_copy(update={"supervisor": cfg.supervisor.model_copy(update={"fork_roles": False})})
+    assert start_forks(off, tmp_path) is None
+    driver = tmp_path / "nvidiactl"
+    driver.touch()
+    monkeypatch.setattr("relayrl.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
+    assert start_forks(cfg, tmp_path) is None
