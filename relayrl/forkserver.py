@@ -185,6 +185,8 @@ def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> in
             request = json.loads(line)
             preloader.prepare(request["args"][0] if request["args"] else "")
             reply = {"pid": _fork_role(request)}
+            command = " ".join(request["args"][:2])
+            print(f"fork server: forked pid {reply['pid']}: {command}", file=sys.stderr, flush=True)
         except Exception as err:  # a failed fork is answered; the launcher starts the role itself
             reply = {"error": f"{type(err).__name__}: {err}"}
         replies.write(json.dumps(reply).encode() + b"\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, start_job
+from relayrl.ops.placement import GPU_DRIVER_NODES
 from relayrl.procs import descendants, kill_tree
 from relayrl.trainer.metrics import read_metrics
 
@@ -132,15 +133,17 @@ def supervised_roles(cfg) -> dict[str, dict]:
 
 def assert_roles_forked(cfg, launcher: int) -> None:
     """Every supervised role is a child of ``relayrl up`` (``launcher``), named by its own command line
-    (``relayrl.cli <role> ...``), and forked by its fork server."""
+    (``relayrl.cli <role> ...``), and forked by its fork server (the pid in its log), which a GPU host has not."""
     commands = {"controller": "controller serve", "rollout": "rollout serve", "trainer": "trainer"}
+    server_log = cfg.run_dir / "logs" / "forkserver.log"
+    forked = server_log.read_text() if server_log.exists() else ""
+    gpu_host = any(os.path.exists(node) for node in GPU_DRIVER_NODES)
     for role, entry in supervised_roles(cfg).items():
         stat = Path(f"/proc/{entry['pid']}/stat").read_text().rsplit(")", 1)[1].split()
         cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert int(stat[1]) == launcher, (role, stat[1], launcher)
         assert f"-m relayrl.cli {commands[role.split('-')[0]]}" in cmdline, (role, cmdline)
-        assert "not forked" not in Path(entry["log"]).read_text(), role
-    assert "imported relayrl.services.controller_server" in (cfg.run_dir / "logs" / "forkserver.log").read_text()
+        assert (f"forked pid {entry['pid']}: " in forked) != gpu_host, (role, entry["pid"], forked)
 
 
 def rank_pid(trainer_pid: int, rank: int) -> int:
