@@ -39,7 +39,9 @@ from typing import IO
 
 from setproctitle import setproctitle
 
-from relayrl.procs import PARENT_ENV, exit_now, stop_with_parent
+from relayrl.procs import PARENT_ENV, become_subreaper, exit_now, stop_with_parent
+
+RELAY = (sys.executable, "-m", "relayrl.cli")  # every role's command line: RELAY + its arguments
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
 # the run's modeling module. A role's modules are imported at its first request, so the controller is forked
@@ -100,7 +102,7 @@ def _run_role(request: dict, log: int) -> None:
         # for the life of the process: the server's reader may hold the next request in its buffer
         sys.stdin = open(os.devnull)  # noqa: SIM115
         args = list(request["args"])
-        setproctitle(" ".join([sys.executable, "-m", "relayrl.cli", *args]))  # before the environment moves
+        setproctitle(" ".join([*RELAY, *args]))  # before the environment moves
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.modules["relayrl.cli"].__file__, *args]
@@ -242,8 +244,6 @@ class ForkServer:
     @classmethod
     def start(cls, model_path: str | None, log: Path) -> ForkServer:
         """Make this process a child subreaper and start the server (it imports while the caller goes on)."""
-        from relayrl.procs import become_subreaper
-
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         argv = [sys.executable, "-m", "relayrl.forkserver", *(["--model", model_path] if model_path else [])]
@@ -252,14 +252,16 @@ class ForkServer:
                                     start_new_session=True)  # fmt: skip
         return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})
 
-    def spawn(self, role: str, args: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
-        """``python -m relayrl.cli <args>`` forked with ``env`` and its output appended to ``log``; None when it
+    def spawn(self, role: str, argv: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
+        """``argv`` (``RELAY`` + arguments) forked with ``env`` and its output appended to ``log``; None when it
         cannot be forked (``refused[role]`` says why) and must be started as a fresh interpreter."""
         blockers = env_fork_blockers({k: v for k, v in env.items() if k != PARENT_ENV}, self.env)
+        if tuple(argv[: len(RELAY)]) != RELAY:
+            blockers = ["not a relayrl.cli command"]
         if blockers or self.proc.poll() is not None:
             self.refused[role] = blockers or [f"fork server exited with code {self.proc.returncode}"]
             return None
-        request = {"args": args, "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)}
+        request = {"args": argv[len(RELAY) :], "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)}
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
@@ -269,7 +271,7 @@ class ForkServer:
         if "pid" not in reply:
             self.refused[role] = [reply["error"]]
             return None
-        return ForkedRole(reply["pid"], [sys.executable, "-m", "relayrl.cli", *args])
+        return ForkedRole(reply["pid"], list(argv))
 
     def close(self) -> None:
         """Stop the server (roles it forked are not its children and go on)."""

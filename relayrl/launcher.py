@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
-from relayrl.forkserver import ForkedRole, ForkServer
+from relayrl.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
@@ -59,21 +58,18 @@ class LocalJob:
     def spawn(
         self, role: str, argv: list[str], env: dict[str, str] | None = None, *, own_store: bool = False
     ) -> subprocess.Popen | ForkedRole:
-        """Start ``argv`` as ``role`` (its log appended to, its devices placed), forked when it is a ``relay``
-        command that can be; ``respawn`` repeats it. ``own_store``: a trainer of one rank, given at every start
+        """Start ``argv`` as ``role`` (its log appended to, its devices placed), forked when it can be
+        (``ForkServer.spawn``); ``respawn`` repeats it. ``own_store``: a trainer of one rank, given at every start
         what torchrun's agent would give it (``single_rank_env``: a fresh store port each time)."""
         self.commands[role] = (list(argv), dict(env or {}), own_store)
         log = self.logs / f"{role}.log"
         placed = {"CUDA_VISIBLE_DEVICES": self.devices[role]} if role in self.devices else {}
         ours = {"PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", PARENT_ENV: str(os.getpid())}
         child_env = {**os.environ, **ours, **placed, **(env or {}), **(single_rank_env() if own_store else {})}
-        relayed = argv[: len(self.relay())] == self.relay()
-        proc = None
-        if self.forks is not None and relayed:
-            proc = self.forks.spawn(role, argv[len(self.relay()) :], child_env, log)
+        proc = self.forks.spawn(role, argv, child_env, log) if self.forks is not None else None
         if proc is None:
             with log.open("ab") as log_file:  # the child holds its own descriptor
-                if self.forks is not None and relayed:
+                if self.forks is not None:
                     log_file.write(f"relayrl up: {role} not forked ({', '.join(self.forks.refused[role])})\n".encode())
                 proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=child_env)  # fmt: skip
@@ -88,7 +84,7 @@ class LocalJob:
         return self.spawn(role, argv, env, own_store=own_store)
 
     def relay(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "relayrl.cli", *args]
+        return [*RELAY, *args]
 
     def reap_orphans(self) -> None:
         """Reap exited processes reparented to this subreaper that are no role (a dead role's own children)."""

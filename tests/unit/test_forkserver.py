@@ -15,17 +15,20 @@ DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys, time
     from pathlib import Path
-    from relayrl.forkserver import ForkServer
+    from relayrl.forkserver import RELAY, ForkServer
 
     logs, config = Path(sys.argv[1]), sys.argv[2]
     server = ForkServer.start(None, logs / "forkserver.log")
     env = {**server.env, "RELAYRL_LOG_LEVEL": "DEBUG"}
     out = {"launcher": os.getpid()}
-    bad = server.spawn("bad", ["controller", "serve", "--config", str(logs / "missing.yaml")], env, logs / "bad.log")
+    bad = server.spawn("bad", [*RELAY, "controller", "serve", "--config", str(logs / "missing.yaml")], env,
+                       logs / "bad.log")
     out["bad_code"] = bad.wait(timeout=120)
-    out["refused"] = server.spawn("x", ["--help"], {**env, "OMP_WAIT_POLICY": "PASSIVE"}, logs / "x.log")
+    out["refused"] = server.spawn("x", [*RELAY, "--help"], {**env, "OMP_WAIT_POLICY": "PASSIVE"}, logs / "x.log")
     out["refused_why"] = server.refused["x"]
-    serve = ["controller", "serve", "--config", config, "--port", "0"]
+    out["other"] = server.spawn("z", ["/bin/true"], env, logs / "z.log")
+    out["other_why"] = server.refused["z"]
+    serve = [*RELAY, "controller", "serve", "--config", config, "--port", "0"]
     role = server.spawn("controller", serve, env, logs / "controller.log")
     deadline = time.monotonic() + 120
     while "listening on port" not in (logs / "controller.log").read_text() and time.monotonic() < deadline:
@@ -38,7 +41,7 @@ DRIVER = textwrap.dedent(
     server.proc.wait()
     time.sleep(1.0)
     out["alive_after_server"] = role.poll() is None
-    out["after_server"] = server.spawn("y", ["--help"], env, logs / "y.log")
+    out["after_server"] = server.spawn("y", [*RELAY, "--help"], env, logs / "y.log")
     out["after_server_why"] = server.refused["y"]
     os.kill(role.pid, signal.SIGTERM)
     out["code"] = role.wait(timeout=60)
@@ -73,6 +76,7 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["bad_code"] == 2 and "config error" in (logs / "bad.log").read_text()
     # an environment a library reads when it loads is not forked: the launcher starts that role fresh
     assert out["refused"] is None and out["refused_why"] == ["OMP_WAIT_POLICY"]
+    assert out["other"] is None and out["other_why"] == ["not a relayrl.cli command"]  # forks run relayrl.cli only
     # the role: the launcher's child (double fork, subreaper), its own session, its own command line
     assert out["ppid"] == out["launcher"] and out["sid"] == out["pid"]
     assert out["cmdline"].endswith(f"-m relayrl.cli controller serve --config {config} --port 0"), out["cmdline"]
