@@ -4,13 +4,13 @@ torchrun answers SIGTERM by killing its ranks and exiting non-zero. Preemption (
 deserves better: the supervisor forwards SIGTERM to the *ranks* only, they finish the step in
 progress, checkpoint and exit 0, and torchrun then exits 0 with them.
 
-One rank on one host, restarted by nobody (exactly ``--standalone --nproc-per-node=1``, what ``relayrl up``
-asks for one trainer rank), skips torchrun's elastic agent: the supervisor starts the rank itself with the
-environment the agent would give it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store
-the rank hosts; ``_start_workers`` in torch/distributed/elastic/agent/server/local_elastic_agent.py). The
-agent is a process that imports torch only to start that one rank and wait for it: ~1 s of a core on the
-way to the first step, beside five other processes importing torch on two cores. Anything else (more
-ranks, nodes, ``--max-restarts``, rendezvous options) runs under torchrun.
+One rank on one host, restarted by nobody (exactly ``--standalone --nproc-per-node=1``), skips torchrun's
+elastic agent: the supervisor starts the rank itself with the environment the agent would give it
+(``single_rank_env``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store the rank hosts;
+``_start_workers`` in torch/distributed/elastic/agent/server/local_elastic_agent.py). The agent is a process
+that imports torch only to start that one rank and wait for it: ~1 s of a core on the way to the first step.
+``relayrl up`` starts its one trainer rank the same way, as the role itself. Anything else (more ranks, nodes,
+``--max-restarts``, rendezvous options) runs under torchrun.
 """
 
 from __future__ import annotations
