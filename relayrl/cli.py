@@ -17,7 +17,7 @@ from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
 from relayrl.procs import exit_now, stop_with_parent
 from relayrl.services.retry import STOPPING
-from relayrl.threads import yield_cores_to_generation
+from relayrl.threads import pin_role, yield_cores_to_generation
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
@@ -80,6 +80,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     retain_freed_memory()
 
     cfg = _config(args)
+    pin_role(cfg, "rollout")  # before any thread starts (relayrl/cpus.py)
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     server, worker, heartbeat = serve_rollout(
         cfg,
@@ -109,9 +110,11 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     retain_freed_memory()
+    cfg = _config(args)
+    pin_role(cfg, "trainer")  # before any thread starts (relayrl/cpus.py)
     yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/threads.py)
     try:
-        return run_trainer(_config(args), controller, resume=args.resume or restarted)
+        return run_trainer(cfg, controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
         if not STOPPING.is_set():
             raise

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from relayrl.cpus import parse_cpu_list
 from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
 
 
@@ -22,6 +23,15 @@ class ConfigError(ValueError):
 def _check_threads(value: int | str) -> int | str:
     if value != "auto" and value < 1:
         raise ValueError(f"must be >= 1 or 'auto', got {value}")
+    return value
+
+
+def _check_cpus(value: object) -> object:
+    """A CPU list ("0-3,8"); YAML reads a lone CPU (``--set rollout.cpus=1``) as an int."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str):
+        parse_cpu_list(value)
     return value
 
 
@@ -81,6 +91,7 @@ class RolloutConfig(Section):
     ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)
     threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/threads.py)
+    cpus: str | None = None  # CPU list the workers run on, "0-3,8" (relayrl/cpus.py); None: every CPU allowed
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
     # the hf engine's decode steps: "fast" (relayrl.rollout.llama_decode, Llama-family models only), "transformers"
@@ -91,6 +102,11 @@ class RolloutConfig(Section):
     @classmethod
     def _positive_threads(cls, value: int | str) -> int | str:
         return _check_threads(value)
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: object) -> object:
+        return _check_cpus(value)
 
     @field_validator("temperature")
     @classmethod
@@ -188,6 +204,7 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     export_hf: bool = True
     threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/threads.py)
+    cpus: str | None = None  # CPU list the ranks run on, "0-3,8" (relayrl/cpus.py); None: every CPU allowed
     # Stream kept groups to the trainer while the rest of the batch generates (relayrl/trainer/stream.py):
     # "auto" where the result is exactly the whole-batch update (see stream_blockers), "on" refuses a config
     # where it is not, "off" trains whole batches. Off by default: on the demo each streamed chunk's forward/backward
@@ -205,6 +222,11 @@ class TrainerConfig(Section):
     @classmethod
     def _positive_threads(cls, value: int | str) -> int | str:
         return _check_threads(value)
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: object) -> object:
+        return _check_cpus(value)
 
     pull_timeout_s: float = Field(600.0, gt=0)
     tensorboard: bool = False  # also write metrics as TensorBoard events to <run dir>/tensorboard

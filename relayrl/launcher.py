@@ -32,7 +32,7 @@ from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.ports import free_port
 from relayrl.procs import PARENT_ENV, kill_tree, reap_orphans
 from relayrl.services.channels import open_channel
-from relayrl.threads import COLOCATED_ENV, trainer_env
+from relayrl.threads import COLOCATED_ENV, check_role_cpus, trainer_env
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
@@ -289,6 +289,7 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
 def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
     started = time.monotonic()
     place(cfg, node_devices(cfg.supervisor.gpus))  # refuse GPU over-subscription before touching the run dir
+    check_role_cpus(cfg)  # and CPUs a role is pinned to that are not here
     config_path = prepare_run_dir(cfg, resume)
     stop_signal: list[str] = []
 

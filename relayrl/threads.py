@@ -30,6 +30,11 @@ after each decode (the demo, two runs each: 0.085-0.092 s a step against 0.081-0
 
 An explicit ``rollout.threads`` / ``trainer.threads`` overrides the count; a wait policy or trainer nice already
 in the environment is kept (``RELAYRL_TRAINER_NICE=0``: the trainer keeps its priority).
+
+Pinned roles (``rollout.cpus``, ``trainer.cpus``: ``relayrl/cpus.py``) count their own CPUs, C being the size of
+their list. Workers and trainer pinned to disjoint CPUs do not share cores: each role takes all of its own
+(C / workers, C / nproc) whatever the loop, and the trainer neither waits passively nor yields (nothing runs
+beside it), as on separate machines.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pathlib import Path
 from typing import Literal
 
 from relayrl.config import ConfigError, RelayConfig
+from relayrl.cpus import check_available, format_cpu_list, parse_cpu_list, pin_process
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +65,64 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def role_cpus(cfg: RelayConfig, role: Role) -> tuple[int, ...] | None:
+    """The CPUs ``role`` is pinned to (``rollout.cpus`` / ``trainer.cpus``), None when it is not."""
+    text = cfg.rollout.cpus if role == "rollout" else cfg.trainer.cpus
+    return parse_cpu_list(text) if text is not None else None
+
+
+def shares_cores(cfg: RelayConfig) -> bool:
+    """Whether the workers and the trainer may run on the same cores: not when both are pinned, disjointly."""
+    rollout, trainer = role_cpus(cfg, "rollout"), role_cpus(cfg, "trainer")
+    return rollout is None or trainer is None or bool(set(rollout) & set(trainer))
+
+
+def check_role_cpus(cfg: RelayConfig) -> None:
+    """ConfigError naming the key when a pinned role's CPUs are not all available to this process (``relayrl up``
+    checks before it starts anything)."""
+    for role in ("rollout", "trainer"):
+        cpus = role_cpus(cfg, role)
+        try:
+            if cpus is not None:
+                check_available(cpus)
+        except ValueError as err:
+            raise ConfigError(f"{role}.cpus: {err}") from None
+
+
+def pin_role(cfg: RelayConfig, role: Role) -> tuple[int, ...] | None:
+    """Pin this process to ``role``'s CPUs, if it has any (call it at the role's start); returns them."""
+    cpus = role_cpus(cfg, role)
+    if cpus is not None:
+        try:
+            pin_process(cpus)
+        except ValueError as err:
+            raise ConfigError(f"{role}.cpus: {err}") from None
+        log.info("%s pinned to CPUs %s (%s.cpus)", role, format_cpu_list(cpus), role)
+    return cpus
+
+
 def torch_threads(cfg: RelayConfig, role: Role, *, cores: int | None = None, colocated: bool | None = None) -> int:
     """Threads for one process of ``role`` by the rule in the module docstring."""
     configured = cfg.rollout.threads if role == "rollout" else cfg.trainer.threads
     if configured != "auto":
         return configured
-    cores = cores or available_cores()
+    pinned = role_cpus(cfg, role)
+    cores = cores or (len(pinned) if pinned is not None else available_cores())
     if colocated is None:
         colocated = os.environ.get(COLOCATED_ENV) == "1"
     if not colocated:
         return cores
-    if role == "rollout":
-        workers_cores = -(-cores // 2) if cfg.controller.max_staleness > 0 else cores
-        return max(1, workers_cores // cfg.rollout.workers)
-    return max(1, cores // cfg.trainer.nproc)
+    processes = cfg.rollout.workers if role == "rollout" else cfg.trainer.nproc
+    if role == "rollout" and cfg.controller.max_staleness > 0 and shares_cores(cfg):
+        cores = -(-cores // 2)  # overlapped beside the trainer: the workers share half
+    return max(1, cores // processes)
 
 
 def trainer_env(cfg: RelayConfig) -> dict[str, str]:
     """The OpenMP environment of a trainer started beside its rollout workers (module docstring)."""
     env = {"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))}
+    if not shares_cores(cfg):
+        return env
     if cfg.controller.max_staleness > 0 and "OMP_WAIT_POLICY" not in os.environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if cfg.streams and TRAINER_NICE_ENV not in os.environ:

@@ -64,6 +64,8 @@ def test_unknown_and_missing_keys_name_the_path(raw, expected) -> None:
         ({"security": {"auth_token_env": "NOT A NAME"}}, "security.auth_token_env", "pattern"),
         ({"security": {"require_client_cert": "sometimes"}}, "security.require_client_cert", "boolean"),
         ({"rollout": []}, "rollout", "dictionary"),
+        ({"rollout": {"cpus": "0-3,x"}}, "rollout.cpus", "'x' is not a CPU number or range"),
+        ({"trainer": {"cpus": "3-1"}}, "trainer.cpus", "range '3-1' ends before it starts"),
     ],
 )
 def test_wrong_types_and_ranges_name_the_path(sections, path, reason) -> None:
