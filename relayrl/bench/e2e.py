@@ -11,8 +11,9 @@ Workloads:
   (relayrl ``rollout.ignore_eos``, TRL ``min_new_tokens``; checked from the measured lengths), 1 rollout
   worker, 1 trainer rank, no dynamic sampling, 2 optimizer steps per batch; relayrl at
   ``max_staleness`` 0 (groups streamed to the trainer, and whole batches) and 1 (old logprobs of the stale
-  batches the trainer's, and the engine's: ``algorithm.old_logprobs=rollout``). Same number of steps for
-  every system.
+  batches the trainer's, and the engine's: ``algorithm.old_logprobs=rollout``); on two or more cores also with
+  the trainer and the worker pinned to disjoint halves of them (``trainer.cpus``/``rollout.cpus``: ``k0-split``,
+  ``k1-rollout-split``), as on two machines. Same number of steps for every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
 
@@ -25,7 +26,8 @@ control plane's share of a step = controller CPU seconds / steady wall seconds.
 ``step_vs_longer_phase`` = s/step / max(generation s, training s), each phase as measured in that run:
 1.0 when a step costs only its longer phase (generation and training fully overlapped), about 2 when
 they alternate with equal lengths. Per workload: medians
-over rounds per system and relayrl/TRL ratios.
+over rounds per system, relayrl/TRL ratios, and ``overlap``: each K = 1 variant's s/step against the phases of
+the K = 0 variant that ran them alone on the same cores (``overlap``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pathlib import Path
 from relayrl.assets import prepare_assets
 from relayrl.bench.cpu import CpuSampler
 from relayrl.config import RelayConfig, load_config
+from relayrl.cpus import format_cpu_list
 from relayrl.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 
@@ -131,7 +134,20 @@ def workload(name: str, workdir: Path, args: argparse.Namespace) -> Workload:
         "k1": ["controller.max_staleness=1"],  # stale batches' old logprobs: the trainer's (decoupled PPO)
         "k1-rollout": ["controller.max_staleness=1", "algorithm.old_logprobs=rollout"],  # the engine's (bypass)
     }
+    halves = split_cpus(sorted(os.sched_getaffinity(0)))
+    if halves is not None:  # trainer and worker on disjoint cores, as on two machines: what overlap hides there
+        pinned = [f"trainer.cpus={halves[0]}", f"rollout.cpus={halves[1]}"]
+        variants["k0-split"] = ["controller.max_staleness=0", "trainer.stream=off", *pinned]
+        variants["k1-rollout-split"] = ["controller.max_staleness=1", "algorithm.old_logprobs=rollout", *pinned]
     return Workload("gen-heavy", overrides, variants, samples_budget=False)
+
+
+def split_cpus(cpus: list[int]) -> tuple[str, str] | None:
+    """(trainer, rollout) CPU lists: the first half of ``cpus`` (rounded up) and the rest; None for one CPU."""
+    if len(cpus) < 2:
+        return None
+    half = -(-len(cpus) // 2)
+    return format_cpu_list(cpus[:half]), format_cpu_list(cpus[half:])
 
 
 def check_mirrorable(cfg: RelayConfig) -> None:
@@ -336,7 +352,34 @@ def aggregate(rows: list[dict]) -> dict:
             else None,  # a step is comparable only when both generate the same samples per step
             "wall_to_target_speedup": _ratio(trl.get("wall_s_to_target"), entry.get("wall_s_to_target")),
         }
-    return {"systems": systems, "relayrl_vs_trl": ratios}
+    return {"systems": systems, "relayrl_vs_trl": ratios, "overlap": overlap(rows)}
+
+
+OVERLAP_PAIRS = {  # K = 1 variant -> the K = 0 variant whose phases ran alone on the same cores, same work
+    "relayrl-k1-rollout": "relayrl-k0-whole",
+    "relayrl-k1-rollout-split": "relayrl-k0-split",
+}
+
+
+def overlap(rows: list[dict]) -> dict:
+    """Per K = 1 variant of ``OVERLAP_PAIRS``, over the rounds where both ran: ``step_vs_phases_alone`` = its
+    s/step / max(generation s, training s) of the K = 0 run of the same round (phases that alternate there, so
+    each ran alone on the cores both have), and ``speedup_vs_k0`` = K = 0 s/step / K = 1 s/step; medians."""
+    ok = {(r["system"], r["round"]): r for r in rows if "error" not in r}
+    out = {}
+    for k1, k0 in OVERLAP_PAIRS.items():
+        pairs = [(run, ok[(k0, rnd)]) for (system, rnd), run in ok.items() if system == k1 and (k0, rnd) in ok]
+        if not pairs:
+            continue
+        vs_alone = [a["s_per_step"] / max(b["generation_s"], b["train_s"]) for a, b in pairs]
+        speedups = [b["s_per_step"] / a["s_per_step"] for a, b in pairs]
+        out[k1] = {
+            "phases_alone_from": k0,
+            "step_vs_phases_alone": statistics.median(vs_alone),
+            "speedup_vs_k0": statistics.median(speedups),
+            "rounds": len(pairs),
+        }
+    return out
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

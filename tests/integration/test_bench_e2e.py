@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.bench.e2e import split_cpus
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -32,7 +34,8 @@ def test_quick_bench_runs_both_systems_on_every_workload(tmp_path: Path) -> None
     assert result["machine"]["cpus"] >= 1 and result["machine"]["versions"]["trl"]
     heavy, demo = result["workloads"]["gen-heavy"], result["workloads"]["demo"]
     k1 = ["relayrl-k1", "relayrl-k1-rollout"]
-    assert [r["system"] for r in heavy["runs"]] == ["relayrl-k0-stream", "relayrl-k0-whole", *k1, "trl"]
+    split = ["relayrl-k0-split", "relayrl-k1-rollout-split"] if len(os.sched_getaffinity(0)) >= 2 else []
+    assert [r["system"] for r in heavy["runs"]] == ["relayrl-k0-stream", "relayrl-k0-whole", *k1, *split, "trl"]
     assert [r["system"] for r in demo["runs"]] == ["relayrl-default", "trl"]
     for row in heavy["runs"] + demo["runs"]:
         assert "error" not in row, row
@@ -46,6 +49,14 @@ def test_quick_bench_runs_both_systems_on_every_workload(tmp_path: Path) -> None
     for wl in (heavy, demo):
         assert wl["systems"]["trl"]["rounds_ok"] == 1
         assert all(ratios["samples_per_s"] > 0 for ratios in wl["relayrl_vs_trl"].values())
-    variants = ["relayrl-k0-stream", "relayrl-k0-whole", *k1]
+    variants = ["relayrl-k0-stream", "relayrl-k0-whole", *k1, *split]
     assert set(heavy["relayrl_vs_trl"]) == {f"{variant}/trl" for variant in variants}
     assert all(r["step_speedup"] > 0 for r in heavy["relayrl_vs_trl"].values())  # same samples per step
+    assert set(heavy["overlap"]) == {"relayrl-k1-rollout", *split[1:]}
+    assert all(entry["step_vs_phases_alone"] > 0 for entry in heavy["overlap"].values())
+    if split:  # relayrl up pinned each role of the split runs to its half (the roles log it at start)
+        trainer_cpus, rollout_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
+        for variant in split:
+            logs = tmp_path / "runs" / f"gen-heavy-{variant}-r1" / "logs"
+            assert f"trainer pinned to CPUs {trainer_cpus}" in (logs / "trainer.log").read_text()
+            assert f"rollout pinned to CPUs {rollout_cpus}" in (logs / "rollout-0.log").read_text()

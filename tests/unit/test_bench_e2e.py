@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from relayrl.bench.cpu import CpuSampler, cpu_seconds, tree_cpu_by_role
-from relayrl.bench.e2e import DEMO_CONFIG, Run, aggregate, check_mirrorable, reach_target, summarize, trl_spec
+from relayrl.bench.e2e import (
+    DEMO_CONFIG,
+    Run,
+    aggregate,
+    check_mirrorable,
+    reach_target,
+    split_cpus,
+    summarize,
+    trl_spec,
+)
 from relayrl.config import load_config
 
 
@@ -63,6 +72,30 @@ def test_medians_over_rounds_and_ratios_against_trl() -> None:
     ratios = out["relayrl_vs_trl"]["relayrl-k0/trl"]
     assert ratios["samples_per_s"] == pytest.approx(2.0) and ratios["step_speedup"] == pytest.approx(2.0)
     assert ratios["wall_to_target_speedup"] > 1.0
+
+
+def test_overlap_compares_a_k1_step_with_the_phases_k0_ran_alone() -> None:
+    """K = 1 s/step over max(generation, training) of the same round's K = 0 run (1.0 s of training, 0.5 of
+    generation in these records); rounds without their K = 0 partner are left out."""
+    rows = [
+        summarize(Run("w", system, rnd, 90.0, 60.0, 0, records([0.0] * 5, step_s=s), Path("log")), ARGS, 8, False)
+        for system, rnd, s in [
+            ("relayrl-k0-split", 1, 1.6), ("relayrl-k1-rollout-split", 1, 1.1),
+            ("relayrl-k0-split", 2, 1.5), ("relayrl-k1-rollout-split", 2, 1.0), ("relayrl-k1-rollout", 1, 1.3),
+        ]
+    ]  # fmt: skip
+    out = aggregate(rows)["overlap"]
+    assert set(out) == {"relayrl-k1-rollout-split"}  # relayrl-k0-whole never ran
+    split = out["relayrl-k1-rollout-split"]
+    assert split["phases_alone_from"] == "relayrl-k0-split" and split["rounds"] == 2
+    assert split["step_vs_phases_alone"] == pytest.approx(1.05)  # median of 1.1 and 1.0
+    assert split["speedup_vs_k0"] == pytest.approx((1.6 / 1.1 + 1.5 / 1.0) / 2)
+
+
+def test_split_variants_give_trainer_and_worker_disjoint_halves() -> None:
+    assert split_cpus([0, 1]) == ("0", "1")
+    assert split_cpus([0, 1, 2, 3, 5]) == ("0-2", "3,5")
+    assert split_cpus([4]) is None
 
 
 def test_trl_runs_what_the_relayrl_config_says(tmp_path: Path) -> None:
