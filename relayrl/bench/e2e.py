@@ -346,6 +346,7 @@ def aggregate(rows: list[dict]) -> dict:
             continue
         ratios[f"{system}/trl"] = {
             "samples_per_s": _ratio(entry.get("samples_per_s"), trl.get("samples_per_s")),
+            "samples_per_s_by_round": paired_ratios(rows, system, "samples_per_s"),
             "tokens_per_s": _ratio(entry.get("tokens_per_s"), trl.get("tokens_per_s")),
             "step_speedup": _ratio(trl.get("s_per_step"), entry.get("s_per_step"))
             if entry.get("samples_per_step") == trl.get("samples_per_step")
@@ -380,6 +381,14 @@ def overlap(rows: list[dict]) -> dict:
             "rounds": len(pairs),
         }
     return out
+
+
+def paired_ratios(rows: list[dict], system: str, key: str) -> list[float]:
+    """``system``'s ``key`` over TRL's in each round both ran. A round's runs are the nearest in time, so these
+    ratios drift less than the ratio of medians, which may pair one system's fast minutes with the other's slow."""
+    ok = {(r["system"], r["round"]): r for r in rows if "error" not in r and r.get(key)}
+    pairs = [(run, ok[("trl", rnd)]) for (name, rnd), run in ok.items() if name == system and ("trl", rnd) in ok]
+    return [run[key] / trl[key] for run, trl in pairs]
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

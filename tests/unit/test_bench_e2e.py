@@ -74,6 +74,17 @@ def test_medians_over_rounds_and_ratios_against_trl() -> None:
     assert ratios["wall_to_target_speedup"] > 1.0
 
 
+def test_ratios_by_round_pair_each_run_with_the_trl_run_of_its_round() -> None:
+    rows = [
+        summarize(Run("w", system, rnd, 90.0, 60.0, 0, records([0.0] * 5, step_s=s), Path("log")), ARGS, 8, False)
+        for system, rnd, s in [("relayrl-k0", 1, 1.0), ("trl", 1, 2.0), ("relayrl-k0", 2, 1.0), ("trl", 2, 3.0),
+                               ("relayrl-k0", 3, 1.0)]  # round 3's TRL run is missing: that round has no pair
+    ]  # fmt: skip
+    ratios = aggregate(rows)["relayrl_vs_trl"]["relayrl-k0/trl"]
+    assert ratios["samples_per_s_by_round"] == pytest.approx([2.0, 3.0])
+    assert ratios["samples_per_s"] == pytest.approx(4.0 / ((2.0 + 4 / 3) / 2))  # the ratio of medians: 2.4
+
+
 def test_overlap_compares_a_k1_step_with_the_phases_k0_ran_alone() -> None:
     """K = 1 s/step over max(generation, training) of the same round's K = 0 run (1.0 s of training, 0.5 of
     generation in these records); rounds without their K = 0 partner are left out."""
