@@ -3,9 +3,9 @@
 A CPU list is the kernel's format (``cpuset(7)``, ``taskset -c``, ``/proc/<pid>/status: Cpus_allowed_list``):
 comma-separated CPU numbers and inclusive ranges, ``"0-3,8"``. A role pins itself when it starts, every thread of
 its process (``sched_setaffinity`` of each task in ``/proc/self/task``; threads started later inherit it), so
-under ``relayrl up`` the roles can be given disjoint cores, as on separate machines, or one NUMA node each; the
-processes a pinned ``trainer launch`` starts (torchrun's ranks) inherit its CPUs. Its ``auto`` torch threads
-then count those CPUs (``relayrl/threads.py``).
+under ``relayrl up`` the roles can be given disjoint cores, as on separate machines, or one NUMA node each. Every
+trainer rank pins itself (``trainer run``), under torchrun too, to the whole list: the kernel places the ranks
+within it. A pinned role's ``auto`` torch threads count those CPUs (``relayrl/threads.py``).
 """
 
 from __future__ import annotations
