@@ -85,8 +85,16 @@ def test_pinned_roles_count_their_own_cpus(monkeypatch) -> None:
 
 def test_relayrl_up_refuses_a_missing_cpu_before_it_starts_anything(tmp_path) -> None:
     missing = max(os.sched_getaffinity(0)) + 1
-    argv = [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), "--set", f"trainer.cpus=0,{missing}"]
-    out = subprocess.run([*argv, "--set", f"run.dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=120)
+    sets = [
+        f"trainer.cpus={min(os.sched_getaffinity(0))},{missing}",
+        f"run.dir={tmp_path / 'runs'}",
+        f"model.path={tmp_path / 'model'}",
+        "model.build_tiny_if_missing=false",
+        f"data.path={tmp_path / 'd.jsonl'}",
+        "data.generate_digits_if_missing=false",
+    ]
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), *[arg for s in sets for arg in ("--set", s)]]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # nothing built: the refusal comes first
     assert out.returncode == 2
     assert f"trainer.cpus: CPU {missing} is not available here" in out.stderr
-    assert not (tmp_path / "runs").exists()
+    assert not any(tmp_path.iterdir())
