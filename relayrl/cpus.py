@@ -52,8 +52,7 @@ def check_available(cpus: tuple[int, ...]) -> None:
 
 
 def pin_process(cpus: tuple[int, ...]) -> None:
-    """Run every thread of this process on ``cpus`` (``check_available`` first)."""
-    check_available(cpus)
+    """Run every thread of this process on ``cpus`` (which ``check_available`` passed: else OSError)."""
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task.name), cpus)

@@ -77,26 +77,28 @@ def shares_cores(cfg: RelayConfig) -> bool:
     return rollout is None or trainer is None or bool(set(rollout) & set(trainer))
 
 
-def check_role_cpus(cfg: RelayConfig) -> None:
-    """ConfigError naming the key when a pinned role's CPUs are not all available to this process (``relayrl up``
-    checks before it starts anything)."""
-    for role in ("rollout", "trainer"):
-        cpus = role_cpus(cfg, role)
+def available_role_cpus(cfg: RelayConfig, role: Role) -> tuple[int, ...] | None:
+    """``role_cpus``, or ConfigError naming the key when one of them is not available to this process."""
+    cpus = role_cpus(cfg, role)
+    if cpus is not None:
         try:
-            if cpus is not None:
-                check_available(cpus)
+            check_available(cpus)
         except ValueError as err:
             raise ConfigError(f"{role}.cpus: {err}") from None
+    return cpus
+
+
+def check_role_cpus(cfg: RelayConfig) -> None:
+    """``available_role_cpus`` of both roles (``relayrl up`` checks before it starts anything)."""
+    for role in ("rollout", "trainer"):
+        available_role_cpus(cfg, role)
 
 
 def pin_role(cfg: RelayConfig, role: Role) -> tuple[int, ...] | None:
     """Pin this process to ``role``'s CPUs, if it has any (call it at the role's start); returns them."""
-    cpus = role_cpus(cfg, role)
+    cpus = available_role_cpus(cfg, role)
     if cpus is not None:
-        try:
-            pin_process(cpus)
-        except ValueError as err:
-            raise ConfigError(f"{role}.cpus: {err}") from None
+        pin_process(cpus)
         log.info("%s pinned to CPUs %s (%s.cpus)", role, format_cpu_list(cpus), role)
     return cpus
 
