@@ -366,10 +366,9 @@ def overlap(rows: list[dict]) -> dict:
     """Per K = 1 variant of ``OVERLAP_PAIRS``, over the rounds where both ran: ``step_vs_phases_alone`` = its
     s/step / max(generation s, training s) of the K = 0 run of the same round (phases that alternate there, so
     each ran alone on the cores both have), and ``speedup_vs_k0`` = K = 0 s/step / K = 1 s/step; medians."""
-    ok = {(r["system"], r["round"]): r for r in rows if "error" not in r}
     out = {}
     for k1, k0 in OVERLAP_PAIRS.items():
-        pairs = [(run, ok[(k0, rnd)]) for (system, rnd), run in ok.items() if system == k1 and (k0, rnd) in ok]
+        pairs = same_round_pairs(rows, k1, k0)
         if not pairs:
             continue
         vs_alone = [a["s_per_step"] / max(b["generation_s"], b["train_s"]) for a, b in pairs]
@@ -386,9 +385,13 @@ def overlap(rows: list[dict]) -> dict:
 def paired_ratios(rows: list[dict], system: str, key: str) -> list[float]:
     """``system``'s ``key`` over TRL's in each round both ran. A round's runs are the nearest in time, so these
     ratios drift less than the ratio of medians, which may pair one system's fast minutes with the other's slow."""
-    ok = {(r["system"], r["round"]): r for r in rows if "error" not in r and r.get(key)}
-    pairs = [(run, ok[("trl", rnd)]) for (name, rnd), run in ok.items() if name == system and ("trl", rnd) in ok]
-    return [run[key] / trl[key] for run, trl in pairs]
+    return [run[key] / trl[key] for run, trl in same_round_pairs(rows, system, "trl") if run.get(key) and trl.get(key)]
+
+
+def same_round_pairs(rows: list[dict], system: str, partner: str) -> list[tuple[dict, dict]]:
+    """(``system``'s run, ``partner``'s run) of each round in which both ran without an error, in round order."""
+    ok = {(r["system"], r["round"]): r for r in rows if "error" not in r}
+    return [(run, ok[(partner, rnd)]) for (name, rnd), run in ok.items() if name == system and (partner, rnd) in ok]
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
