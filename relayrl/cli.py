@@ -13,6 +13,7 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.gcfreeze import freeze_startup_heap
 from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
 from relayrl.procs import exit_now, stop_with_parent
@@ -61,11 +62,11 @@ def wait_for_shutdown() -> str:
 
 
 def cmd_controller_serve(args: argparse.Namespace) -> int:
-    from relayrl.services.controller_server import freeze_startup_heap, serve_controller
+    from relayrl.services.controller_server import serve_controller
 
     cfg = _config(args)
     server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir, metrics_port=args.metrics_port)
-    freeze_startup_heap()  # this process is the controller alone: its startup heap lives as long as it does
+    freeze_startup_heap("controller")  # its startup heap (modules, tokenizer, dataset, ledger) lives as long as it does
     print(f"controller listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
     logging.info("%s: shutting down the controller", sig)
@@ -91,6 +92,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         metrics_port=args.metrics_port,
     )
+    freeze_startup_heap("rollout")  # the engine is loaded: its heap lives as long as the worker (relayrl/gcfreeze.py)
     print(f"rollout worker {worker.worker_id} listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
     logging.info("%s: draining rollout worker %s", sig, worker.worker_id)

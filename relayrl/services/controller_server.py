@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import queue
@@ -203,14 +202,6 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             return resolve_reward(name)
         except (KeyError, ValueError) as err:
             raise InvalidArgument("reward_fn", str(err).strip("'\"")) from None
-
-
-def freeze_startup_heap() -> None:
-    """Exempt every object alive now (modules, tokenizer, dataset, the replayed ledger: ~280k objects) from the
-    cyclic garbage collector (``gc.freeze``): a full collection then walks only what the run allocates, not
-    0.2-0.4 s of startup heap each time, a stall of the whole control plane several times a step at scale."""
-    gc.collect()
-    gc.freeze()
 
 
 def serve_controller(

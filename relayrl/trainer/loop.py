@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, dump_config
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
+from relayrl.gcfreeze import freeze_startup_heap
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.threads import torch_threads
@@ -237,6 +238,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     saved_step, stopped = start_step, False
+    freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
         # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)

@@ -4,6 +4,7 @@ session, command line, environment, log and exit status, and outlive the server.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,9 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["cmdline"].endswith(f"-m relayrl.cli controller serve --config {config} --port 0"), out["cmdline"]
     log = (logs / "controller.log").read_text()
     assert " DEBUG " in log  # its environment (RELAYRL_LOG_LEVEL) reached it
+    # the server's imports reached it frozen out of garbage collection (relayrl/gcfreeze.py), and it froze its own
+    frozen = re.search(r"controller: (\d+) startup objects frozen .*\((\d+) of them by the fork server\)", log)
+    assert frozen and int(frozen[1]) > int(frozen[2]) > 100_000, log
     # the server's death stops no role, and later roles are refused (started fresh) with the reason
     assert out["alive_after_server"] and out["after_server"] is None
     assert out["after_server_why"] == ["fork server exited with code -9"]
