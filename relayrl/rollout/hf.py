@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from relayrl.rollout.batcher import ContinuousBatcher
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
+from relayrl.rollout.padding import left_pad, position_ids
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 
@@ -232,22 +233,6 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both [B, max_len] int64, prompts aligned right; pads are id 0, mask 0."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[i, width - len(prompt) :] = 1
-    return input_ids.to(device), mask.to(device)
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """cumsum(mask) - 1, clamped at 0: real tokens count from 0 whatever the padding before them."""
-    return (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -82,6 +82,29 @@ def test_fast_logprobs_equal_a_plain_forward_and_the_transformers_runner(model_d
     assert worst < EXACT
 
 
+def test_fast_prefill_equals_the_transformers_prefill(model_dir) -> None:
+    """Prompts of 1 to 12 tokens prefilled together (left pads, whole query rows of pads with no key to attend to),
+    rows repeated per sample: the same last-position logits and the same keys and values of every real token as the
+    transformers forward's, within float rounding, and finite everywhere."""
+    engine = HFEngine(str(model_dir), decode="fast")
+    fast, slow = engine._batcher.runner, engine._batcher.runner.prefiller
+    prompts = [PROMPTS[1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 3, 4], PROMPTS[2], PROMPTS[0]]
+    expand = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    with torch.no_grad():
+        fast_logits, state = fast.prefill(prompts, expand)
+        slow_logits, reference = slow.prefill(prompts, expand)
+    engine.close()
+    assert float((fast_logits - slow_logits).abs().max()) < EXACT
+    live = slice(state.start, state.end)
+    assert torch.equal(state.mask[: state.rows, live], reference.mask.bool())
+    real = reference.mask.bool()[:, None, :, None]
+    for i, layer in enumerate(reference.cache.layers):
+        for mine, theirs in ((state.keys[i], layer.keys), (state.values[i], layer.values)):
+            assert bool(torch.isfinite(mine[: state.rows, :, live]).all())  # pads too: masked, they must stay finite
+            assert float(((mine[: state.rows, :, live] - theirs) * real).abs().max()) < EXACT
+    assert torch.equal(state.next_pos, reference.next_pos)
+
+
 def test_greedy_decoding_is_the_same_with_both_runners(tmp_path: Path) -> None:
     model_dir = sharp_tiny_model(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
