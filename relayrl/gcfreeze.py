@@ -1,7 +1,7 @@
 """Keep Python's cyclic garbage collector off the startup heap: no full collection walks it mid-run.
 
-A role's heap after startup is ~430k objects (torch, transformers, datasets and gRPC modules, the model, the
-tokenizer), and it lives as long as the process. CPython's collector walks all of it at every full
+A role's heap after startup is 440k-710k objects (torch, transformers, datasets and gRPC modules, the model,
+the tokenizer), and it lives as long as the process. CPython's collector walks all of it at every full
 (generation-2) collection, which it runs whenever the objects that survived into the oldest generation grew by
 25 %: early in a run, as the first steps' caches fill, that is several times, 0.23-0.25 s each on this 2-core
 machine, during which the whole process stands still. Measured in the demo (``relayrl up
