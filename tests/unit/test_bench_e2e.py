@@ -111,11 +111,12 @@ def test_split_variants_give_trainer_and_worker_disjoint_halves() -> None:
 
 def test_trl_runs_what_the_relayrl_config_says(tmp_path: Path) -> None:
     overrides = ["model.path=m", "data.path=d.jsonl", "rollout.ignore_eos=true", "rollout.max_tokens=48"]
+    overrides += ["trainer.lr=0.0025"]  # neither the demo's nor a default: the spec must take it from the config
     cfg = load_config(DEMO_CONFIG, overrides)
     spec = trl_spec(cfg, steps=5, threads=2, run_dir=tmp_path)
     assert spec["equal_work"] and spec["max_tokens"] == 48 and spec["n"] == cfg.rollout.n
     assert spec["prompts_per_step"] == cfg.controller.train_batch_groups and spec["mini_batches"] == 2
-    assert (spec["clip_low"], spec["clip_high"], spec["lr"]) == (0.2, 0.28, 0.003)
+    assert (spec["clip_low"], spec["clip_high"], spec["lr"]) == (0.2, 0.28, 0.0025)
     with pytest.raises(SystemExit, match=r"algorithm\.kl_coef"):
         check_mirrorable(load_config(DEMO_CONFIG, [*overrides, "algorithm.kl_coef=0.1"]))
 
