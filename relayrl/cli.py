@@ -13,7 +13,7 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
-from relayrl.gcfreeze import freeze_startup_heap
+from relayrl.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
 from relayrl.procs import exit_now, stop_with_parent
@@ -62,6 +62,7 @@ def wait_for_shutdown() -> str:
 
 
 def cmd_controller_serve(args: argparse.Namespace) -> int:
+    pause_collection()  # until its startup heap is frozen (relayrl/gcfreeze.py)
     from relayrl.services.controller_server import serve_controller
 
     cfg = _config(args)
@@ -76,6 +77,7 @@ def cmd_controller_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout_serve(args: argparse.Namespace) -> int:
+    pause_collection()  # until its startup heap is frozen (relayrl/gcfreeze.py)
     from relayrl.services.rollout_server import serve_rollout
 
     retain_freed_memory()
@@ -104,6 +106,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_trainer_run(args: argparse.Namespace) -> int:
+    pause_collection()  # until run_trainer freezes its startup heap (relayrl/gcfreeze.py)
     from relayrl.trainer.loop import run_trainer
     from relayrl.trainer.world import restart_attempt
 

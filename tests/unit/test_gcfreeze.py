@@ -1,5 +1,5 @@
-"""relayrl.gcfreeze: a role's startup heap leaves the cyclic collector (never walked again), its startup garbage
-is freed first, and what it allocates later is still collected."""
+"""relayrl.gcfreeze: a role collects nothing while it starts; then its startup heap leaves the cyclic collector
+(never walked again), its startup garbage is freed first, and what it allocates later is collected again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import gc, json, weakref
-    from relayrl.gcfreeze import freeze_startup_heap
+    from relayrl.gcfreeze import freeze_startup_heap, pause_collection
+
+    pause_collection()                             # as a role does before its imports
+    paused = not gc.isenabled()
 
     class Node:
         pass
@@ -31,17 +34,18 @@ SCRIPT = textwrap.dedent(
         "frozen": frozen, "inherited": inherited, "count": gc.get_freeze_count(),
         "startup_garbage_freed": dropped() is None,
         "kept_tracked": sum(id(n) in tracked for n in kept),
-        "later_garbage_freed": later() is None,
+        "later_garbage_freed": later() is None, "paused": paused, "enabled_after": gc.isenabled(),
     }))
     """
 )
 
 
-def test_the_startup_heap_is_frozen_its_garbage_freed_and_later_garbage_still_collected():
+def test_the_startup_heap_is_frozen_its_garbage_freed_and_collection_resumes():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["startup_garbage_freed"]  # collected before the freeze, not kept for good
     assert out["kept_tracked"] == 0  # no collection walks the startup objects any more
     assert out["frozen"] == out["count"] >= 2000 and out["inherited"] == 0  # a fresh interpreter: none inherited
-    assert out["later_garbage_freed"]  # the collector still runs for what comes after
+    assert out["paused"] and out["enabled_after"]  # no collections while starting, the collector back on after
+    assert out["later_garbage_freed"]  # and it still frees what comes after
