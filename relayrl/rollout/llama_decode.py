@@ -196,8 +196,7 @@ class LlamaDecodeRunner:
             )
             x = x + _linear(out.transpose(1, 2).reshape(count, width, self.heads * self.head_dim), attn.o_proj)
             h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+            x = x.add_(_mlp(h, layer.mlp))
         logits = _linear(_rms_norm(x[:, -1], base.norm), self.model.lm_head)
         state = KVState(keys, values, mask, positions[:, -1] + 1)
         state.select(expand)
@@ -233,10 +232,7 @@ class LlamaDecodeRunner:
             out = self._attention(q, keys[:rows, :, live], values[:rows, :, live], pads)
             x = x.add_(_linear(out.view(rows, self.heads * self.head_dim), attn.o_proj))
             h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x.add_(
-                _linear(F.silu(_linear(h, mlp.gate_proj), inplace=True).mul_(_linear(h, mlp.up_proj)), mlp.down_proj)
-            )
+            x = x.add_(_mlp(h, layer.mlp))
         return _linear(_rms_norm(x, base.norm), self.model.lm_head)
 
     def _attention(
@@ -264,6 +260,11 @@ class LlamaDecodeRunner:
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
+
+
+def _mlp(h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+    """down_proj(silu(gate_proj(h)) * up_proj(h)), in place on its own intermediates."""
+    return _linear(F.silu(_linear(h, mlp.gate_proj), inplace=True).mul_(_linear(h, mlp.up_proj)), mlp.down_proj)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
