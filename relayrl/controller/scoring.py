@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
+from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import resolve_reward
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
@@ -34,24 +33,10 @@ class Scorer:
         self.fn = resolve_reward(cfg.fn)
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
-        self._backend_decodes = (
-            isinstance(tokenizer, TokenizersBackend)
-            and type(tokenizer)._decode is TokenizersBackend._decode
-            and not tokenizer.clean_up_tokenization_spaces
-        )
 
     def decode_all(self, completions: list[common_pb2.Completion]) -> list[str]:
-        """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion. A fast tokenizer that decodes
-        as its base class does (no clean-up pass) gives the same text from its Rust backend, without the per-token
-        type checks of ``decode`` (half its cost at 1k tokens). One backend ``decode`` per completion, not
-        ``decode_batch``: that hands a group's few short sequences to the tokenizers' rayon pool and waits for it
-        (3.6x the wall time and 2x the CPU of decoding them in this thread at 16 x 16 tokens; far more when the
-        pool's threads wait for a core)."""
-        sequences = [list(c.token_ids) for c in completions]
-        if self._backend_decodes:
-            backend = self.tokenizer.backend_tokenizer
-            return [backend.decode(ids, skip_special_tokens=True) for ids in sequences]
-        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+        """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``)."""
+        return decode_sequences(self.tokenizer, [c.token_ids for c in completions])
 
     def score(self, text: str, answer: str) -> float:
         """The reward function's value; a reward function that raises scores 0 and is logged."""

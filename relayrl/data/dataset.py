@@ -11,6 +11,7 @@ from typing import Any
 import datasets
 
 from relayrl.config import DataConfig
+from relayrl.data.fast_tokens import encode_texts
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ def render_prompt(tokenizer: Any, text: str, mode: str) -> list[int]:
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return encode_texts(tokenizer, [text])[0]
 
 
 def render_prompts(tokenizer: Any, texts: list[str], mode: str) -> list[list[int]]:
-    """``render_prompt`` of each text; raw texts go through the tokenizer in one batched call."""
+    """``render_prompt`` of each text; raw texts are encoded by ``encode_texts``."""
     if _uses_template(tokenizer, mode):
         return [render_prompt(tokenizer, text, mode) for text in texts]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    return encode_texts(tokenizer, texts)
 
 
 class PromptDataset:

@@ -1,5 +1,6 @@
-"""The control plane's hot helpers keep their behaviour: batched prompt draws, batched decoding, the registry's
-rotation and its acquire order, the Generate latency histogram and its quantiles."""
+"""The control plane's hot helpers keep their behaviour: batched prompt draws, encoding and decoding at the
+tokenizer's backend, the registry's rotation and its acquire order, the Generate latency histogram and its
+quantiles."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from relayrl.controller.latency import LatencyHistogram
 from relayrl.controller.scoring import Scorer
 from relayrl.controller.workers import WorkerRegistry
 from relayrl.data.dataset import PromptDataset, render_prompt
+from relayrl.data.fast_tokens import backend_encodes, encode_texts
 from relayrl.v1 import common_pb2
 
 
@@ -37,6 +39,26 @@ def test_decode_all_is_the_tokenizers_decode(tiny_model_dir) -> None:
     tokenizer.clean_up_tokenization_spaces = True  # a clean-up pass: decoded by transformers itself
     slow = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8)
     assert slow.decode_all(completions) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+
+
+TEXTS = ["7 + 1 =", "", "  two  spaces", "a<|endoftext|>b", "ünïcödé 9"]
+
+
+def test_encode_texts_is_the_tokenizers_call(tiny_model_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = tokenizer(TEXTS, add_special_tokens=True)["input_ids"]
+    assert backend_encodes(tokenizer)
+    assert encode_texts(tokenizer, TEXTS) == expected
+    assert encode_texts(tokenizer, []) == []
+    tokenizer.split_special_tokens = True  # "<|endoftext|>" as text: transformers switches the backend, so do we
+    assert not backend_encodes(tokenizer)
+    split = encode_texts(tokenizer, TEXTS)
+    assert split == tokenizer(TEXTS, add_special_tokens=True)["input_ids"] and split[3] != expected[3]
+    tokenizer.split_special_tokens = False
+    tokenizer(TEXTS, add_special_tokens=True)  # puts the backend back
+    tokenizer.backend_tokenizer.enable_truncation(max_length=2)  # a backend set to truncate: transformers' way
+    assert not backend_encodes(tokenizer)
+    assert encode_texts(tokenizer, TEXTS) == expected
 
 
 def test_rotation_visits_every_worker_in_turn() -> None:
