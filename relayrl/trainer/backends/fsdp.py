@@ -32,6 +32,7 @@ from relayrl.config import ModelConfig, TrainerConfig
 from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.batch import right_padded
+from relayrl.trainer.optim import adamw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,9 +64,7 @@ class FSDPBackend:
         self.reference = (
             load_sharded_model(model_cfg.path, dtype, self.device, trainable=False) if with_reference else None
         )
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), cfg)
         # Names the rollout engines know: parameters once each (tied embeddings appear once).
         self.weight_names = [name for name, _ in self.model.named_parameters()]
         # Every rank is a data-parallel rank (the training step shards rows by these).

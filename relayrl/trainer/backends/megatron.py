@@ -24,6 +24,7 @@ from relayrl.trainer.backends.megatron_cpu import apply_cpu_compat, seed_model_p
 from relayrl.trainer.backends.megatron_logprobs import vocab_parallel_logprobs
 from relayrl.trainer.backends.megatron_model import build_gpt_model, check_supported, has_qkv_bias
 from relayrl.trainer.backends.megatron_pipeline import run_stage, share_from_last_stage
+from relayrl.trainer.optim import adamw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,7 +70,7 @@ class MegatronBackend:
         self.reference = self._build(hf_params, load, trainable=False) if with_reference else None
         del hf_model, hf_params
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.params, cfg)
 
     def _build(self, hf_params: Mapping[str, torch.Tensor], load: list[Unit], *, trainable: bool):
         model = build_gpt_model(
