@@ -178,12 +178,11 @@ class WeightPublisher:
             )
             plan_wait += time.perf_counter() - asked
             planned = [w for w in plan.workers if w.worker_id not in failed and (only is None or w.worker_id in only)]
-            members = [(w.worker_id, w.address) for w in planned]
             # a receiver that cannot be reached is left out before the broadcast, which would wait for it; one the
             # controller heard from just now is not probed (module docstring)
             unheard = {w.worker_id: w.address for w in planned if not 0 < w.heard_seconds_ago <= HEARD_RECENTLY_S}
             failed.update(self._unreachable(unheard))
-            members = [(wid, addr) for wid, addr in members if wid not in failed]
+            members = [(w.worker_id, w.address) for w in planned if w.worker_id not in failed]
             if not members:
                 break
             if self.cfg.transport == "filesystem":
