@@ -172,9 +172,9 @@ class Controller:
         tmp.replace(self._batch_dir / f"step_{batch.step}.pb")
 
     def _skip_recorded_draws(self) -> None:
-        """A draw is recorded in the ledger at once, the cursor only with the step's batch: after a crash, the
-        ledger holds prompts beyond the saved cursor. Move the cursor past them (they are failed next), so they
-        are never drawn twice."""
+        """A draw is recorded in the ledger at once, the cursor only with the step's report: after a restart, the
+        ledger holds prompts beyond the saved cursor (those of persisted batches included). Move the cursor past
+        them (unfinished ones are failed next, those of persisted batches stay pending), so none is drawn twice."""
         start = self.progress.cursor
         while self.ledger.state(self.dataset.record(self.progress.cursor).prompt_id) is not None:
             self.progress.cursor += 1
@@ -241,10 +241,9 @@ class Controller:
                 if epoch != self._epoch:
                     self.ledger.rewind(sorted({s.prompt_id for s in batch.samples}), "batch voided by a rewind")
                     continue
-                self._persist_batch(batch)
+                self._persist_batch(batch)  # with it, its draws are recovered from the ledger: no state.json save
                 self._batches[step] = batch
                 self._next_step = step + 1
-                self._save_progress()
                 self._cond.notify_all()
 
     def _fail(self, message: str) -> None:
@@ -259,9 +258,9 @@ class Controller:
                 raise _Abandoned
             records = self.dataset.records(self.progress.cursor, count)
             self.ledger.mark([r.prompt_id for r in records], PENDING)
-            # The cursor is saved with the step's batch, not here: the ledger holds every draw, so a restart
+            # The cursor is saved with the step's report, not here: the ledger holds every draw, so a restart
             # skips what was drawn since (_skip_recorded_draws). A save per draw put an open, fsync and rename
-            # under this lock for each of the demo's ~16 rounds a step (18 fsyncs a step, now 2).
+            # under this lock for each of the demo's ~16 rounds a step (18 fsyncs a step, now 1).
             self.progress.cursor += count
         return records
 
