@@ -4,6 +4,7 @@ resumable epoch-shuffled cursor."""
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,10 @@ import datasets
 
 from relayrl.config import DataConfig
 from relayrl.data.fast_tokens import encode_texts
+
+# Rendered rows kept for later epochs, up to this many prompt tokens (16 MiB of ids, as int32, plus the texts):
+# the whole of a 10k-100k-prompt RL set, so every draw after the first epoch skips the read and the tokenizer.
+RENDERED_CACHE_TOKENS = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class PromptDataset:
         if len(self.rows) == 0:
             raise ValueError(f"data.path: {cfg.path} has no rows")
         self._order_cache: tuple[int, list[int]] | None = None
+        self._rendered: dict[int, tuple[str, array, str]] = {}  # row -> (text, token ids, answer)
+        self._rendered_tokens = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -90,15 +97,35 @@ class PromptDataset:
         return self.records(draw, 1)[0]
 
     def records(self, start: int, count: int) -> list[PromptRecord]:
-        """The prompts of draws ``start`` .. ``start + count - 1``: one read of the rows, one tokenizer call."""
+        """The prompts of draws ``start`` .. ``start + count - 1``: rows rendered before come from the cache, the
+        others take one read of the rows and one tokenizer call."""
         draws = [divmod(draw, len(self.rows)) for draw in range(start, start + count)]
         row_indices = [self._order(epoch)[position] for epoch, position in draws]
-        rows = self.rows[row_indices]  # {column: [values]}
-        texts = [str(text) for text in rows[self.cfg.prompt_key]]
-        token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template)
-        return [
-            PromptRecord(prompt_id=f"{epoch}:{row}", text=text, token_ids=ids, answer=str(answer))
-            for (epoch, _), row, text, ids, answer in zip(
-                draws, row_indices, texts, token_ids, rows[self.cfg.answer_key], strict=True
-            )
-        ]
+        rendered = self._render(row_indices)
+        records = []
+        for (epoch, _), row in zip(draws, row_indices):
+            text, ids, answer = rendered[row]
+            records.append(PromptRecord(prompt_id=f"{epoch}:{row}", text=text, token_ids=list(ids), answer=answer))
+        return records
+
+    def _render(self, row_indices: list[int]) -> dict[int, tuple[str, array | list[int], str]]:
+        """(text, token ids, answer) of each row; rows not in the cache are read and rendered, then cached while
+        the cache holds fewer than RENDERED_CACHE_TOKENS tokens."""
+        rendered: dict[int, tuple[str, array | list[int], str]] = {}
+        missing = []
+        for row in dict.fromkeys(row_indices):
+            cached = self._rendered.get(row)
+            if cached is None:
+                missing.append(row)
+            else:
+                rendered[row] = cached
+        if missing:
+            rows = self.rows[missing]  # {column: [values]}
+            texts = [str(text) for text in rows[self.cfg.prompt_key]]
+            token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template)
+            for row, text, ids, answer in zip(missing, texts, token_ids, rows[self.cfg.answer_key], strict=True):
+                rendered[row] = (text, ids, str(answer))
+                if self._rendered_tokens < RENDERED_CACHE_TOKENS:
+                    self._rendered[row] = (text, array("i", ids), str(answer))
+                    self._rendered_tokens += len(ids)
+        return rendered

@@ -300,3 +300,36 @@ def test_group_samples_carry_every_field_of_the_group_and_its_completions(index:
     assert [s.SerializeToString(deterministic=True) for s in samples] == [
         s.SerializeToString(deterministic=True) for s in expected
     ]
+
+
+def test_draws_of_later_epochs_come_from_the_rendered_rows_and_equal_a_fresh_render(
+    tiny_model_dir, digits_path, monkeypatch
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = DataConfig(path=str(digits_path))
+    cached = PromptDataset(cfg, tokenizer, seed=3)
+    rows = len(cached)
+    first_epoch = cached.records(0, rows)
+    assert len(cached._rendered) == rows
+
+    class Unreadable(list):  # a later epoch neither reads the rows nor calls the tokenizer
+        def __getitem__(self, key):
+            raise AssertionError(f"rows[{key}] read again")
+
+    monkeypatch.setattr(cached, "rows", Unreadable(range(rows)))
+    monkeypatch.setattr(cached, "tokenizer", None)
+    later = cached.records(2 * rows + 3, 7)
+    fresh = PromptDataset(cfg, tokenizer, seed=3)
+    assert later == fresh.records(2 * rows + 3, 7)
+    later[0].token_ids.append(-1)  # a caller's list is its own
+    assert cached.records(2 * rows + 3, 1) == fresh.records(2 * rows + 3, 1)
+    assert {r.prompt_id.split(":")[1] for r in first_epoch} == {str(i) for i in range(rows)}
+
+
+def test_rows_beyond_the_cache_bound_are_rendered_at_each_draw(tiny_model_dir, digits_path, monkeypatch) -> None:
+    monkeypatch.setattr("relayrl.data.dataset.RENDERED_CACHE_TOKENS", 10)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dataset = PromptDataset(DataConfig(path=str(digits_path)), tokenizer, seed=0)
+    records = dataset.records(0, 20)
+    assert 0 < len(dataset._rendered) < 20 and dataset._rendered_tokens >= 10
+    assert dataset.records(0, 20) == records == [dataset.record(d) for d in range(20)]
