@@ -413,9 +413,7 @@ class Controller:
 
     def _batch_message(self, build: _Build, kept: list[ScoredGroup], seconds: float) -> controller_pb2.Batch:
         samples = [sample for gi, g in enumerate(kept) for sample in self._group_samples(gi, g)]
-        every = [
-            (r, s, len(c.token_ids)) for g in build.all_groups for c, r, s in zip(g.completions, g.rewards, g.scores)
-        ]
+        generated = sum(len(g.rewards) for g in build.all_groups)  # every fresh sample, per-group sums below
         versions = [s.policy_version for s in samples]
         filler = build.filler
         stats = controller_pb2.BatchStats(
@@ -425,10 +423,10 @@ class Controller:
             rollout_version_min=min(versions),
             rollout_version_max=max(versions),
             generation_seconds=seconds,
-            reward_mean=sum(e[0] for e in every) / len(every),
-            score_mean=sum(e[1] for e in every) / len(every),
-            samples_generated=len(every),
-            response_len_mean=sum(e[2] for e in every) / len(every),
+            reward_mean=sum(sum(g.rewards) for g in build.all_groups) / generated,
+            score_mean=sum(sum(g.scores) for g in build.all_groups) / generated,
+            samples_generated=generated,
+            response_len_mean=sum(g.response_tokens for g in build.all_groups) / generated,
             groups_stale=build.stale,
             groups_failed=build.failed,
         )

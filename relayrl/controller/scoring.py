@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
@@ -21,6 +21,10 @@ class ScoredGroup:
     completions: list[common_pb2.Completion]
     scores: list[float]  # task reward
     rewards: list[float]  # score + overlong penalty: what advantages are computed from
+    response_tokens: int = field(init=False)  # sum of the responses' lengths (the batch's statistics)
+
+    def __post_init__(self) -> None:
+        self.response_tokens = sum(len(c.token_ids) for c in self.completions)
 
     @property
     def min_version(self) -> int:
