@@ -86,6 +86,7 @@ class _Build:
     failed: int = 0
     kept: int = 0
     closed: bool = False  # between generation rounds: late group callbacks are ignored
+    filtered: dict[str, list[str]] = field(default_factory=dict)  # reason -> prompt ids: the round's, to record
 
 
 class Controller:
@@ -311,15 +312,18 @@ class Controller:
                     for r in records:
                         if r.prompt_id in result.groups:
                             self._offer(build, self.scorer.group(r, result.groups[r.prompt_id]))
+                with offer_lock:
+                    self._record_filtered(build)
                 filler.close_batch()
         except _Abandoned:
+            self._record_filtered(build)  # before the rewind or the failing of what is still pending
             if epoch != self._epoch:
                 self.ledger.rewind(build.drawn, "batch abandoned by a rewind")
             else:
                 pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
                 self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
             return None
-        except DynamicSamplingExhausted as err:
+        except DynamicSamplingExhausted as err:  # raised by close_batch, after the round's filtered were recorded
             shortfall = self._min_partial_groups() - len(filler.kept)
             if ccfg.on_exhausted == "fail" or len(build.all_groups) < self._min_partial_groups():
                 leftover = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
@@ -341,17 +345,23 @@ class Controller:
         batch's kept group (within the batch's size) joins the step's stream at once."""
         prompt_id = group.record.prompt_id
         if group.min_version < build.required:
-            reason = f"stale: version {group.min_version} < {build.required}"
-            self.ledger.mark([prompt_id], FILTERED, reason, build.step)
+            build.filtered.setdefault(f"stale: version {group.min_version} < {build.required}", []).append(prompt_id)
             build.stale += 1
             return
         build.all_groups.append(group)
         if not build.filler.offer(group, group.rewards):
-            self.ledger.mark([prompt_id], FILTERED, "all rewards equal", build.step)
+            build.filtered.setdefault("all rewards equal", []).append(prompt_id)
             return
         build.kept += 1
         if build.streamed and build.kept <= build.filler.target_groups:
             self._stream(build, self._group_samples(build.kept - 1, group))
+
+    def _record_filtered(self, build: _Build) -> None:
+        """The ledger entries of the round's filtered groups: one write for each reason, not one a group (the
+        demo's late steps filter ~120 groups each)."""
+        for reason, prompt_ids in build.filtered.items():
+            self.ledger.mark(prompt_ids, FILTERED, reason, build.step)
+        build.filtered.clear()
 
     def _exact_workers(self, required: int) -> frozenset[str] | None:
         """The workers a streamed step may use (verified at version ``required``, ready), or None: this step is
