@@ -254,6 +254,7 @@ class Dispatcher:
             params=params.to_proto(),
             min_policy_version=min_version,
             renews_registration=True,
+            whole_groups=True,  # only complete groups count: a group's rows travel together, not one by one
         )
         worker = attempt.worker
         samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in attempt.chunk}

@@ -21,11 +21,12 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
-from relayrl.rollout.engine import InferenceEngine
+from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.arena import WeightArena
@@ -41,6 +42,31 @@ from relayrl.weightsync.stats import ReceiveStats
 log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 TORN_VERSION = -1
+
+
+def whole_groups(batches: Iterable[list[EngineCompletion]], n: int) -> Iterator[list[EngineCompletion]]:
+    """``batches`` (an engine's ``generate_batches``) regrouped for ``GenerateRequest.whole_groups``: a prompt's
+    completions are held until all ``n`` are done, then go with the other groups done in the same engine step.
+    An aborted completion ends the call: it goes at once, with everything held (nothing is dropped)."""
+    held: dict[int, list[EngineCompletion]] = {}
+    try:
+        for batch in batches:
+            ready: list[EngineCompletion] = []
+            for completion in batch:
+                group = held.setdefault(completion.prompt_index, [])
+                group.append(completion)
+                if len(group) == n:
+                    ready += held.pop(completion.prompt_index)
+            if held and any(c.finish_reason == "abort" for c in batch):
+                ready += [c for group in held.values() for c in group]
+                held.clear()
+            if ready:
+                yield ready
+        if held:
+            yield [c for group in held.values() for c in group]
+    finally:  # a caller that stops listening frees the engine's rows now, as without the regrouping
+        if hasattr(batches, "close"):
+            batches.close()
 
 
 class TokenRate:
@@ -139,7 +165,8 @@ class RolloutWorker:
             self._active += 1
         try:  # no lock around the engine: concurrent calls share its decode steps (continuous batching)
             should_abort = lambda: self._abort.is_set() or not is_active()  # noqa: E731
-            for batch in self.engine.generate_batches(prompts, params, should_abort=should_abort):
+            batches = self.engine.generate_batches(prompts, params, should_abort=should_abort)
+            for batch in whole_groups(batches, params.n) if request.whole_groups else batches:
                 self.rate.add(sum(len(c.token_ids) for c in batch))
                 yield rollout_pb2.GenerateResponse(
                     completions=[

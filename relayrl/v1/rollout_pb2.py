@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from relayrl.v1 import common_pb2 as relayrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18relayrl/v1/rollout.proto\x12\nrelayrl.v1\x1a\x17relayrl/v1/common.proto\"3\n\x0bPromptInput\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xa0\x01\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.relayrl.v1.PromptInput\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.relayrl.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x03\x12\x1b\n\x13renews_registration\x18\x04 \x01(\x08\"?\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.relayrl.v1.Completion\"\x9e\x01\n\x15InitWeightSyncRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\",\n\x16InitWeightSyncResponse\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"X\n\x14UpdateWeightsRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.relayrl.v1.WeightManifest\x12\x12\n\ngroup_name\x18\x02 \x01(\t\"q\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x18\n\x10peak_extra_bytes\x18\x04 \x01(\x03\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"%\n\x0cStatsRequest\x12\x15\n\rwith_checksum\x18\x01 \x01(\x08\"\xa4\x02\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10weights_checksum\x18\x08 \x01(\t\x12\x19\n\x11weight_sync_group\x18\t \x01(\t\x12\x1b\n\x13last_update_seconds\x18\n \x01(\x01\x12)\n\x06loaded\x18\x0b \x03(\x0b\x32\x19.relayrl.v1.LoadedVersion\"O\n\rLoadedVersion\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x32\xc5\x03\n\x0eRolloutService\x12G\n\x08Generate\x12\x1b.relayrl.v1.GenerateRequest\x1a\x1c.relayrl.v1.GenerateResponse0\x01\x12W\n\x0eInitWeightSync\x12!.relayrl.v1.InitWeightSyncRequest\x1a\".relayrl.v1.InitWeightSyncResponse\x12T\n\rUpdateWeights\x12 .relayrl.v1.UpdateWeightsRequest\x1a!.relayrl.v1.UpdateWeightsResponse\x12<\n\x05Pause\x12\x18.relayrl.v1.PauseRequest\x1a\x19.relayrl.v1.PauseResponse\x12?\n\x06Resume\x12\x19.relayrl.v1.ResumeRequest\x1a\x1a.relayrl.v1.ResumeResponse\x12<\n\x05Stats\x12\x18.relayrl.v1.StatsRequest\x1a\x19.relayrl.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18relayrl/v1/rollout.proto\x12\nrelayrl.v1\x1a\x17relayrl/v1/common.proto\"3\n\x0bPromptInput\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xb6\x01\n\x0fGenerateRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.relayrl.v1.PromptInput\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.relayrl.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x03\x12\x1b\n\x13renews_registration\x18\x04 \x01(\x08\x12\x14\n\x0cwhole_groups\x18\x05 \x01(\x08\"?\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.relayrl.v1.Completion\"\x9e\x01\n\x15InitWeightSyncRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\",\n\x16InitWeightSyncResponse\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"X\n\x14UpdateWeightsRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.relayrl.v1.WeightManifest\x12\x12\n\ngroup_name\x18\x02 \x01(\t\"q\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x12\x18\n\x10peak_extra_bytes\x18\x04 \x01(\x03\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"%\n\x0cStatsRequest\x12\x15\n\rwith_checksum\x18\x01 \x01(\x08\"\xa4\x02\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10weights_checksum\x18\x08 \x01(\t\x12\x19\n\x11weight_sync_group\x18\t \x01(\t\x12\x1b\n\x13last_update_seconds\x18\n \x01(\x01\x12)\n\x06loaded\x18\x0b \x03(\x0b\x32\x19.relayrl.v1.LoadedVersion\"O\n\rLoadedVersion\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\x32\xc5\x03\n\x0eRolloutService\x12G\n\x08Generate\x12\x1b.relayrl.v1.GenerateRequest\x1a\x1c.relayrl.v1.GenerateResponse0\x01\x12W\n\x0eInitWeightSync\x12!.relayrl.v1.InitWeightSyncRequest\x1a\".relayrl.v1.InitWeightSyncResponse\x12T\n\rUpdateWeights\x12 .relayrl.v1.UpdateWeightsRequest\x1a!.relayrl.v1.UpdateWeightsResponse\x12<\n\x05Pause\x12\x18.relayrl.v1.PauseRequest\x1a\x19.relayrl.v1.PauseResponse\x12?\n\x06Resume\x12\x19.relayrl.v1.ResumeRequest\x1a\x1a.relayrl.v1.ResumeResponse\x12<\n\x05Stats\x12\x18.relayrl.v1.StatsRequest\x1a\x19.relayrl.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTINPUT']._serialized_start=65
   _globals['_PROMPTINPUT']._serialized_end=116
   _globals['_GENERATEREQUEST']._serialized_start=119
-  _globals['_GENERATEREQUEST']._serialized_end=279
-  _globals['_GENERATERESPONSE']._serialized_start=281
-  _globals['_GENERATERESPONSE']._serialized_end=344
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=347
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=505
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=507
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=551
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=553
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=641
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=643
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=756
-  _globals['_PAUSEREQUEST']._serialized_start=758
-  _globals['_PAUSEREQUEST']._serialized_end=788
-  _globals['_PAUSERESPONSE']._serialized_start=790
-  _globals['_PAUSERESPONSE']._serialized_end=805
-  _globals['_RESUMEREQUEST']._serialized_start=807
-  _globals['_RESUMEREQUEST']._serialized_end=822
-  _globals['_RESUMERESPONSE']._serialized_start=824
-  _globals['_RESUMERESPONSE']._serialized_end=840
-  _globals['_STATSREQUEST']._serialized_start=842
-  _globals['_STATSREQUEST']._serialized_end=879
-  _globals['_STATSRESPONSE']._serialized_start=882
-  _globals['_STATSRESPONSE']._serialized_end=1174
-  _globals['_LOADEDVERSION']._serialized_start=1176
-  _globals['_LOADEDVERSION']._serialized_end=1255
-  _globals['_ROLLOUTSERVICE']._serialized_start=1258
-  _globals['_ROLLOUTSERVICE']._serialized_end=1711
+  _globals['_GENERATEREQUEST']._serialized_end=301
+  _globals['_GENERATERESPONSE']._serialized_start=303
+  _globals['_GENERATERESPONSE']._serialized_end=366
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=369
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=527
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=529
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=573
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=575
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=663
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=665
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=778
+  _globals['_PAUSEREQUEST']._serialized_start=780
+  _globals['_PAUSEREQUEST']._serialized_end=810
+  _globals['_PAUSERESPONSE']._serialized_start=812
+  _globals['_PAUSERESPONSE']._serialized_end=827
+  _globals['_RESUMEREQUEST']._serialized_start=829
+  _globals['_RESUMEREQUEST']._serialized_end=844
+  _globals['_RESUMERESPONSE']._serialized_start=846
+  _globals['_RESUMERESPONSE']._serialized_end=862
+  _globals['_STATSREQUEST']._serialized_start=864
+  _globals['_STATSREQUEST']._serialized_end=901
+  _globals['_STATSRESPONSE']._serialized_start=904
+  _globals['_STATSRESPONSE']._serialized_end=1196
+  _globals['_LOADEDVERSION']._serialized_start=1198
+  _globals['_LOADEDVERSION']._serialized_end=1277
+  _globals['_ROLLOUTSERVICE']._serialized_start=1280
+  _globals['_ROLLOUTSERVICE']._serialized_end=1733
 # @@protoc_insertion_point(module_scope)

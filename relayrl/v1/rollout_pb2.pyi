@@ -16,16 +16,18 @@ class PromptInput(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "params", "min_policy_version", "renews_registration")
+    __slots__ = ("prompts", "params", "min_policy_version", "renews_registration", "whole_groups")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RENEWS_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[PromptInput]
     params: _common_pb2.SamplingParams
     min_policy_version: int
     renews_registration: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., renews_registration: _Optional[bool] = ...) -> None: ...
+    whole_groups: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., renews_registration: _Optional[bool] = ..., whole_groups: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions",)

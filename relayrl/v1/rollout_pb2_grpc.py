@@ -72,7 +72,7 @@ class RolloutServiceServicer:
     def Generate(self, request, context):
         """Samples `params.n` responses for every prompt and streams completions as soon as they are
         finished: each message carries those finished since the last one (at least one), so rows that
-        finish in the same engine step travel together. Every completion carries the policy version
+        finish in the same engine step travel together (with `whole_groups`: each prompt's group, once complete). Every completion carries the policy version
         that produced it. INVALID_ARGUMENT names the bad field; UNAVAILABLE while paused with reject
         policy or draining.
         """
