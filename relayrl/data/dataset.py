@@ -14,8 +14,8 @@ import datasets
 from relayrl.config import DataConfig
 from relayrl.data.fast_tokens import encode_texts
 
-# Rendered rows kept for later epochs, up to this many prompt tokens (16 MiB of ids, as int32, plus the texts):
-# the whole of a 10k-100k-prompt RL set, so every draw after the first epoch skips the read and the tokenizer.
+# Rendered rows kept for later epochs, up to this many prompt tokens (16 MB of int32 ids, plus the texts): all of
+# a 20k-prompt set at 200 tokens a prompt, so every draw after its first epoch skips the read and the tokenizer.
 RENDERED_CACHE_TOKENS = 4_000_000
 
 
