@@ -123,9 +123,10 @@ class PromptDataset:
             rows = self.rows[missing]  # {column: [values]}
             texts = [str(text) for text in rows[self.cfg.prompt_key]]
             token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template)
-            for row, text, ids, answer in zip(missing, texts, token_ids, rows[self.cfg.answer_key], strict=True):
-                rendered[row] = (text, ids, str(answer))
+            answers = [str(answer) for answer in rows[self.cfg.answer_key]]
+            for row, text, ids, answer in zip(missing, texts, token_ids, answers, strict=True):
+                rendered[row] = (text, ids, answer)
                 if self._rendered_tokens < RENDERED_CACHE_TOKENS:
-                    self._rendered[row] = (text, array("i", ids), str(answer))
+                    self._rendered[row] = (text, array("i", ids), answer)
                     self._rendered_tokens += len(ids)
         return rendered
