@@ -572,15 +572,9 @@ class Controller:
 
     def sync_plan(self) -> controller_pb2.WeightSyncPlan:
         request_id, force = self.syncs.pending()
-        now = time.monotonic()
         return controller_pb2.WeightSyncPlan(
             workers=[
-                controller_pb2.WorkerEndpoint(
-                    worker_id=w.worker_id,
-                    address=w.address,
-                    policy_version=w.policy_version,
-                    heard_seconds_ago=max(1e-6, now - w.last_seen),  # > 0: 0 means "not said"
-                )
+                controller_pb2.WorkerEndpoint(worker_id=w.worker_id, address=w.address, policy_version=w.policy_version)
                 for w in sorted(self.registry.active(), key=lambda w: w.worker_id)
             ],
             sync_request_id=request_id,

@@ -181,16 +181,14 @@ class GetWeightSyncPlanRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class WorkerEndpoint(_message.Message):
-    __slots__ = ("worker_id", "address", "policy_version", "heard_seconds_ago")
+    __slots__ = ("worker_id", "address", "policy_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    HEARD_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     policy_version: int
-    heard_seconds_ago: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ..., heard_seconds_ago: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
     __slots__ = ("workers", "sync_request_id", "force")

@@ -1,7 +1,7 @@
 """Trainer rank 0's publisher against real gRPC rollout services: a worker that freezes while its update is
 out is left out by a probe, not at the update call's deadline, and the others are updated without it; a
-controller that is restarting delays the plan, which the result reports apart from the update's own time; a
-worker the controller heard from just now is not probed, and one that died since is left out on the retry."""
+controller that is restarting delays the plan, which the result reports apart from the update's own time; every
+planned worker is probed before each update, and one that died since the plan is left out before its update."""
 
 from __future__ import annotations
 
@@ -45,16 +45,11 @@ class Worker(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 class Plan:
-    """The controller's plan of ``workers`` (id -> address), each heard from ``heard_s`` ago (0: not said)."""
-
-    def __init__(self, workers: dict[str, str], heard_s: float = 0.0) -> None:
-        self.workers, self.heard_s = workers, heard_s
+    def __init__(self, workers: dict[str, str]) -> None:
+        self.workers = workers
 
     def GetWeightSyncPlan(self, request, timeout: float):
-        endpoints = [
-            controller_pb2.WorkerEndpoint(worker_id=w, address=a, heard_seconds_ago=self.heard_s)
-            for w, a in self.workers.items()
-        ]
+        endpoints = [controller_pb2.WorkerEndpoint(worker_id=w, address=a) for w, a in self.workers.items()]
         return controller_pb2.WeightSyncPlan(workers=endpoints)
 
 
@@ -133,24 +128,23 @@ def test_the_wait_for_a_restarting_controller_is_reported_apart_from_the_update(
     assert abs(result.seconds + result.plan_wait_seconds - wall) < 0.05  # the two add up to the publish
 
 
-def test_workers_heard_just_now_are_not_probed_and_one_dead_since_is_left_out_on_the_retry(tmp_path) -> None:
+def test_every_worker_is_probed_and_one_dead_since_the_plan_is_left_out_before_its_update(tmp_path) -> None:
+    """A receiver that died after the controller last heard from it must be found before the broadcast: a gloo
+    broadcast to a dead process waits for the group's timeout."""
     workers = {"a": Worker(freezes=False), "b": Worker(freezes=False)}
     servers = serve(workers)
     try:
         cfg = WeightSyncConfig(transport="filesystem", verify="fingerprint", timeout_s=2)
         addresses = {wid: f"127.0.0.1:{server.port}" for wid, server in servers.items()}
-        publisher = sync.WeightPublisher(cfg, controller=Plan(addresses, heard_s=0.05), weights_dir=str(tmp_path))
+        publisher = sync.WeightPublisher(cfg, controller=Plan(addresses), weights_dir=str(tmp_path))
         arena = publisher.arena_for(SPECS)
         arena.load(random_tensors(SPECS).items())
-        fresh = publisher.publish(1, arena)
-        assert sorted(fresh.synced) == ["a", "b"] and [w.probes for w in workers.values()] == [0, 0]
-        publisher.controller = Plan(addresses, heard_s=sync.HEARD_RECENTLY_S + 1)  # heard too long ago: probed
-        stale = publisher.publish(2, arena)
-        assert sorted(stale.synced) == ["a", "b"] and [w.probes for w in workers.values()] == [1, 1]
-        publisher.controller = Plan(addresses, heard_s=0.05)
-        servers["b"].stop(0)  # dies after the controller last heard from it
-        result = publisher.publish(3, arena)
+        first = publisher.publish(1, arena)
+        assert sorted(first.synced) == ["a", "b"] and [w.probes for w in workers.values()] == [1, 1]
+        servers["b"].stop(0)  # dies after the plan was made
+        result = publisher.publish(2, arena)
     finally:
         for server in servers.values():
             server.stop(0)
     assert result.synced == ["a"] and list(result.failed) == ["b"] and "UNAVAILABLE" in result.failed["b"]
+    assert workers["a"].probes == 2 and workers["b"].updates == 1  # b: its first update only, none after it died
