@@ -144,7 +144,13 @@ def pull(stub, step: int, deadline: float) -> controller_pb2.Batch:
 
 
 def simulated_trainer(stub, versions: VersionFile, trajectories: int, deadline: float) -> list[Pulled]:
-    """Pull, 'update' the simulated workers' weights, report; until ``trajectories`` were generated."""
+    """Report the starting weights published (as trainer rank 0 does), then pull, 'update' the simulated
+    workers' weights, report; until ``trajectories`` were generated."""
+    plan = stub.GetWeightSyncPlan(controller_pb2.GetWeightSyncPlanRequest(version=0), timeout=30)
+    initial = controller_pb2.ReportWeightSyncRequest(
+        policy_version=0, synced_worker_ids=[w.worker_id for w in plan.workers], reason="initial"
+    )
+    stub.ReportWeightSync(initial, timeout=60)
     pulled: list[Pulled] = []
     for step in itertools.count(1):
         batch = pull(stub, step, deadline)

@@ -57,6 +57,7 @@ class ProgressState:
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
     exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
     exact_version: int = -1
+    weights_published: bool = False  # the trainer's starting weights reached the workers ("initial" or a Rewind)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -214,9 +215,18 @@ class Controller:
         staleness = self.cfg.controller.max_staleness
         return (
             self.state == "running"
+            and self._starting_weights_in()
             and self.progress.policy_version >= step - 1 - staleness
             and len(self._batches) <= staleness
         )
+
+    def _starting_weights_in(self) -> bool:
+        """Rollouts wait for the trainer's starting weights in pause mode: their load aborts every call in flight,
+        so a round begun before it was generated twice (and warned about once a call). Shadow mode swaps the
+        weights in between calls: nothing is lost by starting at once. ``trainer_step``: a run saved before the
+        flag existed."""
+        progress = self.progress
+        return progress.weights_published or progress.trainer_step > 0 or self.cfg.weight_sync.mode == "shadow"
 
     def _produce_loop(self) -> None:
         while not self._stop.is_set():
@@ -553,6 +563,7 @@ class Controller:
             self.progress.cursor = request.cursor
             self.progress.trainer_step = self.progress.policy_version = request.step
             self._set_exact(request.synced_worker_ids, request.step)
+            self.progress.weights_published = True  # the trainer publishes its checkpoint's weights before a Rewind
             self._next_step = request.step + 1
             finished = request.step >= self.cfg.trainer.steps
             self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
@@ -583,12 +594,15 @@ class Controller:
 
     def report_weight_sync(self, request: controller_pb2.ReportWeightSyncRequest) -> None:
         """An update outside a step (the trainer's first publish, operator request, joiners): versions and
-        history. The first publish ("initial") also names the workers a streamed step 1 may use."""
+        history. The first publish ("initial") also names the workers a streamed step 1 may use, and lets batch
+        production begin (``_starting_weights_in``)."""
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
         if request.reason == "initial":
             with self._cond:
                 self._set_exact(request.synced_worker_ids, request.policy_version)
+                self.progress.weights_published = True  # batch production may begin (_starting_weights_in)
                 self._save_progress()
+                self._cond.notify_all()
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
                 policy_version=request.policy_version,

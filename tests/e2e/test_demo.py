@@ -39,6 +39,8 @@ def test_demo_reward_rises(tmp_path):
     assert last >= 0.6, last
     assert (run_dir / "reward.png").stat().st_size > 10_000
     assert "reward, last 10 steps" in done.stderr  # the summary table
+    # step 1 waited for the trainer's starting weights: their load aborted no call, so nothing was sent twice
+    assert "re-dispatching" not in (run_dir / "logs" / "controller.log").read_text()
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert model.config.vocab_size == len(tokenizer)

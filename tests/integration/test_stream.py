@@ -42,7 +42,7 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     assert code == 0, err
     records = contiguous_records(cfg, steps)
     assert all(r["rollout_version_min"] == r["rollout_version_max"] == r["step"] - 1 for r in records)
-    # step 1 may be built before the trainer's first publish names the verified workers: trained whole
+    # step 1 starts with the trainer's first publish and may be complete before the trainer asks for it: sent whole
     streamed = [r["step"] for r in records if r["streamed"] == 1.0]
     around_restart = {killed_in, killed_in + 1}  # built while the restarted controller re-learns the verified workers
     assert set(range(2, steps + 1)) - around_restart <= set(streamed), (streamed, killed_in)

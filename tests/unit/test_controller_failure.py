@@ -2,10 +2,12 @@
 restarted by the supervisor rewinds the controller to its checkpoint, and production picks up from there (before,
 the producer thread had returned, and the restarted trainer waited for a batch that never came). Dynamic sampling
 that finds too few informative groups (a converged policy) tops the batch up with zero-advantage groups under
-``on_exhausted: partial`` and fails the run under ``fail``."""
+``on_exhausted: partial`` and fails the run under ``fail``. A fresh run in pause mode generates nothing before the
+trainer's starting weights are out."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -41,11 +43,17 @@ class ScriptedDispatcher:
         return result
 
 
-def started(cfg, tmp_path, dispatcher) -> Controller:
+INITIAL = controller_pb2.ReportWeightSyncRequest(synced_worker_ids=["w0"], reason="initial")  # trainer rank 0's
+
+
+def started(cfg, tmp_path, dispatcher, *, published: bool = True) -> Controller:
+    """A controller with one registered worker; ``published``: the trainer's starting weights are out."""
     ctl = Controller(cfg, state_dir=tmp_path / "state")
     ctl.dispatcher = dispatcher
     ctl.registry.register("w0", "127.0.0.1:1", "hf", 0)
     ctl.start()
+    if published:
+        ctl.report_weight_sync(INITIAL)
     return ctl
 
 
@@ -54,6 +62,37 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("opened_by", ["initial", "rewind"])
+def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(make_config, tmp_path, opened_by):
+    """The trainer's first publish pauses every worker and aborts its calls in flight: under ``relayrl up`` each
+    clean start generated its first round twice, with a warning for each call. Production now waits for the
+    trainer's "initial" report, or a Rewind (a resumed trainer publishes its checkpoint's weights first); a
+    restarted controller of that run does not wait again."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}))
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
+    try:
+        time.sleep(1.5)  # the producer polls every 0.5 s: three chances to start too early
+        assert ctl.dispatcher.calls == 0 and ctl.batches_ready == 0
+        if opened_by == "initial":
+            ctl.report_weight_sync(INITIAL)
+        else:
+            ctl.rewind(controller_pb2.RewindRequest(step=0, cursor=0, synced_worker_ids=["w0"]))
+        wait_for(lambda: ctl.batches_ready >= 1)
+    finally:
+        ctl.stop()
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["weights_published"] is True
+
+
+def test_a_fresh_run_in_shadow_mode_generates_at_once(make_config, tmp_path) -> None:
+    """Shadow mode swaps new weights in between calls: rows in flight are never aborted, so nothing waits."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, weight_sync={"mode": "shadow"}))
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
+    try:
+        wait_for(lambda: ctl.batches_ready >= 1)
+    finally:
+        ctl.stop()
 
 
 def test_a_failed_run_produces_again_after_a_rewind(make_config, tmp_path) -> None:
