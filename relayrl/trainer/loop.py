@@ -33,7 +33,7 @@ from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
-from relayrl.trainer.world import init_world
+from relayrl.trainer.world import init_world, world_backend
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
 
 
 def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = False) -> int:
-    backend_name = "nccl" if torch.cuda.is_available() else "gloo"
-    init_world(backend_name)
+    init_world(world_backend(torch.cuda.is_available()))
     rank = dist.get_rank()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -7,6 +7,10 @@ prefix). Gloo's full-mesh connect then reads the dead ranks' listening addresses
 with the static rendezvous (``--master-addr/--master-port``) the new attempt hangs in
 ``init_process_group``, with ``c10d`` it fails with "Connection refused" and burns a restart. Every
 attempt here gets its own key space, ``relayrl/attempt-{TORCHELASTIC_RESTART_COUNT}``.
+
+On CUDA the group is ``cpu:gloo,cuda:nccl``: ``nccl`` alone registers no backend for CPU tensors
+(``torch/distributed/distributed_c10d.py``, ``Backend.backend_capability``), and the step's metrics are
+reduced as CPU tensors; object collectives then run on gloo too, with no device copy.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ import torch.distributed as dist
 def restart_attempt() -> int:
     """How many times torchrun has restarted this rank's node (0 on the first start, and outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def world_backend(cuda: bool) -> str:
+    """The default group's backend: gloo on CPU; gloo for CPU tensors and NCCL for CUDA ones on a GPU."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def init_world(backend: str) -> None:
