@@ -57,7 +57,6 @@ class ProgressState:
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
     exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
     exact_version: int = -1
-    weights_published: bool = False  # the trainer's starting weights reached the workers ("initial" or a Rewind)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -223,10 +222,11 @@ class Controller:
     def _starting_weights_in(self) -> bool:
         """Rollouts wait for the trainer's starting weights in pause mode: their load aborts every call in flight,
         so a round begun before it was generated twice (and warned about once a call). Shadow mode swaps the
-        weights in between calls: nothing is lost by starting at once. ``trainer_step``: a run saved before the
-        flag existed."""
+        weights in between calls: nothing is lost by starting at once. The trainer's "initial" report, a Rewind
+        and each ReportStep set ``exact_version`` (``_set_exact``), so it is >= 0 once the weights are out;
+        ``trainer_step``: a run saved before ``exact_version`` existed."""
         progress = self.progress
-        return progress.weights_published or progress.trainer_step > 0 or self.cfg.weight_sync.mode == "shadow"
+        return progress.exact_version >= 0 or progress.trainer_step > 0 or self.cfg.weight_sync.mode == "shadow"
 
     def _produce_loop(self) -> None:
         while not self._stop.is_set():
@@ -563,7 +563,6 @@ class Controller:
             self.progress.cursor = request.cursor
             self.progress.trainer_step = self.progress.policy_version = request.step
             self._set_exact(request.synced_worker_ids, request.step)
-            self.progress.weights_published = True  # the trainer publishes its checkpoint's weights before a Rewind
             self._next_step = request.step + 1
             finished = request.step >= self.cfg.trainer.steps
             self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
@@ -600,7 +599,6 @@ class Controller:
         if request.reason == "initial":
             with self._cond:
                 self._set_exact(request.synced_worker_ids, request.policy_version)
-                self.progress.weights_published = True  # batch production may begin (_starting_weights_in)
                 self._save_progress()
                 self._cond.notify_all()
         self.syncs.record(

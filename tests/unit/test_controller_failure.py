@@ -82,7 +82,7 @@ def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(m
         wait_for(lambda: ctl.batches_ready >= 1)
     finally:
         ctl.stop()
-    assert json.loads((tmp_path / "state" / "state.json").read_text())["weights_published"] is True
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["exact_version"] == 0  # what opens production
 
 
 def test_a_fresh_run_in_shadow_mode_generates_at_once(make_config, tmp_path) -> None:
