@@ -13,18 +13,18 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
-from relayrl.gcfreeze import freeze_startup_heap, pause_collection
-from relayrl.heap import retain_freed_memory
 from relayrl.ops.parser import add_operator_commands
-from relayrl.procs import exit_now, stop_with_parent
+from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
+from relayrl.runtime.heap import retain_freed_memory
+from relayrl.runtime.procs import exit_now, stop_with_parent
+from relayrl.runtime.threads import pin_role, yield_cores_to_generation
 from relayrl.services.retry import STOPPING
-from relayrl.threads import pin_role, yield_cores_to_generation
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
     """The validated config, with the demo assets it asks for built; its ``security`` section also
     becomes this process's client security."""
-    from relayrl.assets import prepare_assets
+    from relayrl.data.assets import prepare_assets
     from relayrl.services.channels import configure_client
 
     cfg = load_config(args.config, args.set)
@@ -62,7 +62,7 @@ def wait_for_shutdown() -> str:
 
 
 def cmd_controller_serve(args: argparse.Namespace) -> int:
-    pause_collection()  # until its startup heap is frozen (relayrl/gcfreeze.py)
+    pause_collection()  # until its startup heap is frozen (relayrl/runtime/gcfreeze.py)
     from relayrl.services.controller_server import serve_controller
 
     cfg = _config(args)
@@ -77,13 +77,13 @@ def cmd_controller_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout_serve(args: argparse.Namespace) -> int:
-    pause_collection()  # until its startup heap is frozen (relayrl/gcfreeze.py)
+    pause_collection()  # until its startup heap is frozen (relayrl/runtime/gcfreeze.py)
     from relayrl.services.rollout_server import serve_rollout
 
     retain_freed_memory()
 
     cfg = _config(args)
-    pin_role(cfg, "rollout")  # before any thread starts (relayrl/cpus.py)
+    pin_role(cfg, "rollout")  # before any thread starts (relayrl/runtime/cpus.py)
     controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
     server, worker, heartbeat = serve_rollout(
         cfg,
@@ -94,7 +94,9 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         metrics_port=args.metrics_port,
     )
-    freeze_startup_heap("rollout")  # the engine is loaded: its heap lives as long as the worker (relayrl/gcfreeze.py)
+    freeze_startup_heap(
+        "rollout"
+    )  # the engine is loaded: its heap lives as long as the worker (relayrl/runtime/gcfreeze.py)
     print(f"rollout worker {worker.worker_id} listening on port {server.port}", flush=True)
     sig = wait_for_shutdown()
     logging.info("%s: draining rollout worker %s", sig, worker.worker_id)
@@ -106,7 +108,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_trainer_run(args: argparse.Namespace) -> int:
-    pause_collection()  # until run_trainer freezes its startup heap (relayrl/gcfreeze.py)
+    pause_collection()  # until run_trainer freezes its startup heap (relayrl/runtime/gcfreeze.py)
     from relayrl.trainer.loop import run_trainer
     from relayrl.trainer.world import restart_attempt
 
@@ -116,8 +118,8 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     retain_freed_memory()
     cfg = _config(args)
-    pin_role(cfg, "trainer")  # before any thread starts (relayrl/cpus.py)
-    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/threads.py)
+    pin_role(cfg, "trainer")  # before any thread starts (relayrl/runtime/cpus.py)
+    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/runtime/threads.py)
     try:
         return run_trainer(cfg, controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
@@ -137,7 +139,7 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.launcher import run_local
+    from relayrl.runtime.launcher import run_local
 
     return run_local(_config(args), resume=args.resume)
 

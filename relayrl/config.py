@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from relayrl.cpus import parse_cpu_list
 from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
+from relayrl.runtime.cpus import parse_cpu_list
 
 
 class ConfigError(ValueError):
@@ -90,8 +90,8 @@ class RolloutConfig(Section):
     min_tokens: int = Field(0, ge=0)  # EOS/stop tokens masked until this many tokens (vLLM's min_tokens)
     ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)
-    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/threads.py)
-    cpus: str | None = None  # CPU list the workers run on, "0-3,8" (relayrl/cpus.py); None: every CPU allowed
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/runtime/threads.py)
+    cpus: str | None = None  # CPU list the workers run on, "0-3,8" (relayrl/runtime/cpus.py); None: every CPU allowed
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
     # the hf engine's decode steps: "fast" (relayrl.rollout.llama_decode, Llama-family models only), "transformers"
@@ -203,8 +203,8 @@ class TrainerConfig(Section):
     epochs: int = Field(1, ge=1)  # passes over the rollout batch
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     export_hf: bool = True
-    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/threads.py)
-    cpus: str | None = None  # CPU list the ranks run on, "0-3,8" (relayrl/cpus.py); None: every CPU allowed
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/runtime/threads.py)
+    cpus: str | None = None  # CPU list the ranks run on, "0-3,8" (relayrl/runtime/cpus.py); None: every CPU allowed
     # Stream kept groups to the trainer while the rest of the batch generates (relayrl/trainer/stream.py):
     # "auto" where the result is exactly the whole-batch update (see stream_blockers), "on" refuses a config
     # where it is not, "off" trains whole batches. Off by default: on the demo each streamed chunk's forward/backward
@@ -305,7 +305,7 @@ class SupervisorConfig(Section):
     backoff_max_s: float = Field(30.0, ge=0)
     # GPUs on this node for placement (CUDA_VISIBLE_DEVICES per child); null: what torch sees, 0: no placement
     gpus: int | None = Field(None, ge=0)
-    # `relayrl up` forks roles from a server that imported torch once (relayrl.forkserver; not on a GPU host);
+    # `relayrl up` forks roles from a server that imported torch once (relayrl.runtime.forkserver; not on a GPU host);
     # false: each role starts as a fresh interpreter
     fork_roles: bool = True
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.config import load_config
-from relayrl.launcher import LocalJob, controller_status, wait_until
-from relayrl.ports import free_port
+from relayrl.runtime.launcher import LocalJob, controller_status, wait_until
+from relayrl.runtime.ports import free_port
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayrl.procs import child_pids, descendants
+from relayrl.runtime.procs import child_pids, descendants
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROLE_MARKERS = (("controller serve", "controller"), ("rollout serve", "rollout"), ("trainer", "trainer"))

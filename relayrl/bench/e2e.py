@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from relayrl.assets import prepare_assets
 from relayrl.bench.cpu import CpuSampler
 from relayrl.config import RelayConfig, load_config
-from relayrl.cpus import format_cpu_list
-from relayrl.procs import kill_tree
+from relayrl.data.assets import prepare_assets
+from relayrl.runtime.cpus import format_cpu_list
+from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"

@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 import yaml
 
-from relayrl.assets import prepare_assets
 from relayrl.bench.cluster import local_cluster
 from relayrl.config import load_config
+from relayrl.data.assets import prepare_assets
 from relayrl.services.channels import configure_client, open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 

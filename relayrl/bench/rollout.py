@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.bench.cpu import cpu_seconds
 from relayrl.models.tiny import write_tiny_model
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc

@@ -20,8 +20,8 @@ import signal
 import subprocess
 import sys
 
-from relayrl.ports import free_port
-from relayrl.procs import child_pids, signal_pids
+from relayrl.runtime.ports import free_port
+from relayrl.runtime.procs import child_pids, signal_pids
 
 SINGLE_RANK_OPTIONS = ({"--standalone", "--nproc-per-node=1"}, {"--standalone", "--nproc_per_node=1"})
 

@@ -21,10 +21,10 @@ from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, dump_config
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
-from relayrl.gcfreeze import freeze_startup_heap
+from relayrl.runtime.gcfreeze import freeze_startup_heap
+from relayrl.runtime.threads import torch_threads
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
-from relayrl.threads import torch_threads
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards

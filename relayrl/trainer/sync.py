@@ -37,7 +37,7 @@ from google.protobuf.message import Message
 
 from relayrl.config import WeightSyncConfig
 from relayrl.errors import rpc_error_text
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc

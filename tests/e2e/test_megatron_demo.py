@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from relayrl.procs import kill_tree
+from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 from relayrl.weightsync.checksum import weights_checksum
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
-from relayrl.launcher import controller_status
-from relayrl.procs import descendants, kill_tree
+from relayrl.runtime.launcher import controller_status
+from relayrl.runtime.procs import descendants, kill_tree
 from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc

@@ -19,7 +19,7 @@ import pytest
 
 from relayrl.client import AsyncRelayClient, RelayClient, SamplingParams
 from relayrl.config import parse_config
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.services.controller_server import serve_controller
 from relayrl.services.registration import Registration
 from relayrl.services.rollout_server import Heartbeat, serve_rollout

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
-from relayrl.launcher import controller_status
-from relayrl.procs import kill_tree
+from relayrl.runtime.launcher import controller_status
+from relayrl.runtime.procs import kill_tree
 
 from .jobs import (
     assert_roles_forked,

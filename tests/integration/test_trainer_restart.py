@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from relayrl.launcher import controller_status
 from relayrl.rollout.worker import FAULT_EXIT_DURING_LOAD
+from relayrl.runtime.launcher import controller_status
 from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc

@@ -115,7 +115,7 @@ def test_the_deadline_covers_the_call_and_its_retries(scripted):
 
 
 def test_unreachable_controller_is_unavailable_after_the_attempts():
-    from relayrl.ports import free_port
+    from relayrl.runtime.ports import free_port
 
     with (
         RelayClient(f"127.0.0.1:{free_port()}", attempts=2, backoff_s=0.01) as client,

@@ -33,13 +33,13 @@ from fakes import fake_sglang
 from fakes.common import FakeEngineModel
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
-from relayrl.ports import free_port
 from relayrl.rollout import sglang as adapter
 from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
 from relayrl.rollout.worker import RolloutWorker
+from relayrl.runtime.ports import free_port
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights

@@ -1,4 +1,4 @@
-"""relayrl.forkserver: roles forked from one interpreter are the launcher's own processes, with their own
+"""relayrl.runtime.forkserver: roles forked from one interpreter are the launcher's own processes, with their own
 session, command line, environment, log and exit status, and outlive the server."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import subprocess
 import sys
 import textwrap
 
-from relayrl.forkserver import env_fork_blockers, modeling_module
+from relayrl.runtime.forkserver import env_fork_blockers, modeling_module
 
 # The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
 DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys, time
     from pathlib import Path
-    from relayrl.forkserver import RELAY, ForkServer
+    from relayrl.runtime.forkserver import RELAY, ForkServer
 
     logs, config = Path(sys.argv[1]), sys.argv[2]
     server = ForkServer.start(None, logs / "forkserver.log")
@@ -83,7 +83,7 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["cmdline"].endswith(f"-m relayrl.cli controller serve --config {config} --port 0"), out["cmdline"]
     log = (logs / "controller.log").read_text()
     assert " DEBUG " in log  # its environment (RELAYRL_LOG_LEVEL) reached it
-    # the server's imports reached it frozen out of garbage collection (relayrl/gcfreeze.py), and it froze its own
+    # the server's imports reached it frozen out of garbage collection (runtime/gcfreeze.py), and it froze its own
     frozen = re.search(r"controller: (\d+) startup objects frozen .*\((\d+) of them by the fork server\)", log)
     assert frozen and int(frozen[1]) > int(frozen[2]) > 100_000, log
     # the server's death stops no role, and later roles are refused (started fresh) with the reason
@@ -94,12 +94,12 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
 
 def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
     from relayrl.config import RelayConfig
-    from relayrl.launcher import start_forks
+    from relayrl.runtime.launcher import start_forks
 
     cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}})
     off = cfg.model_copy(update={"supervisor": cfg.supervisor.model_copy(update={"fork_roles": False})})
     assert start_forks(off, tmp_path) is None
     driver = tmp_path / "nvidiactl"
     driver.touch()
-    monkeypatch.setattr("relayrl.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
+    monkeypatch.setattr("relayrl.runtime.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
     assert start_forks(cfg, tmp_path) is None

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from trainer_testing import full_weights, rollout_batch
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from relayrl.ports import free_port
-from relayrl.procs import exit_now
+from relayrl.runtime.ports import free_port
+from relayrl.runtime.procs import exit_now
 from relayrl.trainer.backends.fsdp import FSDPBackend, shard
 from relayrl.trainer.step import train_on_batch
 

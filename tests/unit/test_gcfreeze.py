@@ -1,4 +1,4 @@
-"""relayrl.gcfreeze: a role collects nothing while it starts; then its startup heap leaves the cyclic collector
+"""relayrl.runtime.gcfreeze: a role collects nothing while it starts; then its startup heap leaves the cyclic collector
 (never walked again), its startup garbage is freed first, and what it allocates later is collected again."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import gc, json, weakref
-    from relayrl.gcfreeze import freeze_startup_heap, pause_collection
+    from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 
     pause_collection()                             # as a role does before its imports
     paused = not gc.isenabled()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # step's activations; prints whether the settings applied and each round's minor page faults.
 ROUNDS = """
 import ctypes, json, resource
-from relayrl.heap import retain_freed_memory
+from relayrl.runtime.heap import retain_freed_memory
 applied = retain_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

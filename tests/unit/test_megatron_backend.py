@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.models.tiny import build_tokenizer
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch

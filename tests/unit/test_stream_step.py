@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from trainer_testing import full_weights
 
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.loop import train_streamed

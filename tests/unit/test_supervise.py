@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from relayrl.config import ConfigError, SupervisorConfig, parse_config
-from relayrl.launcher import LocalJob
 from relayrl.ops.placement import place
 from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, Supervisor, read_restarts
+from relayrl.runtime.launcher import LocalJob
 
 GPU_RUN = {
     "model": {"path": "m"},
@@ -109,7 +109,7 @@ def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its
 
 def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_probed_again():
     from relayrl.config import WeightSyncConfig
-    from relayrl.ports import free_port
+    from relayrl.runtime.ports import free_port
     from relayrl.trainer.sync import WeightPublisher
 
     publisher = WeightPublisher(WeightSyncConfig(timeout_s=60), controller=None, weights_dir="unused")

@@ -12,7 +12,7 @@ from trainer_testing import full_weights, rollout_batch
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import right_padded

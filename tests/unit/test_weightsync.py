@@ -13,7 +13,7 @@ import torch
 
 from relayrl.bench.weightsync import model_specs, random_tensors
 from relayrl.errors import FailedPrecondition
-from relayrl.ports import free_port
+from relayrl.runtime.ports import free_port
 from relayrl.weightsync import (
     BucketSpec,
     LayoutCache,

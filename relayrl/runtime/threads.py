@@ -31,7 +31,7 @@ after each decode (the demo, two runs each: 0.085-0.092 s a step against 0.081-0
 An explicit ``rollout.threads`` / ``trainer.threads`` overrides the count; a wait policy or trainer nice already
 in the environment is kept (``RELAYRL_TRAINER_NICE=0``: the trainer keeps its priority).
 
-Pinned roles (``rollout.cpus``, ``trainer.cpus``: ``relayrl/cpus.py``) count their own CPUs, C being the size of
+Pinned roles (``rollout.cpus``, ``trainer.cpus``: ``relayrl/runtime/cpus.py``) count their own CPUs, C being the size of
 their list. Workers and trainer pinned to disjoint CPUs do not share cores: each role takes all of its own
 (C / workers, C / nproc) whatever the loop, and the trainer neither waits passively nor yields (nothing runs
 beside it), as on separate machines.
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Literal
 
 from relayrl.config import ConfigError, RelayConfig
-from relayrl.cpus import check_available, format_cpu_list, parse_cpu_list, pin_process
+from relayrl.runtime.cpus import check_available, format_cpu_list, parse_cpu_list, pin_process
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Children run in their own sessions, so a terminal's Ctrl-C reaches only the laun
 stops every child in order (trainer, workers, controller) with SIGTERM, and SIGKILL after a grace
 period. Each child logs to ``<run dir>/logs/<role>.log``. While the run goes on, a child that dies is
 restarted within its budget (relayrl.ops.supervise); on a GPU node each child sees only its own devices
-(relayrl.ops.placement). Roles are forked from a server that imported torch once (relayrl.forkserver),
+(relayrl.ops.placement). Roles are forked from a server that imported torch once (relayrl.runtime.forkserver),
 unless ``supervisor.fork_roles`` is off or a role's environment cannot be forked.
 """
 
@@ -25,14 +25,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
-from relayrl.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
-from relayrl.ports import free_port
-from relayrl.procs import PARENT_ENV, kill_tree, reap_orphans
+from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
+from relayrl.runtime.ports import free_port
+from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
+from relayrl.runtime.threads import COLOCATED_ENV, check_role_cpus, trainer_env
 from relayrl.services.channels import open_channel
-from relayrl.threads import COLOCATED_ENV, check_role_cpus, trainer_env
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
@@ -165,7 +165,7 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
 
 
 def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
-    """The run's fork server (relayrl.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
+    """The run's fork server (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
     host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
     does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh."""
     if not cfg.supervisor.fork_roles:

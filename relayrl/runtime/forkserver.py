@@ -14,7 +14,7 @@ Contract:
   death stops no role.
 - The server forks only with no Python thread but its main one running, and never touches CUDA or gRPC
   channels: native pools that exist at import (OpenBLAS, jemalloc) have their own ``pthread_atfork`` handlers.
-  The launcher starts no fork server on a GPU host (``relayrl.launcher.start_forks``).
+  The launcher starts no fork server on a GPU host (``relayrl.runtime.launcher.start_forks``).
 - An environment that differs from the server's in anything but ``RUNTIME_ENV`` is not forked
   (``ForkServer.spawn`` returns None and the launcher starts a fresh interpreter): libraries read some variables
   once when they load, OMP_WAIT_POLICY by libgomp when torch loads, for one.
@@ -40,9 +40,10 @@ from typing import IO
 
 from setproctitle import setproctitle
 
-from relayrl.procs import PARENT_ENV, become_subreaper, exit_now, stop_with_parent
+from relayrl.runtime.procs import PARENT_ENV, become_subreaper, exit_now, stop_with_parent
 
-RELAY = (sys.executable, "-m", "relayrl.cli")  # every role's command line: RELAY + its arguments
+ENTRY_MODULE = "relayrl.cli"  # every role's entry point, ``main(argv)``; named, not imported: the CLI imports this
+RELAY = (sys.executable, "-m", ENTRY_MODULE)  # every role's command line: RELAY + its arguments
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
 # the run's modeling module. A role's modules are imported at its first request, so the controller is forked
@@ -106,14 +107,13 @@ def _run_role(request: dict, log: int) -> None:
         setproctitle(" ".join([*RELAY, *args]))  # before the environment moves
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [sys.modules["relayrl.cli"].__file__, *args]
+        entry = sys.modules[ENTRY_MODULE]
+        sys.argv = [entry.__file__, *args]
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         gc.enable()  # the server's heap came frozen (_fork_role); what this role allocates is collected as usual
-        from relayrl.cli import main
-
         try:
-            code = main(args)
+            code = entry.main(args)
         except SystemExit as done:  # argparse's errors and --help, as the interpreter would exit with them
             code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
             if not isinstance(done.code, int | None):
@@ -129,7 +129,7 @@ def _fork_role(request: dict) -> int:
     """Fork ``request`` twice (module docstring); returns the role's pid once it is the launcher's child."""
     if threading.active_count() != 1:
         raise RuntimeError(f"{threading.active_count()} Python threads are running: forking is unsafe")
-    gc.freeze()  # the role inherits the imports frozen: its collector never walks them (relayrl/gcfreeze.py)
+    gc.freeze()  # the role inherits the imports frozen: its collector never walks them (relayrl/runtime/gcfreeze.py)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # there once we reply
     try:
         read_end, write_end = os.pipe()
@@ -182,8 +182,8 @@ def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> in
     """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
     ``{"error": text}``, importing what the role needs first (``Preloader``)."""
     stop_with_parent()
-    gc.disable()  # no full collections over the growing heap while it imports (0.6 s of them; relayrl/gcfreeze.py)
-    import relayrl.cli  # noqa: F401 - every role's entry point
+    gc.disable()  # no full collections over the growing heap while it imports (relayrl/runtime/gcfreeze.py)
+    importlib.import_module(ENTRY_MODULE)
 
     preloader = Preloader(model_path)
     for line in requests:
@@ -239,7 +239,7 @@ class ForkedRole:
 
 @dataclass
 class ForkServer:
-    """The launcher's handle on the fork server (``python -m relayrl.forkserver``), started with ``env``."""
+    """The launcher's handle on the fork server (``python -m relayrl.runtime.forkserver``), started with ``env``."""
 
     proc: subprocess.Popen
     env: dict[str, str]
@@ -250,7 +250,7 @@ class ForkServer:
         """Make this process a child subreaper and start the server (it imports while the caller goes on)."""
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-        argv = [sys.executable, "-m", "relayrl.forkserver", *(["--model", model_path] if model_path else [])]
+        argv = [sys.executable, "-m", "relayrl.runtime.forkserver", *(["--model", model_path] if model_path else [])]
         with log.open("ab") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                     start_new_session=True)  # fmt: skip
@@ -291,7 +291,7 @@ class ForkServer:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m relayrl.forkserver", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m relayrl.runtime.forkserver", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory whose modeling module is preloaded too")
     args = parser.parse_args(argv)
     return serve(args.model, sys.stdin.buffer, sys.stdout.buffer)

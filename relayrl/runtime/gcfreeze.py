@@ -14,7 +14,7 @@ freed by reference counting). Used as the CPython documentation of ``gc.freeze``
 server, and as vLLM (``freeze_gc_heap`` at the end of ``compile_or_warm_up_model``, vllm/v1/worker) and
 SGLang (``freeze_gc``, sglang/srt/utils) do after their startup:
 
-- the fork server (``relayrl/forkserver.py``) collects nothing while it imports (``gc.disable``) and freezes its
+- the fork server (``relayrl/runtime/forkserver.py``) collects nothing while it imports (``gc.disable``) and freezes its
   heap before each fork, so a forked role starts with its imports frozen (and their copy-on-write pages left
   alone by the collector) and turns its collector back on;
 - every role, forked or not, collects nothing while it imports and loads (``pause_collection``, first thing in
