@@ -426,6 +426,8 @@ class Controller:
                 finish_reason=c.finish_reason,
                 policy_version=c.policy_version,
                 worker_id=c.worker_id,
+                loss_mask=c.loss_mask,
+                token_versions=c.token_versions,
             )
             sample.MergeFrom(shared)
             samples.append(sample)

@@ -29,6 +29,8 @@ class EngineCompletion:
 
     finish_reason: "stop" (EOS or a stop token, included in ``token_ids``), "length" (``max_tokens`` reached)
     or "abort" (``should_abort`` turned true; ``token_ids`` holds what was generated so far).
+    token_versions: the policy version that sampled each token, for a row that lived through a weight update;
+    None: every token was sampled by the version the worker reports for the call.
     """
 
     prompt_index: int
@@ -36,6 +38,7 @@ class EngineCompletion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    token_versions: list[int] | None = None
 
 
 class InferenceEngine(ABC):

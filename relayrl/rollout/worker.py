@@ -176,7 +176,8 @@ class RolloutWorker:
                             token_ids=c.token_ids,
                             logprobs=c.logprobs,
                             finish_reason=FINISH.get(c.finish_reason, common_pb2.FINISH_REASON_ABORT),
-                            policy_version=version,
+                            policy_version=min(c.token_versions) if c.token_versions else version,
+                            token_versions=c.token_versions or (),
                             worker_id=self.worker_id,
                         )
                         for c in batch

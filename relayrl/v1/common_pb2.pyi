@@ -39,7 +39,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_id", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "text")
+    __slots__ = ("prompt_id", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "text", "loss_mask", "token_versions")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class Completion(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +58,9 @@ class Completion(_message.Message):
     policy_version: int
     worker_id: str
     text: str
-    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    loss_mask: bytes
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "bucket", "offset", "nbytes")
@@ -85,7 +89,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id", "verify", "sample_stride", "sample_phase")
+    __slots__ = ("version", "tensors", "buckets", "transport", "path", "checksum", "layout_id", "verify", "sample_stride", "sample_phase", "kind", "lora")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,8 @@ class WeightManifest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_PHASE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
@@ -106,4 +112,18 @@ class WeightManifest(_message.Message):
     verify: str
     sample_stride: int
     sample_phase: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ..., verify: _Optional[str] = ..., sample_stride: _Optional[int] = ..., sample_phase: _Optional[int] = ...) -> None: ...
+    kind: str
+    lora: LoraSpec
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., checksum: _Optional[str] = ..., layout_id: _Optional[str] = ..., verify: _Optional[str] = ..., sample_stride: _Optional[int] = ..., sample_phase: _Optional[int] = ..., kind: _Optional[str] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
+
+class LoraSpec(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules", "use_rslora")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    use_rslora: bool
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ...) -> None: ...

@@ -46,7 +46,7 @@ class PullBatchRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version", "worker_id")
+    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version", "worker_id", "loss_mask", "token_versions")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class Sample(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     group: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +69,9 @@ class Sample(_message.Message):
     finish_reason: _common_pb2.FinishReason
     policy_version: int
     worker_id: str
-    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    loss_mask: bytes
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchStats(_message.Message):
     __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end")

@@ -46,6 +46,7 @@ def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> Trai
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
+        token_versions=torch.where(response_mask.bool(), 0, -1),
         rollout_logprobs=-torch.rand(rows, length - 1, generator=g) * response_mask,
         rewards=torch.randint(0, 2, (rows,), generator=g).float(),
         scores=torch.zeros(rows),

@@ -57,6 +57,7 @@ def batch(vocab: int, groups: int = 4, n: int = 4, length: int = 10) -> TrainBat
         input_ids=torch.randint(3, vocab, (rows, length), generator=g),
         attention_mask=torch.ones(rows, length, dtype=torch.long),
         response_mask=response_mask,
+        token_versions=torch.where(response_mask.bool(), 0, -1),
         rollout_logprobs=-torch.rand(rows, length - 1, generator=g) * response_mask,
         rewards=torch.rand(rows, generator=g),
         scores=torch.zeros(rows),

@@ -28,6 +28,7 @@ def rollout_batch(backend, groups: int = 4, n: int = 4, seed: int = 0) -> TrainB
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
+        token_versions=torch.where(response_mask.bool(), 0, -1),
         rollout_logprobs=rollout,
         rewards=torch.rand(rows, generator=g),
         scores=torch.zeros(rows),
