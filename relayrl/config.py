@@ -341,6 +341,20 @@ class SecurityConfig(Section):
         return self.tls_cert is not None
 
 
+class EnvironmentConfig(Section):
+    """Agentic episodes: with this section a run trains multi-turn episodes against ``EnvironmentService``
+    servers (proto/relayrl/v1/environment.proto) instead of single completions scored by ``controller.reward``."""
+
+    serve: str | None = None  # "module:Class": `relayrl up` starts `replicas` servers of it and supervises them
+    replicas: int = Field(1, ge=1)  # environment server processes `relayrl up` starts for `serve`
+    servers: list[str] = Field(default_factory=list)  # host:port of servers started elsewhere (Kubernetes, by hand)
+    max_sessions: int = Field(64, ge=1)  # episodes in flight per server
+    max_turns: int = Field(4, ge=1)  # policy turns per episode
+    max_total_tokens: int = Field(1024, ge=1)  # prompt + sampled + observation tokens per episode
+    step_timeout_s: float = Field(30.0, gt=0)  # deadline of one environment call (Reset, Step, Close)
+    tool_parser: Literal["hermes"] = "hermes"  # how tool calls are parsed from sampled text (Qwen/Hermes JSON)
+
+
 class RelayConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
@@ -352,6 +366,7 @@ class RelayConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    environment: EnvironmentConfig | None = None  # agentic multi-turn episodes (absent: single-turn prompts)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RelayConfig:
