@@ -41,6 +41,21 @@ class EngineCompletion:
     token_versions: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class LoraAdapterSpec:
+    """A LoRA adapter's shape (``common_pb2.LoraSpec``): delta W = scale * B @ A with scale alpha / rank, or
+    alpha / sqrt(rank) with rsLoRA (PEFT's LoraConfig)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+
 class InferenceEngine(ABC):
     """A backend that samples completions and owns the policy weights.
 
@@ -98,6 +113,30 @@ class InferenceEngine(ABC):
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of every tensor of ``named_weights``, in that order."""
         return [(name, tuple(t.shape), t.dtype) for name, t in self.named_weights()]
+
+    # -- in-flight weight updates (rollout.partial; issue #28) -------------------------------------------
+    supports_in_flight_update: ClassVar[bool] = False
+
+    def pause_in_flight(self) -> None:
+        """Freeze every row in flight at a step boundary, keeping its state (tokens, and KV where the engine
+        keeps it), so that weights can be loaded under it; open ``generate`` calls stay open. Engines that
+        cannot raise NotImplementedError naming themselves."""
+        raise NotImplementedError(f"engine {self.name!r} cannot pause rows in flight")
+
+    def resume_in_flight(self, version: int) -> None:
+        """Continue the frozen rows on the weights loaded since ``pause_in_flight``; every token sampled from
+        here on carries ``version`` in ``EngineCompletion.token_versions``."""
+        raise NotImplementedError(f"engine {self.name!r} cannot resume rows in flight")
+
+    # -- LoRA adapters (model.lora; issue #29) ----------------------------------------------------------
+    supports_lora: ClassVar[bool] = False
+
+    def load_adapter(self, name: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
+        """Install the adapter ``name`` (versioned, e.g. ``policy-v7``: never a reused name) from tensors under
+        PEFT's unfused names (``...q_proj.lora_A.weight``); later ``generate`` calls use it. Returns how many
+        modules it applies to, which the caller checks against what was sent. On any failure it raises and the
+        previous adapter keeps serving."""
+        raise NotImplementedError(f"engine {self.name!r} cannot load LoRA adapters")
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing to release
         """Release the engine's resources (processes, device memory); the default does nothing."""
