@@ -14,6 +14,7 @@ import enum
 import html
 import inspect
 import io
+import json
 import re
 import sys
 import tokenize
@@ -94,12 +95,19 @@ def type_name(annotation: object) -> str:
 
 
 def default_text(info: FieldInfo) -> str:
-    if info.default_factory is not None:
-        value = info.default_factory()
-        return "its defaults" if isinstance(value, BaseModel) else f"`{value!r}`"
-    if info.default is PydanticUndefined:
+    if info.default is PydanticUndefined and info.default_factory is None:
         return "**required**"
-    return f"`{info.default!r}`" if info.default is not None else "`None`"
+    value = info.default_factory() if info.default_factory is not None else info.default
+    return "its defaults" if isinstance(value, BaseModel) else f"`{yaml_text(value)}`"
+
+
+def yaml_text(value: object) -> str:
+    """A default as it is written in the YAML file: null, true, 1e-06, [0.9, 0.999], auto."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return json.dumps(value) if not isinstance(value, str) else value
 
 
 def constraints(info: FieldInfo) -> str:
@@ -182,7 +190,7 @@ def render(root: type[BaseModel]) -> str:
         if doc:
             out.append(doc.replace("``", "`") + "\n")
         if optional:
-            out.append(f"Optional section: absent (`None`) unless the config has `{path}:`.\n")
+            out.append(f"Optional section: absent (`null`) unless the config has `{path}:`.\n")
         out.append("| key | type | default | constraints | description |")
         out.append("|---|---|---|---|---|")
         for name, info in model.model_fields.items():
@@ -191,11 +199,13 @@ def render(root: type[BaseModel]) -> str:
             key_id = "" if nested else f' id="{anchor(key)}"'  # a section's anchor is its heading
             key_cell = f'<span class="config-key" data-key="{key}"{key_id}></span>`{key}`'
             type_text = code_cell(type_name(info.annotation))
+            comment = field_comment(model, name)
             if nested:
-                type_text = f"[section](#{anchor(key)})" + (" or `None`" if allows_none(info.annotation) else "")
+                type_text = f"[section](#{anchor(key)})" + (" or `null`" if allows_none(info.annotation) else "")
+                comment = comment or class_doc(nested[0]).split("\n\n")[0].replace("``", "`")
             out.append(
                 f"| {key_cell} | {type_text} "
-                f"| {cell(default_text(info))} | {cell(constraints(info))} | {cell(field_comment(model, name))} |"
+                f"| {cell(default_text(info))} | {cell(constraints(info))} | {cell(comment)} |"
             )
         out.append("")
     return "\n".join(out)

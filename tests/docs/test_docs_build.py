@@ -91,7 +91,7 @@ def test_a_field_added_with_a_comment_is_documented_without_touching_the_generat
     rows = {m.group(1): line for line in page.splitlines() if (m := re.search(r'data-key="([^"]+)"', line))}
     assert set(rows) == {"mode", "inner", "inner.depth", "size", "name"}
     assert "the comment block above runs over two lines" in rows["mode"] and "'a' &#124; 'b'" in rows["mode"]
-    assert "optional section" in rows["inner"] and "or `None`" in rows["inner"]
+    assert "optional section" in rows["inner"] and "or `null`" in rows["inner"]
     assert "how deep" in rows["inner.depth"] and "≥ `1`" in rows["inner.depth"] and "≤ `9`" in rows["inner.depth"]
     assert "from the description" in rows["size"] and "> `0`" in rows["size"]
     assert "**required**" in rows["name"] and "required, no default" in rows["name"]
