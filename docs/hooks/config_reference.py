@@ -66,12 +66,11 @@ def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[B
 
 
 def sub_models(annotation: object) -> list[type[BaseModel]]:
-    """The pydantic models a field's type holds a value of (``X``, ``X | None``)."""
+    """The pydantic models a field's type holds values of (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``):
+    their keys are listed under the field's key."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [m for arg in typing.get_args(annotation) for m in sub_models(arg)]
-    return []
+    return [m for arg in typing.get_args(annotation) for m in sub_models(arg)]
 
 
 def allows_none(annotation: object) -> bool:
@@ -202,6 +201,8 @@ def render(root: type[BaseModel]) -> str:
             comment = field_comment(model, name)
             if nested:
                 type_text = f"[section](#{anchor(key)})" + (" or `null`" if allows_none(info.annotation) else "")
+                if not (isinstance(info.annotation, type) or allows_none(info.annotation)):
+                    type_text = f"{typing.get_origin(info.annotation).__name__} of [sections](#{anchor(key)})"
                 comment = comment or class_doc(nested[0]).split("\n\n")[0].replace("``", "`")
             out.append(
                 f"| {key_cell} | {type_text} "

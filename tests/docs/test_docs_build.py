@@ -31,15 +31,20 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+def models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in models_in(arg)]
+
+
 def model_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Every dotted key of ``model``, descending into sections typed ``Model`` or ``Model | None``."""
+    """Every dotted key of ``model``, descending into sections (``Model``, ``Model | None``, ``list[Model]``)."""
     keys = set()
     for name, info in model.model_fields.items():
         key = f"{prefix}{name}"
         keys.add(key)
-        for arg in (info.annotation, *typing.get_args(info.annotation)):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                keys |= model_keys(arg, f"{key}.")
+        for sub in models_in(info.annotation):
+            keys |= model_keys(sub, f"{key}.")
     return keys
 
 
@@ -83,13 +88,15 @@ def test_a_field_added_with_a_comment_is_documented_without_touching_the_generat
             inner: Inner | None = None  # optional section
             size: float = Field(1.5, gt=0, description="from the description")
             name: str  # required, no default
+            items: list[Inner] = []  # a list of sections
         ''')
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     newconfig = importlib.import_module("newconfig")
     page = load_hook("config_reference").render(newconfig.Outer)
     rows = {m.group(1): line for line in page.splitlines() if (m := re.search(r'data-key="([^"]+)"', line))}
-    assert set(rows) == {"mode", "inner", "inner.depth", "size", "name"}
+    assert set(rows) == {"mode", "inner", "inner.depth", "size", "name", "items", "items.depth"}
+    assert set(rows) == model_keys(newconfig.Outer)
     assert "the comment block above runs over two lines" in rows["mode"] and "'a' &#124; 'b'" in rows["mode"]
     assert "optional section" in rows["inner"] and "or `null`" in rows["inner"]
     assert "how deep" in rows["inner.depth"] and "≥ `1`" in rows["inner.depth"] and "≤ `9`" in rows["inner.depth"]
