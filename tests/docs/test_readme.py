@@ -3,6 +3,7 @@ every figure in its numbers table links to a committed bench result."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -39,7 +40,30 @@ def test_every_figure_in_the_numbers_table_links_to_a_bench_result() -> None:
     assert rows
     for row in rows:
         result = row.split(" | ")[1]
-        figures = re.findall(r"\[([^\]]*\d[^\]]*)\]\((bench/results/[^)]+\.json)\)", result)
-        assert figures, f"a result without a linked figure: {row}"
+        assert re.search(r"\[[^\]]*\d[^\]]*\]\(bench/results/", result), f"a result without a linked figure: {row}"
         unlinked = re.sub(r"\[[^\]]*\]\([^)]*\)", "", result)
         assert not re.search(r"\d", unlinked), f"a figure not linked to its JSON: {row}"
+
+
+def json_value(path: str, keys: str) -> object:
+    """The value at ``keys`` (dot-separated; list indices as numbers) in the JSON file ``path``."""
+    value = json.loads((ROOT / path).read_text())
+    for key in keys.split("."):
+        value = value[int(key)] if isinstance(value, list) else value[key]
+    return value
+
+
+def test_every_linked_figure_is_what_its_json_holds() -> None:
+    """A README figure links to its JSON with the key as the fragment: bench/results/X.json#a.b.c."""
+    links = re.findall(r"\[([^\]]*)\]\((bench/results/[^)#]+\.json)(?:#([^)]*))?\)", README)
+    assert links
+    for text, path, keys in links:
+        if text == Path(path).name:
+            continue  # the file itself
+        assert keys, f"[{text}]({path}) names no key of the JSON"
+        value = json_value(path, keys)
+        figure = re.search(r"\d[\d,]*(\.\d+)?", text)
+        if figure:
+            shown = figure.group(0).replace(",", "")
+            decimals = len(shown.partition(".")[2])
+            assert round(float(value), decimals) == float(shown), f"[{text}]: {path}#{keys} holds {value}"
