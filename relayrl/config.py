@@ -71,6 +71,8 @@ class DataConfig(Section):
 
 
 class GenerationLimitsConfig(Section):
+    """Request limits every server enforces: beyond one, a request is RESOURCE_EXHAUSTED naming the field."""
+
     max_prompts: int = Field(1024, ge=1)  # prompts per Generate / SubmitPrompts call
     max_n: int = Field(64, ge=1)  # samples per prompt
     max_tokens: int = Field(4096, ge=1)  # response length (also: prompt + max_tokens <= the model's context)
@@ -80,6 +82,8 @@ class GenerationLimitsConfig(Section):
 
 
 class RolloutConfig(Section):
+    """The rollout workers: their engine, how many ``relayrl up`` starts, how they sample (docs/engines.md)."""
+
     engine: Literal["hf", "vllm", "sglang"] = "hf"  # the inference engine of every worker (docs/engines.md)
     workers: int = Field(2, ge=1)  # how many `relayrl up` starts
     n: int = Field(8, ge=1)  # samples per prompt: the GRPO group size
@@ -173,6 +177,8 @@ class ControllerConfig(Section):
 
 
 class WandbConfig(Section):
+    """A Weights & Biases mirror of metrics.jsonl (skipped when wandb is not installed)."""
+
     project: str
     mode: Literal["online", "offline", "disabled"] = "offline"
     entity: str | None = None
@@ -191,6 +197,8 @@ class MegatronConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The trainer: ranks and backend, optimizer, checkpoints, streaming, metric mirrors."""
+
     steps: int = Field(100, ge=1)
     nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
     backend: Literal["fsdp", "megatron"] = "fsdp"
@@ -239,6 +247,8 @@ class TrainerConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    """The loss: advantages, PPO clip, aggregation, KL, entropy, old logprobs (docs/algorithms.md)."""
+
     advantage: str = "grpo"  # grpo, rloo, reinforce_pp, reinforce_pp_baseline (docs/algorithms.md)
     norm_by_std: bool = True  # False: Dr.GRPO
     policy_loss: str = "ppo_clip"  # PPO clipped surrogate with clip-higher and dual-clip
@@ -266,6 +276,8 @@ GROUP_LOCAL_ADVANTAGES = frozenset({"grpo", "rloo"})
 
 
 class WeightSyncConfig(Section):
+    """How trainer rank 0 publishes each new policy to the rollout workers (docs/weight-sync.md)."""
+
     transport: Literal["broadcast", "filesystem"] = "broadcast"  # a c10d broadcast group, or safetensors on disk
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # the broadcast group's backend; auto: nccl when CUDA is there
     bucket_mib: float = Field(512, gt=0)  # tensors are packed per dtype into buckets of this size
