@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench-weightsync bench-rollout bench-controller bench-e2e clean
+.PHONY: demo test docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -19,9 +19,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=25
 
+# The documentation site into site/, strictly: any warning, broken link or anchor fails (tests/docs does the same).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check relayrl tests bench
-	$(VENV)/bin/ruff format --check relayrl tests bench
+	$(VENV)/bin/ruff check relayrl tests bench docs/hooks
+	$(VENV)/bin/ruff format --check relayrl tests bench docs/hooks
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/relayrl/v1/*.proto
@@ -44,4 +48,4 @@ bench-e2e: $(STAMP)
 	$(VENV)/bin/relayrl bench e2e --json > bench/results/e2e.json
 
 clean:
-	rm -rf $(VENV) runs examples/assets
+	rm -rf $(VENV) runs examples/assets site

@@ -12,6 +12,18 @@ import yaml
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
+TESTS = Path(__file__).resolve().parent
+# tests/<directory>/... carries the marker of its directory, so one slice runs alone: `pytest -m unit`
+# (registered in pyproject.toml; docs/development.md lists them)
+SLICES = {"unit", "integration", "e2e", "security", "fuzz", "deploy", "slurm", "docs"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.resolve().relative_to(TESTS).parts
+        if len(parts) > 1 and parts[0] in SLICES:
+            item.add_marker(parts[0])
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

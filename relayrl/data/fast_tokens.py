@@ -2,10 +2,10 @@
 
 The controller encodes every drawn prompt and decodes every generated response. transformers' ``__call__`` and
 ``decode`` wrap one backend call each in Python (argument checks, truncation and padding set-up, BatchEncoding
-conversion): 216 us of controller CPU per 8 short prompts against 48 us for the backend's ``encode`` of each
-(transformers 5.24, the demo's tokenizer). Where the wrapper adds nothing to the result, these call the backend
-directly, one text at a time in this thread: the batched backend calls hand a few short texts to the tokenizers'
-rayon pool and wait for it (``encode_batch`` 111 us here, ``decode_batch`` 3.6x the wall time of a loop).
+conversion), which costs the controller several times the backend's ``encode`` of the same text. Where the
+wrapper adds nothing to the result, these call the backend directly, one text at a time in this thread: the
+batched backend calls hand a few short texts to the tokenizers' rayon pool and wait for it, which costs more
+than a loop over them.
 Anything else (a slow tokenizer, a subclass that overrides the step, a backend configured to truncate or pad,
 a clean-up pass) goes through transformers."""
 

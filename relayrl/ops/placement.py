@@ -14,7 +14,7 @@ from relayrl.config import ConfigError, RelayConfig, RolloutConfig
 
 # What a GPU runtime needs on the host before torch.cuda can count a device: NVIDIA's control node, AMD's
 # ROCm kernel driver (HIP), WSL2's GPU paravirtualisation. ``relayrl up`` on a machine with none of them
-# (every CPU run) places nothing without importing torch (~3 s before the first role starts).
+# (every CPU run) places nothing without importing torch (seconds before the first role could start).
 GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 PARALLEL_OPTIONS = {

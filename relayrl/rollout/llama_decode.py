@@ -21,8 +21,7 @@ transformers' "sdpa" computes) under the causal mask restricted to real keys; a 
 attend to, and SDPA answers zeros for it (torch >= 2.5), so pads stay finite and, masked, never reach a real
 token. Its keys and values become a ``KVState``: per layer one preallocated [rows, kv_heads, columns,
 head_dim] buffer whose live columns are [start, end). A decode step writes column ``end`` for every row, so
-no step copies the cache; the buffer grows geometrically. (The transformers forward took 1.2-1.5 ms per prefill
-of 4 short prompts on the demo's model, 0.7-0.9 ms here; a worker prefills eight times a demo step.)
+no step copies the cache; the buffer grows geometrically.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A fork server for ``relayrl up``: roles forked from one interpreter that imported torch once.
 
 Every role of a local run is a Python process that imports torch, transformers, datasets and gRPC before it
-does anything else: 2-3 s of a core each, four or five times over on the way to the first step, and again at
-every restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
+does anything else: seconds of a core each, once per role on the way to the first step, and again at every
+restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
 forks each role from that state. A forked role is still its own OS process in its own session, with its own log,
 environment and command line (``setproctitle``, as vLLM's ``set_process_title`` in vllm/utils/system_utils.py
 names its processes); it runs ``relayrl.cli.main`` exactly as ``python -m relayrl.cli`` would.

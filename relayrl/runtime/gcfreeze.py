@@ -1,13 +1,11 @@
 """Keep Python's cyclic garbage collector off the startup heap: no full collection walks it mid-run.
 
-A role's heap after startup is 440k-710k objects (torch, transformers, datasets and gRPC modules, the model,
-the tokenizer), and it lives as long as the process. CPython's collector walks all of it at every full
-(generation-2) collection, which it runs whenever the objects that survived into the oldest generation grew by
-25 %: early in a run, as the first steps' caches fill, that is several times, 0.23-0.25 s each on this 2-core
-machine, during which the whole process stands still. Measured in the demo (``relayrl up
-examples/digits.yaml``): three such stalls in every run before the reward target (a rollout worker's chunk
-twice, the trainer's step once; each a 0.25-0.3 s step among 0.05 s ones), and 0.6 s of collections inside the
-fork server's imports, on the way to the first step.
+A role's heap after startup is hundreds of thousands of objects (torch, transformers, datasets and gRPC
+modules, the model, the tokenizer), and it lives as long as the process. CPython's collector walks all of it at
+every full (generation-2) collection, which it runs whenever the objects that survived into the oldest
+generation grew by 25 %: early in a run, as the first steps' caches fill, that is several times, and the whole
+process stands still while it walks them (a rollout worker's chunk or a trainer's step stalls, and so do the
+fork server's imports on the way to the first step).
 
 ``gc.freeze()`` moves every object alive into a permanent generation the collector never walks (it is still
 freed by reference counting). Used as the CPython documentation of ``gc.freeze`` recommends for a forking
@@ -21,8 +19,8 @@ SGLang (``freeze_gc``, sglang/srt/utils) do after their startup:
   its command) and freezes what its startup built once it is ready to serve or to train
   (``freeze_startup_heap``): a collection first, so that startup garbage is freed rather than kept forever,
   then the collector resumes. A role started fresh (the K >= 1 trainer, which the fork server does not fork;
-  torchrun's ranks; a role on another machine) had run six full collections inside its imports, 0.54 s on the
-  way to its first step; now it runs one, 0.24 s, the collection before its freeze.
+  torchrun's ranks; a role on another machine) runs one full collection on the way to its first step, the one
+  before its freeze, instead of one at every growth of its imports.
 
 What a role allocates afterwards is collected as usual.
 """

@@ -3,17 +3,14 @@
 PyTorch's CPU tensors come from plain malloc/free. glibc serves a block above its mmap threshold (128 KiB,
 raised as blocks are freed, to at most 32 MiB) with a fresh ``mmap`` that ``free`` unmaps, and it trims the
 heap's free top once it exceeds 2 x that threshold. Either way the next step's activations land on pages the
-kernel must fault in and zero, 4 KiB at a time: one gen-heavy training step (256 rows x 52 tokens, hidden
-256) took ~100,000 minor faults, 0.1-0.2 s of system time. ``retain_freed_memory`` sets
+kernel must fault in and zero, 4 KiB at a time, every step. ``retain_freed_memory`` sets
 
     M_MMAP_THRESHOLD = 32 MiB   blocks below it come from the heap and are reused (glibc's maximum)
     M_TRIM_THRESHOLD = 2 GiB    freed memory stays mapped (the largest value mallopt's int takes)
     M_TOP_PAD        = 256 MiB  the heap grows in large steps
 
 which is what a caching allocator (CUDA's, or jemalloc/tcmalloc preloaded) gives: faults only the first time
-a size is reached. The cost: resident memory does not shrink after a peak. Measured in ``relayrl up`` on the
-gen-heavy bench shape (2 cores, 12 steps, K = 0): the trainer rank 544k -> 281k minor faults (system time
-1.12 -> 0.77 s), the rollout worker 203k -> 114k; s/step gains 1-5 %, within this machine's run-to-run noise.
+a size is reached. The cost: resident memory does not shrink after a peak.
 
 ``RELAYRL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; so does any libc but glibc.
 """

@@ -46,7 +46,7 @@ def exit_now(code: int) -> NoReturn:
 
     For a process that has finished cleanly (servers stopped, files closed, process groups destroyed): the
     interpreter's own teardown has nothing left to do but a final garbage collection over every torch and
-    transformers object, which costs 1-3 s on 2 busy cores at every stop of every role."""
+    transformers object, which would cost seconds of a core at every stop of every role."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -8,10 +8,8 @@ the roles share one machine's C cores, and the split follows the loop:
 - overlapped (K >= 1): both phases run at once for part of a step: the workers share ceil(C / 2); the
   trainer ranks take every core (C / nproc each) but wait passively (``OMP_WAIT_POLICY=PASSIVE``: an idle
   OpenMP thread sleeps instead of spinning), so while generation runs the kernel shares the cores between
-  the two, and once it is done the trainer has them all. Measured on 2 cores (gen-heavy, K = 1, runs in
-  the same hour): 7.8 s a step with the trainer on 1 thread, 6.6 s on 2 spinning threads, 6.0 s on 2
-  passive ones; passive waiting in every role is no faster at K = 1 and slower at K = 0 (decode's small
-  kernels pay the wake-ups), so only the overlapped trainer does it.
+  the two, and once it is done the trainer has them all. Only the overlapped trainer waits passively: in
+  the other roles decode's small kernels would pay the wake-ups.
 
 Generation first while a step streams: a colocated trainer rank that trains a batch's groups as they arrive
 (``RelayConfig.streams``) runs at the lowest CPU priority (nice 19, ``RELAYRL_TRAINER_NICE``), so where its
@@ -20,13 +18,10 @@ what is left. It has to be the session's *autogroup*: each role starts in a sess
 launcher's ``start_new_session``, torchrun's for its ranks) and with ``kernel.sched_autogroup_enabled`` CFS
 first splits a core evenly between sessions, whatever the threads' nice values say; ``/proc/self/autogroup``
 takes the nice of the whole session. Without it a decode step that shares the cores with a training chunk
-falls from ~10 ms to 0.3-0.8 s: a decode step is ~100 short OpenMP regions, and each waits for whichever of
-the worker's threads the kernel has just handed to the trainer.
-Measured on 2 cores (gen-heavy, K = 0 streamed, 14 steps): generation 0.44-3.3 s a step (median 0.55) without
-it, 0.42-0.47 s with it, and 1.49 s a step, level with the whole-batch step. Not done for the other loops: at
-K = 1 it changed nothing (1.50 against 1.51 s; the trainer's passive threads already give way), and a whole
-batch's phases alternate; there a niced trainer only loses the cores to the worker's spinning OpenMP threads
-after each decode (the demo, two runs each: 0.085-0.092 s a step against 0.081-0.082).
+slows by orders of magnitude: a decode step is many short OpenMP regions, and each waits for whichever of
+the worker's threads the kernel has just handed to the trainer. Not done for the other loops: at K = 1 the
+trainer's passive threads already give way, and a whole batch's phases alternate; there a niced trainer only
+loses the cores to the worker's spinning OpenMP threads after each decode.
 
 An explicit ``rollout.threads`` / ``trainer.threads`` overrides the count; a wait policy or trainer nice already
 in the environment is kept (``RELAYRL_TRAINER_NICE=0``: the trainer keeps its priority).

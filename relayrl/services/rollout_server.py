@@ -75,8 +75,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 class Heartbeat:
     """Registers the worker with the controller every ``interval_s``, or as often as the controller's last answer
     asked (``heartbeat_interval_s``: a large fleet beats less often); also after a controller restart. A beat is
-    skipped while an answered dispatch renewed the registration within the interval: at 1,000 workers the beats
-    of a busy fleet cost the controller ~1 ms of CPU each, for nothing."""
+    skipped while an answered dispatch renewed the registration within the interval: a busy fleet's beats would
+    cost the controller CPU for nothing."""
 
     def __init__(
         self, worker: RolloutWorker, registration: Registration, controller: str, address: str, interval_s: float = 1.0

@@ -8,7 +8,8 @@ One rank on one host, restarted by nobody (exactly ``--standalone --nproc-per-no
 elastic agent: the supervisor starts the rank itself with the environment the agent would give it
 (``single_rank_env``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store the rank hosts;
 ``_start_workers`` in torch/distributed/elastic/agent/server/local_elastic_agent.py). The agent is a process
-that imports torch only to start that one rank and wait for it: ~1 s of a core on the way to the first step.
+that imports torch only to start that one rank and wait for it: a core's worth of work on the way to the first
+step, for nothing.
 ``relayrl up`` starts its one trainer rank the same way, as the role itself. Anything else (more ranks, nodes,
 ``--max-restarts``, rendezvous options) runs under torchrun.
 """

@@ -104,8 +104,8 @@ def publish_weights(backend, syncer: OnDemandSync | None, version: int) -> SyncR
 
 
 def broadcast_from_rank0(*values: object) -> list:
-    """Rank 0's values on every rank (the trainer's own world group). One rank has them already: the pickling
-    collective costs ~240 us a call even then (two or more a step)."""
+    """Rank 0's values on every rank (the trainer's own world group). One rank has them already, so a world of
+    one rank skips the pickling collective."""
     box = list(values)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)

@@ -41,7 +41,7 @@ from relayrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
 # A mini-batch is trained in chunks of at least 1/CHUNKS_PER_MINIBATCH of its groups: one forward per arriving
-# group costs ~1.5x the whole mini-batch's forward (small matmuls), a quarter of it about the same.
+# group costs more than the whole mini-batch's forward (small matmuls), a quarter of it about the same.
 CHUNKS_PER_MINIBATCH = 4
 # how a stream cut by its controller's death ends (the connection drops mid-response)
 BROKEN = RETRYABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

@@ -12,7 +12,7 @@ tensors' own device at memory speed, and folded chunk by chunk while an update l
 
 hashed on a thread pool (hashlib releases the GIL on large buffers; a tensor that is not on the CPU is
 copied there by its own task, so at most ``threads`` such copies exist at once): up to ``threads`` x one
-core's sha256 speed (~1.8 GB/s per core with SHA-NI), bounded below by the largest tensor.
+core's sha256 speed, bounded below by the largest tensor.
 
 A checksum string names its method (``checksum_method``), so a receiver checks by the sender's rule.
 """

@@ -14,7 +14,7 @@ flipped byte or bit (exactly: the sum moves by a non-zero amount below 2**64); a
 misplaced 256-byte block (s1 and the position-weighted s2, up to a chance of about 2**-64 for unrelated
 data); a tensor's bytes under another name, dtype or shape. What it does not: a permutation of words
 inside one 256-byte block, or deliberate forgery (use ``weight_sync.verify: sha256`` for that). Cost: one
-read of the bytes (~10 GB/s per CPU core, HBM speed on a GPU), no copy except of tensors that are not
+read of the bytes (at memory speed where they are, HBM on a GPU), no copy except of tensors that are not
 contiguous.
 
 A ``Fingerprinter`` needs every tensor of the manifest at a ``BLOCK``-aligned offset (what

@@ -31,7 +31,7 @@ Backend = Literal["gloo", "nccl"]
 
 # Transfer chunk per backend (one collective each): small enough that packing / loading a chunk
 # overlaps the transfer of its neighbours, large enough that per-collective latency stays ~1 %.
-# gloo: measured on loopback (16 MiB beat 32 and 64 MiB); nccl: a guess, not measured here (packing
+# gloo: chosen on loopback with `relayrl bench weightsync`; nccl: a guess, not measured yet (packing
 # is a device memcpy there, and NVLink needs large messages to reach full bandwidth).
 CHUNK_BYTES: dict[str, int] = {"gloo": 16 << 20, "nccl": 256 << 20}
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

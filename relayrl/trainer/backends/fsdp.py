@@ -1,8 +1,8 @@
 """FSDP2 backend: ``fully_shard`` per decoder layer and at the root, gloo on CPU / NCCL on CUDA.
 
 A world of one rank trains the plain module: there is nothing to shard, and FSDP's per-layer hooks,
-parameter all-gathers and DTensor dispatch (copies and no-op collectives of one rank) cost a third of a
-demo step (0.087 -> 0.063 s) and 5 % of a gen-heavy one. The math is the same (a one-rank gradient reduction
+parameter all-gathers and DTensor dispatch (copies and no-op collectives of one rank) would cost time and
+change nothing. The math is the same (a one-rank gradient reduction
 divides by 1); checkpoints are DCP's in both cases, so a run resumes on another world size.
 
 Contract: every method is called by every rank (they hold collectives), except where noted.

@@ -1,0 +1,264 @@
+"""Benchmark tables rendered from ``bench/results/*.json`` at build time, so the docs show what the JSON holds.
+
+A page line ``<!-- bench: NAME -->`` becomes the table ``NAME`` (see ``TABLES``), followed by the JSON it was
+read from and the command that writes that JSON again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+PREFIX = "<!-- bench: "
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # mkdocs hook
+    if PREFIX not in markdown:
+        return markdown
+    lines = []
+    for line in markdown.splitlines():
+        name = line.strip().removeprefix(PREFIX).removesuffix(" -->")
+        if line.strip().startswith(PREFIX):
+            if name not in TABLES:
+                raise KeyError(f"{page.file.src_path}: no bench table {name!r} (known: {sorted(TABLES)})")
+            source, command, render = TABLES[name]
+            lines += [
+                render(json.loads((RESULTS / source).read_text())),
+                "",
+                f"*From `bench/results/{source}`; reproduce: `{command}`.*",
+            ]
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def f(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def machine(result: dict) -> str:
+    m = result["machine"]
+    v = m["versions"]
+    return (
+        f"Machine: {m['cpus']} CPUs, Python {m['python']}, torch {v['torch']}, transformers "
+        f"{v['transformers']}, TRL {v.get('trl', '–')}."
+    )
+
+
+def e2e_gen_heavy(result: dict) -> str:
+    wl = result["workloads"]["gen-heavy"]
+    rows = []
+    for system, s in wl["systems"].items():
+        ratio = wl["relayrl_vs_trl"].get(f"{system}/trl")
+        by_round = ", ".join(f(r) for r in ratio["samples_per_s_by_round"]) if ratio else ""
+        rows.append(
+            [
+                f"`{system}`",
+                " ".join(wl["settings"]["variants"].get(system.removeprefix("relayrl-"), []))
+                or ("(TRL `GRPOTrainer`)" if system == "trl" else ""),
+                f(s["s_per_step"]),
+                f(s["samples_per_s"], 1),
+                f(s["generation_s"]),
+                f(s["train_s"]),
+                f"**{f(ratio['samples_per_s'])}×** ({by_round})" if ratio else "1.00",
+                f"{100 * s['control_plane_share']:.1f} %" if "control_plane_share" in s else "–",
+            ]
+        )
+    header = [
+        "system",
+        "settings",
+        "s/step",
+        "samples/s",
+        "generation s",
+        "training s",
+        "vs TRL, samples/s (per round)",
+        "control plane, share of a core",
+    ]
+    return table(header, rows) + "\n\n" + machine(result)
+
+
+def e2e_overlap(result: dict) -> str:
+    wl = result["workloads"]["gen-heavy"]
+    rows = [
+        [f"`{system}`", f"`{o['phases_alone_from']}`", f(o["step_vs_phases_alone"]), f(o["speedup_vs_k0"])]
+        for system, o in wl["overlap"].items()
+    ]
+    return table(
+        ["K = 1 system", "phases alone from", "step ÷ longer phase alone", "K = 0 s/step ÷ K = 1 s/step"], rows
+    )
+
+
+def e2e_demo(result: dict) -> str:
+    wl = result["workloads"]["demo"]
+    rows = []
+    for system, s in wl["systems"].items():
+        rounds = [r for r in wl["runs"] if r["system"] == system]
+        walls = ", ".join(f(r["target"]["wall_s"]) for r in rounds)
+        rows.append(
+            [
+                f"`{system}`",
+                f(s["s_per_step"], 3),
+                f"{s['target_reached_rounds']} of {s['rounds_ok']}",
+                f"{f(s['wall_s_to_target'])} ({walls})",
+                f(s["samples_to_target"], 0),
+                f(s["samples_per_s"], 0),
+                f(s["best_trailing_mean"], 3),
+            ]
+        )
+    header = [
+        "system",
+        "s/step",
+        "reached the target",
+        "wall s to it, median (rounds)",
+        "samples to it",
+        "samples/s",
+        "best 10-step mean",
+    ]
+    return table(header, rows) + "\n\n" + machine(result)
+
+
+def weightsync(rows: list[dict]) -> str:
+    header = [
+        "MiB",
+        "receivers",
+        "tensors",
+        "packed s",
+        "copying s",
+        "raw s",
+        "per-tensor s",
+        "disk s",
+        "packed ÷ raw",
+        "speed-up vs per-tensor",
+        "receiver extra MiB (in place / copying)",
+    ]
+    return table(
+        header,
+        [
+            [
+                f(r["size_mib"], 0),
+                r["receivers"],
+                r["tensors"],
+                f(r["packed_s"], 3),
+                f(r["copying_s"], 3),
+                f(r["raw_s"], 3),
+                f(r["per_tensor_s"], 3),
+                f(r["disk_s"], 3),
+                f(r["packed_vs_raw"]),
+                f"{f(r['speedup_vs_per_tensor'], 1)}×",
+                f"{f(r['receiver_peak_extra_mib'], 0)} / {f(r['copying_peak_extra_mib'], 0)}",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def weightsync_verify(rows: list[dict]) -> str:
+    header = [
+        "MiB",
+        "receivers",
+        "raw s",
+        "packed s",
+        "sampled s",
+        "fingerprint s",
+        "sha256 s",
+        "sampled ÷ raw",
+        "fingerprint ÷ raw",
+        "sha256 ÷ raw",
+        "sampled s/GiB",
+        "fingerprint s/GiB",
+        "sha256 s/GiB",
+    ]
+    return table(
+        header,
+        [
+            [
+                f(r["size_mib"], 0),
+                r["receivers"],
+                f(r["raw_s"], 3),
+                f(r["packed_s"], 3),
+                f(r["sampled_s"], 3),
+                f(r["verified_s"], 3),
+                f(r["sha256_s"], 3),
+                f"**{f(r['sampled_over_raw'])}**",
+                f(r["verified_over_raw"]),
+                f(r["sha256_over_raw"]),
+                f(r["sampled_s_per_gib"], 4),
+                f(r["fingerprint_s_per_gib"], 3),
+                f(r["sha256_s_per_gib"], 3),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def controller(r: dict) -> str:
+    rows = [
+        ["simulated workers (registered)", f"{r['workers']:,} ({r['registered_workers']:,})"],
+        ["trajectories generated / s", f"**{f(r['trajectories_per_second'], 0)}**"],
+        ["trajectories trained / s", f(r["trained_trajectories_per_second"], 0)],
+        ["bare transport, trajectories / s (baseline)", f(r["bare_trajectories_per_second"], 0)],
+        ["controller ÷ bare", f(r["controller_vs_bare"], 3)],
+        [
+            "`Generate` round trip p50 / p99 (ms)",
+            f"{f(r['dispatch_latency_p50_ms'], 1)} / {f(r['dispatch_latency_p99_ms'], 1)}",
+        ],
+        [
+            "controller CPU per trajectory (µs; net of the idle fleet)",
+            f"{f(r['controller_cpu_us_per_trajectory'], 1)} ({f(r['controller_cpu_us_per_trajectory_net'], 1)})",
+        ],
+        ["idle fleet's controller CPU (share of a core)", f(r["controller_idle_cpu_share"])],
+        [
+            "controller RSS start → peak (MiB)",
+            f"{f(r['controller_rss_mib_start'], 0)} → {f(r['controller_rss_mib_peak'], 0)}",
+        ],
+        ["ledger at the end", ", ".join(f"{k} {v:,}" for k, v in r["ledger"].items())],
+    ]
+    return table(["measure", "value"], rows)
+
+
+def rollout(r: dict) -> str:
+    rows = [
+        [
+            f"`{runner}` ({r['runner_chosen'][runner]})",
+            f(r["median_seconds"][runner]["concurrent"], 3),
+            f(r["median_seconds"][runner]["serialized"], 3),
+            f"**{f(r['speedup_concurrent_vs_serialized'][runner])}×**",
+            f(r["tokens_per_second"][runner]["concurrent"], 0),
+            f(r["speedup_vs_transformers"][runner]["concurrent"]),
+            f"{r['logprob_parity_max'][runner]:.1e}",
+        ]
+        for runner in r["hf_decode"]
+    ]
+    header = [
+        "`rollout.hf_decode` (runner)",
+        "4 concurrent calls, s",
+        "the same calls one at a time, s",
+        "concurrent speed-up",
+        "tokens/s",
+        "vs transformers runner",
+        "logprob parity, max abs difference",
+    ]
+    return table(header, rows)
+
+
+TABLES: dict[str, tuple[str, str, Callable]] = {
+    "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
+    "e2e-overlap": ("e2e.json", "make bench-e2e", e2e_overlap),
+    "e2e-demo": ("e2e.json", "make bench-e2e", e2e_demo),
+    "weightsync": ("weightsync.json", "make bench-weightsync", weightsync),
+    "weightsync-verify": (
+        "weightsync_verify.json",
+        "relayrl bench weightsync --json --sizes 1024 --receivers 1 > bench/results/weightsync_verify.json",
+        weightsync_verify,
+    ),
+    "controller": ("controller.json", "make bench-controller", controller),
+    "rollout": ("rollout.json", "make bench-rollout", rollout),
+}
