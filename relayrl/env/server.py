@@ -23,18 +23,19 @@ log = logging.getLogger(__name__)
 
 
 class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
-    """The four RPCs over a session table; each call's gRPC deadline is the environment's deadline."""
+    """The four RPCs over a session table; each call's gRPC deadline is the environment's deadline, and a call
+    the client cancels cancels an async environment method (``context.add_callback`` runs when the RPC ends)."""
 
     def __init__(self, table: SessionTable) -> None:
         self.table = table
 
     @guarded
     def Reset(self, request, context):
-        return self.table.reset(request, context.time_remaining())
+        return self.table.reset(request, context.time_remaining(), context.add_callback)
 
     @guarded
     def Step(self, request, context):
-        return self.table.step(request, context.time_remaining())
+        return self.table.step(request, context.time_remaining(), context.add_callback)
 
     @guarded
     def Close(self, request, context):

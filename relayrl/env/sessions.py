@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
 CLOSE_TIMEOUT_S = 30.0  # the deadline of close() for sessions relayrl ends itself (expired, shutdown)
+OnCancel = Callable[[Callable[[], object]], object]  # registers what cancels a call (gRPC: context.add_callback)
 
 
 @dataclass
@@ -72,7 +73,9 @@ class SessionTable:
         self._stop = threading.Event()
 
     # -- the four calls ------------------------------------------------------------------------------
-    def reset(self, request: pb.ResetRequest, timeout_s: float | None = None) -> pb.ResetResponse:
+    def reset(
+        self, request: pb.ResetRequest, timeout_s: float | None = None, on_cancel: OnCancel | None = None
+    ) -> pb.ResetResponse:
         session_id = request.session_id
         check_length("session_id", session_id, MAX_ID_CHARS, required=True)
         task = _task(request.task)
@@ -90,6 +93,8 @@ class SessionTable:
             session.env = self.runner.call(self.factory, timeout_s=timeout_s, what=f"{self.name}()")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             future = self.runner.submit(session.env.reset, task, seed)
+            if on_cancel is not None:
+                on_cancel(future.cancel)
             result = self.runner.result(future, left, f"{self.name}.reset")
             response = _reset_response(result, self.name)
         except BaseException:
@@ -102,7 +107,11 @@ class SessionTable:
         session.busy.release()
         return response
 
-    def step(self, request: pb.StepRequest, timeout_s: float | None = None) -> pb.StepResponse:
+    def step(
+        self, request: pb.StepRequest, timeout_s: float | None = None, on_cancel: OnCancel | None = None
+    ) -> pb.StepResponse:
+        """``on_cancel(cancel)``: how the caller's cancellation reaches the call (an async environment method is
+        cancelled; a sync one cannot be interrupted). The gRPC servicer passes ``context.add_callback``."""
         check_length("session_id", request.session_id, MAX_ID_CHARS, required=True)
         if not request.HasField("action"):
             raise InvalidArgument("action", "required (the assistant's message)")
@@ -115,6 +124,8 @@ class SessionTable:
         session = self._get(request.session_id)
         future = self.runner.submit(session.env.step, action)
         future.add_done_callback(lambda _: self._done(session))
+        if on_cancel is not None:
+            on_cancel(future.cancel)
         return _step_response(self.runner.result(future, timeout_s, f"{self.name}.step"), self.name)
 
     def close(self, request: pb.CloseRequest, timeout_s: float | None = None) -> pb.CloseResponse:

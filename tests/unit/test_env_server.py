@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -11,6 +13,8 @@ from relayrl.config import SecurityConfig
 from relayrl.env import EnvError, EnvironmentClient
 from relayrl.env.server import EnvironmentServer
 from relayrl.services.auth import ClientSecurity
+from relayrl.v1 import environment_pb2 as pb
+from relayrl.v1 import environment_pb2_grpc as pb_grpc
 from tests.unit.test_env_sessions import SAY, AsyncCounter, Counter
 
 TOKEN = "t0k3n-for-the-environment-tests"
@@ -88,3 +92,26 @@ def test_a_busy_port_is_refused(served) -> None:
     server = served()
     with pytest.raises(OSError, match="cannot bind"):
         EnvironmentServer(Counter, port=server.port)
+
+
+def test_a_cancelled_call_cancels_the_async_environment_method(served) -> None:
+    server = served(AsyncCounter)
+    env = EnvironmentClient(server.address, timeout_s=10, security=ClientSecurity())
+    env.reset("s", {}, 0)
+    stub = pb_grpc.EnvironmentServiceStub(grpc.insecure_channel(server.address))
+    hanging = stub.Step.future(
+        pb.StepRequest(session_id="s", action=pb.ChatMessage(role="assistant", content="hang")), timeout=3600
+    )
+    deadline = time.monotonic() + 10
+    while server.table.info().sessions and not server.table._sessions["s"].busy.locked():
+        assert time.monotonic() < deadline, "the step never started"
+        time.sleep(0.01)
+    hanging.cancel()
+    while True:  # the session frees once the coroutine is cancelled (it would hang for an hour otherwise)
+        try:
+            assert env.step("s", SAY).observations[0]["content"] == "1"
+            break
+        except EnvError as err:
+            assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert time.monotonic() < deadline, "the cancelled step still holds the session"
+            time.sleep(0.05)
