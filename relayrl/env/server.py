@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 
 from relayrl.config import ConfigError, SecurityConfig
 from relayrl.env.base import Environment
@@ -47,7 +49,10 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
 
 
 def load_environment(spec: str) -> type[Environment]:
-    """The class named by ``module:Class`` (ConfigError naming ``spec`` when it is not an Environment)."""
+    """The class named by ``module:Class`` (ConfigError naming ``spec`` when it is not an Environment). The working
+    directory is searched too, as ``python -m`` would (the ``relayrl`` script alone does not put it on sys.path)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ConfigError(f"environment {spec!r}: expected module:Class (e.g. relayrl.env.examples.guess:GuessNumber)")
