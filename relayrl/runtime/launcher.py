@@ -184,8 +184,8 @@ def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
     job.forks = start_forks(cfg, job.logs)
-    job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     env_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
+    job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = free_port()
     job.controller_address = f"127.0.0.1:{port}"
     common = ["--config", str(config_path)]
