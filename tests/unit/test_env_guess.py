@@ -75,6 +75,8 @@ def test_bad_calls_are_observations_and_bad_tasks_are_refused(env) -> None:
     env.reset("s", {"secret": 3}, 0)
     assert env.step("s", guess_call(3, name="peek")).observations[0]["content"].startswith("unknown tool 'peek'")
     assert env.step("s", guess_call("x")).observations[0]["content"] == "number must be an integer from 1 to 8"
+    assert env.step("s", {"role": "assistant", "content": "9" * 5000}).observations[0]["content"] == "lower"
+    assert env.step("s", guess_call("-" + "9" * 5000)).observations[0]["content"] == "higher"
     assert env.step("s", guess_call("3")).reward == 1.0  # a number sent as text still counts
     assert env.close("s", "max_turns") == 0.0
     with pytest.raises(EnvError) as err:

@@ -44,6 +44,13 @@ def answer(secret: int, guess: int) -> str:
     return "correct" if guess == secret else ("higher" if secret > guess else "lower")
 
 
+def parse_guess(text: str) -> int:
+    """An integer's digits as a guess; past 18 digits only its sign matters (int() refuses over 4,300 digits)."""
+    if len(text.lstrip("-")) > 18:
+        return LOW - 1 if text.startswith("-") else HIGH + 1
+    return int(text)
+
+
 class GuessNumber(Environment):
     name = "guess-number"
     max_turns = 6
@@ -70,7 +77,7 @@ class GuessNumber(Environment):
             observations.append({"role": "tool", "content": reply, "tool_call_id": call["id"], "name": "guess"})
         if not observations:
             found = _INTEGER.search(action["content"])
-            reply = answer(self.secret, int(found.group())) if found else f"Say a number from {LOW} to {HIGH}."
+            reply = answer(self.secret, parse_guess(found.group())) if found else f"Say a number from {LOW} to {HIGH}."
             solved = reply == "correct"
             observations.append({"role": "user", "content": reply})
         metrics = {"solved": float(solved)}
@@ -84,8 +91,8 @@ class GuessNumber(Environment):
         if function["name"] != "guess":
             return f"unknown tool {function['name'][:32]!r}: use guess"
         number = function["arguments"].get("number")
-        if isinstance(number, str) and number.strip().lstrip("-").isdigit():
-            number = int(number)
+        if isinstance(number, str) and _INTEGER.fullmatch(number.strip()):
+            number = parse_guess(number.strip())
         if not isinstance(number, int) or isinstance(number, bool):
             return f"number must be an integer from {LOW} to {HIGH}"
         return answer(self.secret, number)
