@@ -107,6 +107,44 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_serve(args: argparse.Namespace) -> int:
+    from relayrl.config import SecurityConfig
+    from relayrl.env.pool import busy_ports, pool_ports, run_pool
+    from relayrl.env.server import EnvironmentServer, load_environment
+
+    if args.processes < 1:
+        raise ConfigError(f"--processes: must be >= 1, got {args.processes}")
+    if args.max_sessions < 0 or not args.idle_timeout_s > 0:
+        raise ConfigError("--max-sessions must be >= 0 (0: no limit) and --idle-timeout-s > 0")
+    env_class = load_environment(args.environment)  # before any process starts: a bad name fails once
+    ports = pool_ports(args.port, args.processes)
+    if busy := busy_ports(args.host, ports):
+        print(f"relayrl env serve: port in use: {', '.join(busy)}", file=sys.stderr)
+        return 2
+    if args.processes > 1:
+        rest = [args.environment, "--host", args.host, "--max-sessions", str(args.max_sessions)]
+        rest += ["--idle-timeout-s", str(args.idle_timeout_s), *(["--config", args.config] if args.config else [])]
+        return run_pool([*rest, *(f"--set={kv}" for kv in args.set)], ports)
+    security = load_config(args.config, args.set).security if args.config else SecurityConfig()
+    try:
+        server = EnvironmentServer(
+            env_class,
+            host=args.host,
+            port=args.port,
+            max_sessions=args.max_sessions,
+            idle_timeout_s=args.idle_timeout_s,
+            security=security,
+        ).start()
+    except OSError as err:  # taken since the check above
+        print(f"relayrl env serve: {err}", file=sys.stderr)
+        return 2
+    print(f"environment {server.table.name} listening on {server.address}", flush=True)
+    sig = wait_for_shutdown()
+    logging.info("%s: stopping environment server %s", sig, server.address)
+    server.stop()
+    return 0
+
+
 def cmd_trainer_run(args: argparse.Namespace) -> int:
     pause_collection()  # until run_trainer freezes its startup heap (relayrl/runtime/gcfreeze.py)
     from relayrl.trainer.loop import run_trainer
@@ -186,6 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_rollout_serve, fast_exit=True)
+
+    env = sub.add_parser("env", help="environments for agentic episodes").add_subparsers(dest="action", required=True)
+    p = env.add_parser(
+        "serve",
+        help="serve an Environment class over EnvironmentService",
+        description="Serve module:Class (a relayrl.env.Environment subclass) over EnvironmentService. With "
+        "--processes N, N server processes on ports PORT..PORT+N-1: sessions live in one process, so each "
+        "process is its own address (list them all in environment.servers).",
+    )
+    p.add_argument("environment", help="module:Class, e.g. relayrl.env.examples.guess:GuessNumber")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="the first port (0: each process any free port)")
+    p.add_argument("--processes", type=int, default=1, help="server processes, on consecutive ports")
+    p.add_argument("--max-sessions", type=int, default=64, help="sessions per process (0: no limit)")
+    p.add_argument("--idle-timeout-s", type=float, default=600.0, help="a session idle this long is closed")
+    p.add_argument("--config", default=None, help="run config whose security section applies (token, TLS)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(func=cmd_env_serve, fast_exit=True)
 
     trainer = sub.add_parser("trainer", help="training ranks (under torchrun)").add_subparsers(
         dest="action", required=True

@@ -52,6 +52,12 @@ class NotFound(RelayError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(RelayError):
+    """The request would create something that exists already (e.g. an environment session id in use)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 def rpc_error_text(err: grpc.RpcError) -> str:
     """How a failed call is reported everywhere (logs, ledger reasons, CLI): ``"<STATUS>: <details>"``."""
     return f"{err.code().name}: {err.details()}"

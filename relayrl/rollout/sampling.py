@@ -1,9 +1,10 @@
 """Sampling parameters, server-side limits, and request validation for Generate.
 
 The server validates every request before it reaches an engine, so engines can trust their input.
-Proto3 has no "unset" for scalars: a client that leaves ``n``, ``top_p`` or ``max_tokens`` at 0 is refused
-with INVALID_ARGUMENT naming the field; clients must set them (``top_p=1`` disables nucleus sampling).
-``temperature=0`` is meaningful: greedy decoding. A temperature in (0, MIN_TEMPERATURE) is refused:
+A client in another language leaves proto3 fields unset and they arrive as zeros: ``from_proto`` gives each
+omitted field the default common.proto documents (the dataclass defaults below). ``n``, ``top_p`` and
+``max_tokens`` at 0 mean omitted (0 is never valid for them); ``temperature`` is ``optional`` on the wire,
+because ``temperature=0`` is meaningful: greedy decoding. A temperature in (0, MIN_TEMPERATURE) is refused:
 logits / temperature overflows there (vLLM clamps such values to the same bound; relayrl refuses
 them, because a clamped temperature would no longer be the one the trainer scores logprobs at).
 """
@@ -48,12 +49,13 @@ class SamplingParams:
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
-        """Read the wire message as is (no defaults for zero values: validation reports them)."""
+        """The wire message with common.proto's defaults for omitted fields: ``n``, ``top_p`` and ``max_tokens``
+        at 0, and ``temperature`` and ``seed`` not set (a negative or NaN value is kept: validation names it)."""
         return cls(
-            n=msg.n,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            max_tokens=msg.max_tokens,
+            n=msg.n or cls.n,
+            temperature=msg.temperature if msg.HasField("temperature") else cls.temperature,
+            top_p=msg.top_p or cls.top_p,
+            max_tokens=msg.max_tokens or cls.max_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             seed=msg.seed if msg.HasField("seed") else None,
             min_tokens=msg.min_tokens,

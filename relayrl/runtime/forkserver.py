@@ -53,6 +53,7 @@ ROLE_PRELOAD = {
     "controller": ("relayrl.services.controller_server",),
     "rollout": ("relayrl.services.rollout_server", "relayrl.rollout.hf", MODEL),
     "trainer": ("relayrl.trainer.loop", MODEL),
+    "env": ("relayrl.env.server",),  # the environment's own module is imported by the role
 }
 # variables read at run time only (by relayrl, torch.distributed's env:// rendezvous, the CUDA driver at cuInit).
 # OMP_NUM_THREADS is one for a role: each sets its torch threads itself (torch.set_num_threads sets OpenMP's and

@@ -28,6 +28,7 @@ from relayrl.config import RelayConfig, dump_config
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
+from relayrl.runtime.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
@@ -183,6 +184,7 @@ def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
     job.forks = start_forks(cfg, job.logs)
+    env_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
     job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = free_port()
     job.controller_address = f"127.0.0.1:{port}"
@@ -201,7 +203,8 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
     else:
         launch = ["trainer", "launch", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}", "-m", "relayrl.cli"]
         job.spawn("trainer", job.relay(*launch, *rank), env=trainer_env(cfg))
-    roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer"]
+    roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer", *env_roles]
+    wait_until(lambda: environments_serving(job.cfg), 120, "the environment servers", job, roles)
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
     (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
     wait_until(
@@ -309,7 +312,8 @@ def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
     except KeyboardInterrupt:
         console.print(f"[yellow]{stop_signal[0] if stop_signal else 'SIGINT'}: stopping every process[/yellow]")
         if job is not None:
-            job.stop(["trainer", *[r for r in job.children if r.startswith("rollout")], "controller"])
+            rollouts = [r for r in job.children if r.startswith("rollout")]
+            job.stop(["trainer", *rollouts, *environment_roles(cfg), "controller"])
             job.close()
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted) as err:

@@ -106,23 +106,29 @@ class GrpcServer:
         max_message_mib: int = 64,
         interceptors: Iterable[grpc.ServerInterceptor] = (),
         security: SecurityConfig | None = None,
+        reuse_port: bool = True,
     ) -> None:
+        """``reuse_port=False`` refuses a port another process serves on (gRPC sets SO_REUSEPORT by default, so
+        a second server on a busy port would silently share its connections)."""
         security = security or SecurityConfig()
         if load_token(security) and not security.tls and not _is_loopback(address):
             log.warning("serving %s without TLS: the auth token travels in clear text (set security.tls_cert)", address)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            options=message_options(max_message_mib),
+            options=message_options(max_message_mib) + ([] if reuse_port else [("grpc.so_reuseport", 0)]),
             interceptors=[*interceptors, *server_interceptors(security), DecodeRequests()],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         credentials = server_credentials(security)
-        if credentials is not None:
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if credentials is not None:
+                self.port = self.server.add_secure_port(address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises "Failed to bind to address ..." for a port in use
+            self.port = 0
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {address}")
 

@@ -70,7 +70,8 @@ class EnvironmentServiceServicer:
 
     def Step(self, request, context):
         """One policy turn: the assistant's message (tool calls parsed) in, the observations out.
-        NOT_FOUND for an unknown or expired session.
+        NOT_FOUND for an unknown or expired session; FAILED_PRECONDITION while another call of the same session
+        is still running (one call at a time per episode); INVALID_ARGUMENT names a bad field of the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

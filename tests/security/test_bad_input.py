@@ -101,12 +101,11 @@ def assert_exhausted(call, field: str, limit: int) -> None:
         ([[3, 4], []], {}, "prompts[1].token_ids"),
         ([[3, 10**6]], {}, "prompts[0].token_ids"),
         ([[3, -1]], {}, "prompts[0].token_ids"),
-        ([[3]], {"n": 0}, "params.n"),
         ([[3]], {"n": -5}, "params.n"),
         ([[3] * 40], {"max_tokens": 30}, "params.max_tokens"),
         ([[3]], {"temperature": -0.5}, "params.temperature"),
         ([[3]], {"temperature": math.nan}, "params.temperature"),
-        ([[3]], {"top_p": 0.0}, "params.top_p"),
+        ([[3]], {"top_p": -0.5}, "params.top_p"),
         ([[3]], {"stop_token_ids": [10**6]}, "params.stop_token_ids"),
         ([], {}, "prompts"),
     ],
@@ -116,6 +115,15 @@ def test_generate_refuses_bad_fields_and_keeps_serving(servers, prompts, changes
     assert_invalid(lambda: generate(rollout, prompts, **changes), field)
     completions = generate(rollout, [[3, 4, 5]])
     assert len(completions) == GOOD["n"] and all(c.token_ids for c in completions)
+
+
+def test_generate_gives_omitted_fields_their_defaults(servers) -> None:
+    """common.proto: n, top_p, max_tokens at 0 and temperature unset are omitted, not refused (issue #27)."""
+    _, rollout = servers
+    request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.PromptInput(token_ids=[3, 4])])
+    request.params.max_tokens = 2  # every other field omitted: n 1, temperature 1.0, top_p 1.0
+    completions = [c for response in rollout.Generate(request, timeout=30) for c in response.completions]
+    assert len(completions) == 1 and 1 <= len(completions[0].token_ids) <= 2
 
 
 def test_generate_limits_are_resource_exhausted(servers) -> None:

@@ -27,11 +27,17 @@ def test_proto_round_trip_keeps_every_field() -> None:
     assert SamplingParams.from_proto(unseeded.to_proto()).seed is None
 
 
-def test_proto_zero_values_are_not_defaulted_but_refused() -> None:
+def test_omitted_fields_get_the_documented_defaults() -> None:
+    """common.proto: n 1, temperature 1.0, top_p 1.0, max_tokens 16, no seed (issue #27 item 8: a Node client
+    that omits params.top_p was refused)."""
     params = SamplingParams.from_proto(common_pb2.SamplingParams())
-    assert (params.n, params.top_p, params.max_tokens, params.seed) == (0, 0.0, 0, None)
-    with pytest.raises(InvalidArgument) as err:
-        validate_request(PROMPTS, params, vocab_size=VOCAB, max_model_len=CONTEXT, limits=LIMITS)
+    assert params == SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=16, seed=None)
+    validate_request(PROMPTS, params, vocab_size=VOCAB, max_model_len=CONTEXT, limits=LIMITS)
+    greedy = SamplingParams.from_proto(common_pb2.SamplingParams(temperature=0.0, max_tokens=4))
+    assert (greedy.temperature, greedy.top_p, greedy.max_tokens) == (0.0, 1.0, 4)  # an explicit 0 is kept
+    negative = SamplingParams.from_proto(common_pb2.SamplingParams(n=-2))
+    with pytest.raises(InvalidArgument) as err:  # only 0 means omitted: a wrong value is still refused
+        validate_request(PROMPTS, negative, vocab_size=VOCAB, max_model_len=CONTEXT, limits=LIMITS)
     assert err.value.field == "params.n"
 
 

@@ -1,0 +1,8 @@
+"""Environments for agentic multi-turn episodes: write one (``Environment``), serve it (``relayrl env serve``),
+call one (``EnvironmentClient``, ``LocalEnvironmentClient``). The protocol: proto/relayrl/v1/environment.proto."""
+
+from relayrl.env.base import Environment
+from relayrl.env.client import EnvironmentClient, LocalEnvironmentClient
+from relayrl.env.types import EnvError, Reset, Step
+
+__all__ = ["EnvError", "Environment", "EnvironmentClient", "LocalEnvironmentClient", "Reset", "Step"]
