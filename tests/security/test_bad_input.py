@@ -193,7 +193,7 @@ def test_weight_rpcs_refuse_bad_fields_without_tearing_the_worker(servers) -> No
     [
         ([Prompt()], {}, "prompts[0]"),
         ([Prompt(text="1 + 1 ="), Prompt(token_ids=[3, 10**6])], {}, "prompts[1].token_ids"),
-        ([Prompt(token_ids=[3])], {"n": 0}, "params.n"),
+        ([Prompt(token_ids=[3])], {"n": -1}, "params.n"),
         ([Prompt(token_ids=[3] * 40)], {"max_tokens": 30}, "params.max_tokens"),
         ([Prompt(token_ids=[3])], {"temperature": -1.0}, "params.temperature"),
         ([Prompt(prompt_id="a", token_ids=[3]), Prompt(prompt_id="a", token_ids=[4])], {}, "prompts[1].prompt_id"),
