@@ -1,6 +1,5 @@
-# The image the Kubernetes manifests run (ghcr.io/relayrl/relayrl:0.1.0, CPU). For GPUs build on a
-# CUDA base and install a CUDA torch plus the `vllm` or `sglang` extra, and `megatron` for
-# trainer.backend: megatron (tag :0.1.0-cuda).
+# The image the CPU manifests run (ghcr.io/relayrl/relayrl:0.1.0). The GPU overlays' image (tag 0.1.0-cuda:
+# a CUDA torch, the vllm or sglang extra and megatron) is Dockerfile.cuda.
 #   docker build -t ghcr.io/relayrl/relayrl:0.1.0 .
 FROM python:3.11-slim
 WORKDIR /opt/relayrl

@@ -8,6 +8,7 @@ it ships schemas for and against 1.32. No cluster is needed.
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -380,3 +381,64 @@ def test_gpu_megatron_trains_with_megatron_on_every_gpu():
     assert cfg["trainer"]["nproc"] == world  # = TP x PP x DP
     assert world % (layout["tensor_parallel"] * layout["pipeline_parallel"]) == 0
     assert w["trainer"]["metadata"]["labels"]["app.kubernetes.io/instance"] == "gpu-megatron"
+
+
+def mount_covering(workload: dict, path: str) -> tuple[str, dict]:
+    """The volume mounted deepest above ``path`` (what the container sees there): (its mount path, the volume)."""
+    mounts = [m for m in container(workload).get("volumeMounts", []) if (path + "/").startswith(m["mountPath"] + "/")]
+    assert mounts, f"{workload['metadata']['name']}: nothing mounted above {path}"
+    deepest = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    return deepest["mountPath"], volumes[deepest["name"]]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_trainer_ranks_and_controller_share_one_run_dir_claim(overlay: str):
+    """Every trainer pod (one template for all the Job's pods) and the controller see the config's run.dir on the
+    same ReadWriteMany claim: checkpoints (<run.dir>/<name>/checkpoints, written by every rank, trainer_state.json
+    by rank 0) and final/ live there, so a restarted pod resumes from what rank 0 chose and the export outlives
+    the pods."""
+    docs = render(overlay)
+    w = workloads(docs)
+    pods = w["trainer"]["spec"]["completions"] + w["rollout"]["spec"]["replicas"] + w["controller"]["spec"]["replicas"]
+    assert pods > 1  # every overlay is a multi-pod deployment: the run dir must be shared
+    run_dir = run_config(docs)["run"]["dir"]
+    claims = {}
+    for role in ("trainer", "controller"):
+        mount_path, volume = mount_covering(w[role], run_dir)
+        assert "persistentVolumeClaim" in volume, f"{overlay} {role}: {run_dir} is on {volume} (one disk per pod)"
+        claims[role] = (mount_path, volume["persistentVolumeClaim"]["claimName"])
+    assert claims["trainer"] == claims["controller"], claims
+    claim = by_name(docs, "PersistentVolumeClaim", claims["trainer"][1])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], claim["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_has_a_build_recipe_with_what_the_config_needs(overlay: str):
+    """Each image an overlay runs is built by a Dockerfile in the repository (its header's ``docker build ... -t
+    IMAGE``) that installs the extras the overlay's config needs (the engine, the Megatron backend)."""
+    docs = render(overlay)
+    cfg = run_config(docs)
+    needed = {cfg["rollout"]["engine"]} - {"hf"} | ({"megatron"} if cfg["trainer"]["backend"] == "megatron" else set())
+    recipes = {path: path.read_text() for path in REPO.glob("Dockerfile*")}
+    for w in workloads(docs).values():
+        for c in [*pod_spec(w)["containers"], *pod_spec(w).get("initContainers", [])]:
+            built = [path for path, text in recipes.items() if f"-t {c['image']} ." in text]
+            assert len(built) == 1, f"{overlay}: no single recipe builds {c['image']} ({[p.name for p in built]})"
+            text = recipes[built[0]]
+            for name, default in re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE):
+                text = text.replace(f"${{{name}}}", default)
+            extras = {e for group in re.findall(r"\.\[([\w,]+)\]", text) for e in group.split(",")}
+            assert needed <= extras, f"{built[0].name} lacks the extras {needed - extras} that {overlay} needs"
+
+
+def test_every_example_a_deploy_file_names_exists():
+    named = {
+        (path.relative_to(REPO), m)
+        for path in (REPO / "deploy").rglob("*")
+        if path.is_file()
+        for m in re.findall(r"examples/[\w./-]*\w", path.read_text())
+    }
+    assert named, "the deploy files name no example: the pattern is out of date"
+    missing = sorted((str(path), example) for path, example in named if not (REPO / example).exists())
+    assert not missing, missing
