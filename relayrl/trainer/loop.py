@@ -48,6 +48,46 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+class RunDirNotShared(RuntimeError):
+    """A trainer rank cannot read the checkpoint rank 0 resumes from."""
+
+
+def agreed_checkpoint(run_dir: Path) -> Path | None:
+    """Collective: the checkpoint every rank resumes from, rank 0's newest complete one (``latest_checkpoint``).
+
+    Each rank choosing from its own view of the run dir would resume at different steps wherever the views
+    differ (a pod's own disk; only rank 0 writes trainer_state.json). Every rank then checks it can read rank 0's
+    choice; if any cannot, every rank raises RunDirNotShared naming them (none enters the load's collectives)."""
+    rank = dist.get_rank()
+    (chosen,) = broadcast_from_rank0(str(latest_checkpoint(run_dir) or "") if rank == 0 else None)
+    if not chosen:
+        return None
+    checkpoint = Path(chosen)
+    readable = [True]
+    if dist.get_world_size() > 1:
+        readable = [None] * dist.get_world_size()
+        dist.all_gather_object(readable, (checkpoint / "trainer_state.json").is_file())
+    blind = [r for r, ok in enumerate(readable) if not ok]
+    if blind:
+        raise RunDirNotShared(
+            f"trainer ranks {blind} cannot read {checkpoint}, the newest complete checkpoint rank 0 resumes from: "
+            "every trainer rank must see the same run directory (run.dir on a filesystem all trainer nodes share; "
+            "on Kubernetes the relayrl-run claim, docs/deployment.md)"
+        )
+    return checkpoint
+
+
+def resume_point(backend, run_dir: Path) -> tuple[int, int]:
+    """Collective: load the agreed checkpoint (``agreed_checkpoint``) on every rank; (step, dataset cursor), or
+    (0, 0) when there is none."""
+    checkpoint = agreed_checkpoint(run_dir)
+    if checkpoint is None:
+        return 0, 0
+    state = backend.load_checkpoint(checkpoint)
+    log.info("resumed from %s at step %d (dataset cursor %d)", checkpoint, state["step"], state["data_cursor"])
+    return state["step"], state["data_cursor"]
+
+
 class ShutdownFlag:
     """Set by SIGTERM/SIGINT; rank 0 acts on it between steps (the step in progress completes)."""
 
@@ -204,12 +244,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
-    start_step = cursor = 0
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        state = backend.load_checkpoint(checkpoint)
-        start_step, cursor = state["step"], state["data_cursor"]
-        log.info("resumed from %s at step %d (dataset cursor %d)", checkpoint, start_step, cursor)
+    start_step, cursor = resume_point(backend, run_dir) if resume else (0, 0)
 
     stub = publisher = writer = syncer = trackers = None
     if rank == 0:
