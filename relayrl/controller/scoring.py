@@ -42,12 +42,13 @@ class Scorer:
         """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``)."""
         return decode_sequences(self.tokenizer, [c.token_ids for c in completions])
 
-    def score(self, text: str, answer: str) -> float:
-        """The reward function's value; a reward function that raises scores 0 and is logged."""
+    def score(self, text: str, answer: str, fn=None) -> float:
+        """``fn`` (default: the config's reward function) of the response; one that raises scores 0 and is logged."""
+        fn = fn or self.fn
         try:
-            return float(self.fn(text, answer))
+            return float(fn(text, answer))
         except Exception:  # a user's reward function must not take the controller down
-            log.exception("reward function %s failed on %r", self.cfg.fn, text[:200])
+            log.exception("reward function %s failed on %r", getattr(fn, "__name__", fn), text[:200])
             return 0.0
 
     def shaped(self, score: float, response_len: int) -> float:

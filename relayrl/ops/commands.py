@@ -23,11 +23,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from relayrl.client import ClientConfigError, RelayClient, SamplingParams
+from relayrl.client import ClientConfigError, Completion, Prompt, RelayClient, SamplingParams
 from relayrl.client.options import ENV_ADDRESS
+from relayrl.client.types import as_prompts
 from relayrl.errors import rpc_error_text
 from relayrl.ops import k8s, slurm
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
+from relayrl.ops.submit_order import InputOrder
 
 out = Console()
 err = Console(stderr=True)
@@ -67,18 +69,33 @@ def connect(args: argparse.Namespace) -> RelayClient:
     )
 
 
-def read_prompts(path: Path) -> list:
-    """JSONL: one object per line ({"prompt"|"text", "answer", "id"|"prompt_id", "token_ids"}) or a string."""
+def read_prompts(path: Path) -> list[Prompt]:
+    """JSONL: one object per line ({"prompt"|"text", "answer", "id"|"prompt_id", "token_ids"}) or a string. A
+    prompt without an id gets ``line-<N>``, its line number, so that every result names its input."""
     items = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
             try:
-                items.append(json.loads(line))
+                item = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not JSON: {error.msg}") from None
+            item = {"prompt": item} if isinstance(item, str) else item
+            if isinstance(item, dict) and not item.get("id", item.get("prompt_id")):
+                item = {**item, "id": f"line-{number}"}
+            items.append(item)
     if not items:
         raise ValueError(f"{path}: no prompts")
-    return items
+    try:
+        return as_prompts(items)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def result_row(completion: Completion, prompt: Prompt) -> dict:
+    """One output line: the completion with its prompt (text, or token ids); ``reward`` null where none was
+    computed (no --reward-fn, or a prompt without an answer)."""
+    row = completion.to_dict()
+    return {"prompt_id": row.pop("prompt_id"), "prompt": prompt.text or list(prompt.token_ids), **row}
 
 
 @contextlib.contextmanager
@@ -94,10 +111,12 @@ def open_sink(path: str | None) -> Iterator[TextIO]:
 @operator_command
 def cmd_submit(args: argparse.Namespace) -> int:
     prompts = read_prompts(Path(args.prompts))
+    by_id = {p.prompt_id: p for p in prompts}
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
     )
     versions, workers, rewards, tokens = Counter(), Counter(), [], 0
+    order = None if args.unordered else InputOrder(list(by_id), args.n)
     started = time.monotonic()
     columns = [TextColumn("[bold]submit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with (
@@ -106,18 +125,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
         Progress(*columns, console=err, transient=True) as progress,
     ):
         task = progress.add_task("completions", total=len(prompts) * args.n)
-        for completion in client.submit(prompts, params, reward_fn=args.reward_fn, raw=args.raw):
-            sink.write(json.dumps(completion.to_dict()) + "\n")
-            versions[completion.policy_version] += 1
-            workers[completion.worker_id] += 1
-            tokens += len(completion.token_ids)
-            if completion.reward is not None:
-                rewards.append(completion.reward)
-            progress.advance(task)
+
+        def write(completions: list[Completion]) -> None:
+            sink.writelines(json.dumps(result_row(c, by_id[c.prompt_id])) + "\n" for c in completions)
+
+        try:
+            for completion in client.submit(prompts, params, reward_fn=args.reward_fn, raw=args.raw):
+                write(order.add(completion) if order else [completion])
+                versions[completion.policy_version] += 1
+                workers[completion.worker_id] += 1
+                tokens += len(completion.token_ids)
+                if completion.reward is not None:
+                    rewards.append(completion.reward)
+                progress.advance(task)
+        finally:
+            write(order.rest() if order else [])  # a call that failed part-way: what arrived, in order
     seconds = time.monotonic() - started
     summary = {
         "prompts": len(prompts),
         "completions": sum(workers.values()),
+        "rewarded": len(rewards),  # completions with a reward; reward_mean is over these only
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
         "policy_versions": {str(v): n for v, n in sorted(versions.items())},
         "workers": dict(sorted(workers.items())),

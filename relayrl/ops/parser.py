@@ -30,7 +30,10 @@ def _connection(parser: argparse.ArgumentParser) -> None:
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     """``submit``, ``status``, ``weights sync|status``, ``pause``, ``resume``, ``drain``, ``scale rollout``."""
     p = sub.add_parser("submit", help="sample completions for the prompts of a JSONL file")
-    p.add_argument("prompts", help='JSONL: {"prompt": ..., "answer": ..., "id": ...} per line')
+    p.add_argument(
+        "prompts",
+        help='JSONL: {"prompt": ..., "answer": ..., "id": ...} per line (no id: line-<N>; no answer: no reward)',
+    )
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -39,6 +42,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reward-fn", default="", help="registered reward function: adds each completion's reward")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--out", default=None, help="write completions here as JSONL (default: stdout)")
+    p.add_argument(
+        "--unordered", action="store_true", help="write each completion as it arrives (default: in input order)"
+    )
     _connection(p)
     p.set_defaults(func=_lazy("cmd_submit"))
 

@@ -164,10 +164,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         out: queue.Queue = queue.Queue()
 
         def on_group(prompt_id, completions):
+            answer = answers[prompt_id]
             for completion, text in zip(completions, ctl.scorer.decode_all(completions)):
                 message = controller_pb2.SubmittedCompletion(completion=completion)
-                if reward_fn is not None:
-                    message.reward = ctl.scorer.score(text, answers[prompt_id])
+                if reward_fn is not None and answer:  # no answer: no reward (unset), not a score of 0
+                    message.reward = ctl.scorer.score(text, answer, fn=reward_fn)
                 message.completion.text = text
                 out.put(message)
 

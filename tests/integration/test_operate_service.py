@@ -19,6 +19,7 @@ import pytest
 
 from relayrl.client import AsyncRelayClient, RelayClient, SamplingParams
 from relayrl.config import parse_config
+from relayrl.rewards.builtin import prefix_match
 from relayrl.runtime.ports import free_port
 from relayrl.services.controller_server import serve_controller
 from relayrl.services.registration import Registration
@@ -204,6 +205,40 @@ def test_cli_json_outputs_parse_and_list_the_workers(service, tmp_path):
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr
     missing = relay("status", env={"PATH": "/usr/bin:/bin"})
     assert missing.returncode == 2 and "RELAYRL_CONTROLLER" in missing.stderr
+
+
+def test_cli_submit_writes_results_in_input_order_with_ids_prompts_and_null_rewards(service, tmp_path):
+    """Results come back grouped by prompt in input order (whatever order the workers finish in), each with its
+    prompt id (assigned ``line-<N>`` where the file gave none) and prompt; a prompt without an answer gets
+    ``reward: null`` (no reward), which stays out of reward_mean, and the named reward function scores the rest."""
+    lines = [
+        {"prompt": "3 + 1 =", "answer": "4", "id": "given-a"},
+        {"prompt": "5 + 1 ="},  # no id, no answer
+        "7 + 1 =",  # a bare string
+        {"prompt": "2 + 1 =", "answer": "3"},
+        {"token_ids": [5, 1, 9, 2, 11], "answer": "2", "id": "given-b"},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "results.jsonl"
+    submit = relay(
+        "submit", str(prompts), "--n", "3", "--max-tokens", "4", "--reward-fn", "prefix_match",
+        "--out", str(out), "--json", "--controller", service.address,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = ["given-a", "line-2", "line-3", "line-4", "given-b"]
+    assert [(r["prompt_id"], r["sample_index"]) for r in rows] == [(i, k) for i in ids for k in range(3)]
+    prompt_of = dict(zip(ids, ["3 + 1 =", "5 + 1 =", "7 + 1 =", "2 + 1 =", [5, 1, 9, 2, 11]]))
+    answer_of = {"given-a": "4", "line-4": "3", "given-b": "2"}
+    for r in rows:
+        assert r["prompt"] == prompt_of[r["prompt_id"]], r
+        expected = prefix_match(r["text"], answer_of[r["prompt_id"]]) if r["prompt_id"] in answer_of else None
+        assert r["reward"] == expected, r
+    summary = json.loads(submit.stdout)
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    assert summary["completions"] == 15 and summary["rewarded"] == len(rewards) == 9
+    assert summary["reward_mean"] == pytest.approx(sum(rewards) / 9)
 
 
 def test_token_is_sent_and_never_printed(service):
