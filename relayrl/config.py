@@ -185,6 +185,15 @@ class WandbConfig(Section):
     name: str | None = None  # default: run.name
 
 
+# Why the Megatron backend trains padded: megatron-core 0.16.1's packed sequences (PackedSeqParams, qkv_format thd)
+# run only in TEDotProductAttention (Transformer Engine, GPUs); the local DotProductAttention this backend uses on
+# CPU asserts packed_seq_params is None (megatron/core/transformer/dot_product_attention.py).
+MEGATRON_NO_PACKING = (
+    "megatron-core's packed sequences (PackedSeqParams, thd) need Transformer Engine's attention (GPUs); "
+    "its local DotProductAttention refuses them"
+)
+
+
 class MegatronConfig(Section):
     """Megatron-core parallelism: trainer.nproc = tensor_parallel x pipeline_parallel x data parallel."""
 
@@ -219,8 +228,13 @@ class TrainerConfig(Section):
     # (2 ranks, a tiny model) cost more than the overlap saved, and a step holds a copy of the shard's weights and
     # optimizer state in case its stream breaks.
     stream: Literal["auto", "on", "off"] = "off"
+    # Train padding-free (relayrl/trainer/packing.py): rows packed into micro-batches with no padding, positions
+    # restarting per row, attention never crossing rows. "auto" packs a forward whose padding is >= 25 % of its
+    # positions (the choice is logged), "on" every forward, "off" none. FSDP only: Megatron trains padded.
+    padding_free: Literal["auto", "on", "off"] = "auto"
+    pack_token_budget: int = Field(1024, ge=1)  # most tokens in one packed micro-batch (attention costs T^2 in it)
 
-    @field_validator("stream", mode="before")
+    @field_validator("stream", "padding_free", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         """YAML reads a bare on / off (``stream: on``, ``--set trainer.stream=off``) as true / false."""
@@ -235,6 +249,15 @@ class TrainerConfig(Section):
     @classmethod
     def _cpu_list(cls, value: object) -> object:
         return _check_cpus(value)
+
+    @model_validator(mode="after")
+    def _padding_free_backend(self) -> TrainerConfig:
+        if self.backend == "megatron" and self.padding_free == "on":
+            raise ValueError(
+                f"trainer.padding_free: 'on' is not available with trainer.backend megatron: {MEGATRON_NO_PACKING} "
+                "(use auto or off: Megatron trains padded)"
+            )
+        return self
 
     pull_timeout_s: float = Field(600.0, gt=0)
     tensorboard: bool = False  # also write metrics as TensorBoard events to <run dir>/tensorboard

@@ -33,6 +33,7 @@ from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
+from relayrl.trainer.version_mix import version_mix
 from relayrl.trainer.world import init_world, world_backend
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
@@ -218,6 +219,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "samples_trained": len(batch.samples),
         "samples_generated": stats.samples_generated,
         "generation_seconds": stats.generation_seconds,
+        **version_mix(batch.samples, step - 1),  # the step trains from version step - 1
         **train,
         "sync_seconds": sync.seconds,
         "sync_plan_wait_seconds": sync.plan_wait_seconds,

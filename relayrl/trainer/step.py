@@ -156,6 +156,10 @@ class StepMetrics:
         metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
         metrics["old_logprobs_from_engine"] = sum(self.engine_old) / len(self.engine_old)  # share of mini-batches
         metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
+        padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed
+        dist.all_reduce(padding)
+        metrics["padding_share"] = 1.0 - float(padding[1]) / max(float(padding[0]), 1.0)  # of positions computed
+        metrics["padding_free"] = float(padding[3]) / max(float(padding[2]), 1.0)  # share of forwards packed
         return metrics
 
 

@@ -33,6 +33,7 @@ from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_fr
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.optim import adamw
+from relayrl.trainer.packing import PaddingFree, micro_batches, packed_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,21 +70,46 @@ class FSDPBackend:
         self.weight_names = [name for name, _ in self.model.named_parameters()]
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
 
     def logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``.
 
-        A right-padded batch (every row's mask ones then zeros, what ``to_train_batch`` builds) goes in without
+        Rows are packed (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
+        right-padded batch (every row's mask ones then zeros, what ``to_train_batch`` builds) goes in without
         its mask: causal attention never looks right, so the valid positions come out bit for bit the same,
-        and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward)."""
+        and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward).
+        With several ranks, each rank's decision and count of packed forwards are agreed over all of them
+        (FSDP's gathers run once per forward on every rank)."""
         model = self.reference if reference else self.model
-        mask = None if right_padded(attention_mask) else attention_mask.to(self.device)
+        tokens, positions = int(attention_mask.sum()), attention_mask.numel()
+        is_right_padded = right_padded(attention_mask)
+        totals = self._agreed([tokens, positions, not is_right_padded], dist.ReduceOp.SUM)
+        if not totals[2] and self.padding_free.decide(totals[0], totals[1]):
+            budget = self.padding_free.token_budget
+            count = len(micro_batches(attention_mask.sum(-1).tolist(), budget))
+            forwards = self._agreed([count], dist.ReduceOp.MAX)[0]
+            self.padding_free.record(tokens, tokens, packed=True)
+            return packed_logprobs(
+                model, input_ids, attention_mask, temperature, device=self.device, token_budget=budget,
+                min_forwards=forwards,
+            )  # fmt: skip
+        self.padding_free.record(tokens, positions, packed=False)
+        mask = None if is_right_padded else attention_mask.to(self.device)
         logits = model(input_ids=input_ids.to(self.device), attention_mask=mask).logits
         logits = logits[:, :-1]
         labels = input_ids[:, 1:].to(self.device)
         return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
+
+    def _agreed(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        """``values`` reduced by ``op`` over the ranks (collective); as they are with one rank."""
+        if self.dp_size == 1:
+            return values
+        box = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(box, op=op)
+        return box.tolist()
 
     def step(self, max_norm: float) -> float:
         """Clip the gradient norm, step, zero the gradients; returns the pre-clip norm."""

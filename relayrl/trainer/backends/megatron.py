@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from relayrl.config import ModelConfig, TrainerConfig
+from relayrl.config import MEGATRON_NO_PACKING, ModelConfig, TrainerConfig
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.megatron_convert import Unit, geometry, merge, shard, tied_output_unit, units
 from relayrl.trainer.backends.megatron_cpu import apply_cpu_compat, seed_model_parallel_rng
@@ -25,6 +25,7 @@ from relayrl.trainer.backends.megatron_logprobs import vocab_parallel_logprobs
 from relayrl.trainer.backends.megatron_model import build_gpt_model, check_supported, has_qkv_bias
 from relayrl.trainer.backends.megatron_pipeline import run_stage, share_from_last_stage
 from relayrl.trainer.optim import adamw
+from relayrl.trainer.packing import PaddingFree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,6 +72,8 @@ class MegatronBackend:
         del hf_model, hf_params
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, cfg)
+        self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget, available=False,
+                                        reason=MEGATRON_NO_PACKING)  # fmt: skip
 
     def _build(self, hf_params: Mapping[str, torch.Tensor], load: list[Unit], *, trainable: bool):
         model = build_gpt_model(
@@ -91,6 +94,9 @@ class MegatronBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``, on every rank."""
         check_right_padded(attention_mask)
+        tokens = int(attention_mask.sum())
+        self.padding_free.decide(tokens, attention_mask.numel())  # never packs; logs why once
+        self.padding_free.record(tokens, attention_mask.numel(), packed=False)
         model = self.reference if reference else self.model
         ids = input_ids.to(self.device)
         batch, length = ids.shape

@@ -1,0 +1,156 @@
+"""Padding-free training: packed rows see only themselves, and a step on a long-tail batch is the padded step's
+update (gradients and weights within 1e-5), in a world of one rank and of two (where the ranks' packed forwards
+differ in number and are agreed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from trainer_testing import full_weights
+from transformers import AutoModelForCausalLM
+
+from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
+from relayrl.runtime.ports import free_port
+from relayrl.runtime.procs import exit_now
+from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.trainer.batch import to_train_batch
+from relayrl.trainer.packing import micro_batches, packed_logprobs
+from relayrl.trainer.step import train_on_batch
+from relayrl.v1 import common_pb2, controller_pb2
+
+TOLERANCE = 1e-5
+ALG = AlgorithmConfig(old_logprobs="recompute")
+
+
+def long_tail_batch(groups: int = 4, n: int = 4, seed: int = 0):
+    """Rows of a 3-token prompt and a response of geometric length (mean ~8, cap 40): mostly short, a few long."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(groups * n):
+        length = 1
+        while length < 40 and float(torch.rand(1, generator=g)) > 1 / 8:
+            length += 1
+        if i == 0:
+            length = 40  # the tail: the batch's longest row sets the padded width
+        samples.append(
+            controller_pb2.Sample(
+                prompt_id=f"p{i // n}", group=i // n,
+                prompt_token_ids=torch.randint(3, 20, (3,), generator=g).tolist(),
+                response_token_ids=torch.randint(3, 20, (length,), generator=g).tolist(),
+                rollout_logprobs=[-1.0] * length, reward=float(torch.rand(1, generator=g)),
+                finish_reason=common_pb2.FINISH_REASON_STOP,
+            )
+        )  # fmt: skip
+    return to_train_batch(samples, pad_token_id=0)
+
+
+def test_micro_batches_hold_every_row_once_within_the_budget() -> None:
+    assert micro_batches([3, 4, 2, 9, 1], token_budget=8) == [[0, 1], [2], [3], [4]]
+    assert micro_batches([5, 5], token_budget=100) == [[0, 1]]
+    with pytest.raises(ValueError, match="token_budget"):
+        micro_batches([1], token_budget=0)
+
+
+def test_packed_rows_see_only_themselves_and_score_as_padded(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    batch = long_tail_batch()
+    mask = batch.response_mask
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits[:, :-1]
+        padded = logprobs_from_logits(logits, batch.input_ids[:, 1:])
+        packed, _ = packed_logprobs(
+            model, batch.input_ids, batch.attention_mask, 1.0, device=torch.device("cpu"), token_budget=64
+        )
+        changed = batch.input_ids.clone()
+        changed[1:] = torch.where(batch.attention_mask[1:].bool(), 3 + (changed[1:] + 1) % 17, changed[1:])
+        other, _ = packed_logprobs(model, changed, batch.attention_mask, 1.0, device=torch.device("cpu"),
+                                   token_budget=64)  # fmt: skip
+    assert len(micro_batches(batch.attention_mask.sum(-1).tolist(), 64)) > 1  # several rows per micro-batch
+    assert float(((packed - padded) * mask).abs().max()) < TOLERANCE
+    assert torch.equal(packed[0], other[0])  # row 0 packed with rows whose tokens all changed: not a bit moved
+    assert float((packed - other)[1:].abs().max()) > 0.01
+    assert float(packed[batch.attention_mask[:, 1:] == 0].abs().max()) == 0.0  # nothing past a row's end
+
+
+class GradsBackend(FSDPBackend):
+    """The FSDP backend, keeping each optimizer step's gradients."""
+
+    def step(self, max_norm: float) -> float:
+        self.grads = [*getattr(self, "grads", []), [p.grad.clone() for p in self.model.parameters()]]
+        return super().step(max_norm)
+
+
+def one_step(model_dir: str, padding_free: str, budget: int = 1024) -> tuple[GradsBackend, dict, dict]:
+    torch.manual_seed(0)
+    tcfg = TrainerConfig(lr=1e-3, mini_batches=2, padding_free=padding_free, pack_token_budget=budget)
+    backend = GradsBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
+    before = full_weights(backend)
+    metrics = train_on_batch(backend, long_tail_batch(), ALG, tcfg, temperature=1.0, norm_len=40)
+    return backend, metrics, before
+
+
+def same_update(model_dir: str, budget: int) -> dict:
+    """Packed against padded, one step each: the largest gradient and weight gaps, and how far weights moved."""
+    padded, padded_metrics, before = one_step(model_dir, "off")
+    packed, packed_metrics, _ = one_step(model_dir, "on", budget)
+    w_padded, w_packed = full_weights(padded), full_weights(packed)
+    return {
+        "grads": max(float((a - b).abs().max()) for k in range(2) for a, b in zip(padded.grads[k], packed.grads[k])),
+        "weights": max(float((w_padded[k] - w_packed[k]).abs().max()) for k in w_padded),
+        "moved": max(float((w_padded[k] - before[k]).abs().max()) for k in w_padded),
+        "loss": abs(padded_metrics["loss"] - packed_metrics["loss"]),
+        "padding": [padded_metrics["padding_share"], packed_metrics["padding_share"]],
+        "packed": [padded_metrics["padding_free"], packed_metrics["padding_free"]],
+    }
+
+
+def same_update_case(rank: int, world: int, port: int, model_dir: str, budget: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = same_update(model_dir, budget)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    exit_now(0)
+
+
+def check(result: dict) -> None:
+    assert result["grads"] < TOLERANCE and result["weights"] < TOLERANCE < result["moved"] / 50, result
+    assert result["loss"] < 1e-6, result
+    assert result["padding"][0] > 0.5 and result["padding"][1] == 0.0, result  # long tail: mostly padding, then none
+    assert result["packed"] == [0.0, 1.0], result
+
+
+def test_a_packed_step_is_the_padded_update(tiny_model_dir) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        check(same_update(str(tiny_model_dir), budget=1024))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_agree_on_their_packed_forwards(tiny_model_dir, tmp_path) -> None:
+    """Budget 48: rank 0 holds the 43-token row and packs its rows into more micro-batches than rank 1; FSDP's
+    gathers stay matched (no hang) and the update is still the padded one."""
+    out = tmp_path / "result.json"
+    mp.spawn(same_update_case, args=(2, free_port(), str(tiny_model_dir), 48, str(out)), nprocs=2)
+    check(json.loads(out.read_text()))
+
+
+def test_megatron_refuses_padding_free_on_naming_the_key() -> None:
+    raw = {"model": {"path": "m"}, "data": {"path": "d"}, "trainer": {"backend": "megatron", "padding_free": "on"}}
+    with pytest.raises(ConfigError, match=r"trainer.*padding_free.*Transformer Engine"):
+        parse_config(raw)
+    raw["trainer"]["padding_free"] = "auto"
+    assert parse_config(raw).trainer.padding_free == "auto"
