@@ -141,7 +141,15 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str = "exact_match"  # registry name or "module:function"
+    """How a response is scored (docs/rewards.md)."""
+
+    fn: str = "exact_match"  # registry name or "module:function" (docs/rewards.md: the forms it may take)
+    # how fn is called: "auto" reads its parameter names; "sample" (per response) or "batch" (per group, lists)
+    # force a form, e.g. for a function of **kwargs
+    form: Literal["auto", "sample", "batch"] = "auto"
+    # with an environment: the score is the episode's reward ("env", fn unused), that plus fn's value
+    # ("env_plus_fn", e.g. a format bonus), or fn's value alone ("fn": it may read env_reward and override it)
+    with_env: Literal["env", "env_plus_fn", "fn"] = "env"
     overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong punishment; 0 disables it
     overlong_penalty: float = Field(1.0, ge=0.0)
 

@@ -34,12 +34,13 @@ from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TRAINED
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.controller.workers import DRAINING, WorkerRegistry
-from relayrl.data.dataset import PromptDataset
+from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from relayrl.rewards import RewardRaised, RewardShapeError
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.trainer.partition import minibatch_groups
-from relayrl.v1 import controller_pb2, rollout_pb2
+from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 STATS_PER_ROUND = 128  # Stats calls per poll (a call to an idle channel costs controller CPU): larger fleets in turns
@@ -86,6 +87,7 @@ class _Build:
     failed: int = 0
     kept: int = 0
     closed: bool = False  # between generation rounds: late group callbacks are ignored
+    reward_error: RewardShapeError | None = None  # a reward function's wrong return: the round stops, the run fails
     filtered: dict[str, list[str]] = field(default_factory=dict)  # reason -> prompt ids: the round's, to record
 
 
@@ -107,7 +109,7 @@ class Controller:
             max_threads=ccfg.max_workers * self.registry.max_in_flight,  # a thread per call every worker may hold
             straggler_factor=ccfg.straggler_factor,
         )
-        self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens)
+        self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens, self.dataset.row)
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -297,9 +299,9 @@ class Controller:
                 by_id = {r.prompt_id: r for r in records}
 
                 def on_group(prompt_id, completions, by_id=by_id):
-                    group = self.scorer.group(by_id[prompt_id], completions)
+                    group = self._score(build, by_id[prompt_id], completions)
                     with offer_lock:
-                        if not build.closed:  # a call still running after a stop: its prompts are settled below
+                        if group is not None and not build.closed:  # a call still running after a stop: settled below
                             self._offer(build, group)
 
                 result = self.dispatcher.run(
@@ -307,11 +309,13 @@ class Controller:
                     self.params,
                     min_version=required,
                     on_group=on_group if build.streamed else None,
-                    should_stop=lambda: self._stop.is_set() or epoch != self._epoch,
+                    should_stop=lambda: self._stop.is_set() or epoch != self._epoch or build.reward_error is not None,
                     only=exact,
                 )
                 with offer_lock:
                     build.closed = True
+                if build.reward_error is not None:
+                    raise build.reward_error
                 for prompt_id, reason in result.failed.items():
                     self.ledger.mark([prompt_id], FAILED, reason, step)
                 build.failed += len(result.failed)
@@ -320,8 +324,12 @@ class Controller:
                 build.closed = False
                 if not build.streamed:
                     for r in records:
-                        if r.prompt_id in result.groups:
-                            self._offer(build, self.scorer.group(r, result.groups[r.prompt_id]))
+                        if r.prompt_id in result.groups and (
+                            group := self._score(build, r, result.groups[r.prompt_id])
+                        ):
+                            self._offer(build, group)
+                    if build.reward_error is not None:
+                        raise build.reward_error
                 with offer_lock:
                     self._record_filtered(build)
                 filler.close_batch()
@@ -330,14 +338,16 @@ class Controller:
             if epoch != self._epoch:
                 self.ledger.rewind(build.drawn, "batch abandoned by a rewind")
             else:
-                pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
-                self.ledger.mark(pending, FAILED, "controller shut down mid-generation", step)
+                self._fail_pending(build, "controller shut down mid-generation")
             return None
+        except RewardShapeError as err:
+            self._record_filtered(build)
+            self._fail_pending(build, str(err))
+            raise
         except DynamicSamplingExhausted as err:  # raised by close_batch, after the round's filtered were recorded
             shortfall = self._min_partial_groups() - len(filler.kept)
             if ccfg.on_exhausted == "fail" or len(build.all_groups) < self._min_partial_groups():
-                leftover = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
-                self.ledger.mark(leftover, FAILED, "dynamic sampling exhausted", step)
+                self._fail_pending(build, "dynamic sampling exhausted")
                 raise err
             log.warning(
                 "%s Step %d trains on the %d groups kept%s (on_exhausted: partial).", err, step, err.kept,
@@ -349,6 +359,27 @@ class Controller:
         batch = self._batch_message(build, kept, time.monotonic() - start)
         batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
         return batch
+
+    def _fail_pending(self, build: _Build, reason: str) -> None:
+        """Fail the build's drawn prompts that are still pending (not yet settled), with ``reason``."""
+        pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
+        self.ledger.mark(pending, FAILED, reason, build.step)
+
+    def _score(
+        self, build: _Build, record: PromptRecord, completions: list[common_pb2.Completion]
+    ) -> ScoredGroup | None:
+        """The scored group, or None: its reward function raised (the prompt fails with the reason) or returned a
+        wrong shape (kept in ``build.reward_error``: the round stops and the run fails with it)."""
+        try:
+            return self.scorer.group(record, completions)
+        except RewardRaised as err:
+            log.warning("prompt %s failed: %s", record.prompt_id, err)
+            self.ledger.mark([record.prompt_id], FAILED, str(err), build.step)
+            with self._cond:  # streamed groups are scored on dispatch threads
+                build.failed += 1
+        except RewardShapeError as err:
+            build.reward_error = build.reward_error or err
+        return None
 
     def _offer(self, build: _Build, group: ScoredGroup) -> None:
         """One generated group: stale ones are filtered, the rest offered to dynamic sampling; a streamed

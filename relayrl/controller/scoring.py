@@ -1,18 +1,23 @@
-"""Rewards for completed groups: task score from the reward function, plus DAPO overlong shaping."""
+"""Rewards for completed groups: task score from the reward function (or an episode's environment), plus DAPO
+overlong shaping.
+
+The task score of an episode with ``controller.reward.with_env``: "env" -> the environment's reward; "env_plus_fn"
+-> that + fn's value; "fn" -> fn's value alone. A single-turn sample has no environment: fn's value. A reward
+function that raises fails its group (``RewardRaised``); one that returns a wrong shape stops the run
+(``RewardShapeError``): neither is trained on a made-up score."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
-from relayrl.rewards import resolve_reward
+from relayrl.rewards import GroupInputs, RewardCaller, check_reward
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,25 +36,58 @@ class ScoredGroup:
         return min(c.policy_version for c in self.completions)
 
 
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """What an environment episode adds to its sample's scoring: the conversation (chat-message dicts, opening
+    to last turn) and the environment's episode reward."""
+
+    conversation: list[dict]
+    env_reward: float
+
+
+def last_assistant(conversation: Sequence[Mapping[str, Any]]) -> str:
+    """The content of the conversation's last assistant message ('' when it has none): an episode's response."""
+    return next((str(m.get("content", "")) for m in reversed(conversation) if m.get("role") == "assistant"), "")
+
+
+def group_inputs(
+    prompt: str, answer: str, row: Mapping[str, Any], texts: list[str], episodes: Sequence[EpisodeOutcome] | None
+) -> GroupInputs:
+    """A group's reward-function inputs. Single-turn: each conversation is [user prompt, assistant response] and
+    there are no environment rewards; episodes: their conversations and rewards, each response the episode's last
+    assistant message."""
+    if episodes is None:
+        conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": t}] for t in texts]
+        return GroupInputs(texts, answer, prompt, row, conversations, [None] * len(texts))
+    conversations = [e.conversation for e in episodes]
+    responses = [last_assistant(c) for c in conversations]
+    return GroupInputs(responses, answer, prompt, row, conversations, [e.env_reward for e in episodes])
+
+
 class Scorer:
-    def __init__(self, cfg: RewardConfig, tokenizer, max_tokens: int) -> None:
+    """``row_of(prompt_id)``: the dataset row of a drawn prompt, read only when the reward function asks for it."""
+
+    def __init__(
+        self, cfg: RewardConfig, tokenizer, max_tokens: int, row_of: Callable[[str], Mapping[str, Any]]
+    ) -> None:
         self.cfg = cfg
-        self.fn = resolve_reward(cfg.fn)
+        self.reward: RewardCaller = check_reward(cfg)
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        self.row_of = row_of
 
     def decode_all(self, completions: list[common_pb2.Completion]) -> list[str]:
         """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``)."""
         return decode_sequences(self.tokenizer, [c.token_ids for c in completions])
 
-    def score(self, text: str, answer: str, fn=None) -> float:
-        """``fn`` (default: the config's reward function) of the response; one that raises scores 0 and is logged."""
-        fn = fn or self.fn
-        try:
-            return float(fn(text, answer))
-        except Exception:  # a user's reward function must not take the controller down
-            log.exception("reward function %s failed on %r", getattr(fn, "__name__", fn), text[:200])
-            return 0.0
+    def task_scores(self, inputs: GroupInputs, *, episodes: bool) -> list[float]:
+        """The group's task scores (module docstring); RewardRaised / RewardShapeError from the function."""
+        if episodes and self.cfg.with_env == "env":
+            return [float(r) for r in inputs.env_rewards]
+        scores = self.reward(inputs)
+        if episodes and self.cfg.with_env == "env_plus_fn":
+            return [float(e) + s for e, s in zip(inputs.env_rewards, scores)]
+        return scores
 
     def shaped(self, score: float, response_len: int) -> float:
         """score + DAPO soft overlong penalty over the last ``overlong_buffer`` tokens."""
@@ -59,8 +97,20 @@ class Scorer:
             response_len, self.max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
         )
 
-    def group(self, record: PromptRecord, completions: list[common_pb2.Completion]) -> ScoredGroup:
-        completions = sorted(completions, key=lambda c: c.sample_index)
-        scores = [self.score(text, record.answer) for text in self.decode_all(completions)]
+    def group(
+        self,
+        record: PromptRecord,
+        completions: list[common_pb2.Completion],
+        episodes: Sequence[EpisodeOutcome] | None = None,
+    ) -> ScoredGroup:
+        """Score one prompt's group; ``episodes`` (aligned with ``completions`` by sample index): their outcomes."""
+        order = sorted(range(len(completions)), key=lambda i: completions[i].sample_index)
+        completions = [completions[i] for i in order]
+        if episodes is not None:
+            episodes = [episodes[i] for i in order]
+        row = self.row_of(record.prompt_id) if self.reward.signature.wants("row") else {}
+        texts = self.decode_all(completions) if episodes is None else []
+        inputs = group_inputs(record.text, record.answer, row, texts, episodes)
+        scores = self.task_scores(inputs, episodes=episodes is not None)
         rewards = [self.shaped(s, len(c.token_ids)) for s, c in zip(scores, completions)]
         return ScoredGroup(record, completions, scores, rewards)

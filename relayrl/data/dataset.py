@@ -92,6 +92,10 @@ class PromptDataset:
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
+    def row(self, prompt_id: str) -> dict[str, Any]:
+        """Every column of the row a prompt id ("<epoch>:<row>") was drawn from."""
+        return self.rows[int(prompt_id.rpartition(":")[2])]
+
     def record(self, draw: int) -> PromptRecord:
         """The prompt of the ``draw``-th draw (0-based, across epochs)."""
         return self.records(draw, 1)[0]

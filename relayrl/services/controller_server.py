@@ -13,10 +13,11 @@ from transformers import AutoConfig
 from relayrl.config import RelayConfig
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import PromptJob
+from relayrl.controller.scoring import group_inputs
 from relayrl.data.dataset import render_prompt
 from relayrl.errors import PAUSED_DETAIL, InvalidArgument, Unavailable
 from relayrl.ops.supervise import read_restarts
-from relayrl.rewards import resolve_reward
+from relayrl.rewards import RewardCaller, RewardRaised, load_reward
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.services.channels import configure_client
 from relayrl.services.metrics import ControllerCollector, MetricsEndpoint
@@ -140,7 +141,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         check_submit_prompts(request.prompts, limits)
         params = SamplingParams.from_proto(request.params)
         reward_fn = self._client_reward(request.reward_fn) if request.reward_fn else None
-        jobs, answers = [], {}
+        jobs, prompts = [], {}
         for prompt in request.prompts:
             if prompt.token_ids:
                 ids = list(prompt.token_ids)
@@ -148,7 +149,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
                 ids = render_prompt(ctl.tokenizer, prompt.text, "never" if request.raw else ctl.cfg.data.chat_template)
             prompt_id = prompt.prompt_id or f"client-{uuid.uuid4().hex[:12]}"
             jobs.append(PromptJob(prompt_id, ids))
-            answers[prompt_id] = prompt.answer
+            prompts[prompt_id] = prompt
         validate_request(
             [job.token_ids for job in jobs],
             params,
@@ -164,11 +165,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         out: queue.Queue = queue.Queue()
 
         def on_group(prompt_id, completions):
-            answer = answers[prompt_id]
-            for completion, text in zip(completions, ctl.scorer.decode_all(completions)):
+            texts = ctl.scorer.decode_all(completions)
+            # no answer: no reward (unset), not a score of 0
+            rewards = (
+                self._client_rewards(reward_fn, prompts[prompt_id], texts)
+                if reward_fn and prompts[prompt_id].answer
+                else [None] * len(texts)
+            )
+            for completion, text, reward in zip(completions, texts, rewards):
                 message = controller_pb2.SubmittedCompletion(completion=completion)
-                if reward_fn is not None and answer:  # no answer: no reward (unset), not a score of 0
-                    message.reward = ctl.scorer.score(text, answer, fn=reward_fn)
+                if reward is not None:
+                    message.reward = reward
                 message.completion.text = text
                 out.put(message)
 
@@ -193,16 +200,29 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             elif item.failed:
                 raise Unavailable(f"{len(item.failed)} prompts failed: {next(iter(item.failed.values()))}")
 
-    def _client_reward(self, name: str):
+    def _client_reward(self, name: str) -> RewardCaller:
         """A client may name registered reward functions only: importing ``module:function`` on a client's
         word would run any module's import-time code in the controller (the config's own function is fine)."""
         check_length("reward_fn", name, self.limits.max_id_chars)
         if ":" in name and name != self.controller.cfg.controller.reward.fn:
             raise InvalidArgument("reward_fn", "clients may name registered functions only (module:function: config)")
+        if name == self.controller.cfg.controller.reward.fn:
+            return self.controller.scorer.reward
         try:
-            return resolve_reward(name)
+            return load_reward(name)
         except (KeyError, ValueError) as err:
             raise InvalidArgument("reward_fn", str(err).strip("'\"")) from None
+
+    def _client_rewards(self, reward_fn: RewardCaller, prompt, texts: list[str]) -> list[float | None]:
+        """A client group's rewards; its row is its prompt and answer under the dataset's column names. A function
+        that raises leaves them unset (logged); a wrong shape ends the call with the function's error."""
+        data = self.controller.cfg.data
+        row = {data.prompt_key: prompt.text, data.answer_key: prompt.answer}
+        try:
+            return reward_fn(group_inputs(prompt.text, prompt.answer, row, texts, None))
+        except RewardRaised as err:
+            log.warning("client prompt %s: %s", prompt.prompt_id, err)
+            return [None] * len(texts)
 
 
 def serve_controller(
