@@ -31,6 +31,7 @@ from relayrl.config import RelayConfig
 from relayrl.controller.dispatch import Dispatcher, PromptJob
 from relayrl.controller.fanout import fan_out
 from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TRAINED, Ledger
+from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.controller.workers import DRAINING, WorkerRegistry
@@ -38,6 +39,7 @@ from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rewards import RewardRaised, RewardShapeError
 from relayrl.rollout.sampling import SamplingParams
+from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.trainer.partition import minibatch_groups
 from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
@@ -122,6 +124,9 @@ class Controller:
         self.state = "running"
         self.error = ""
         self.syncs = WeightSyncLog()
+        self.pace = Pace()
+        self.repeats = RepeatedWarning(log)  # per-step warnings: once every 10 with a count
+        self.drained: set[str] = set()  # worker ids an operator drained; forgotten when the id registers anew
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._epoch = 0  # bumped by rewind(): batches begun in an older epoch are void
@@ -349,7 +354,8 @@ class Controller:
             if ccfg.on_exhausted == "fail" or len(build.all_groups) < self._min_partial_groups():
                 self._fail_pending(build, "dynamic sampling exhausted")
                 raise err
-            log.warning(
+            self.repeats.warn(
+                "dynamic sampling exhausted",
                 "%s Step %d trains on the %d groups kept%s (on_exhausted: partial).", err, step, err.kept,
                 f", topped up with {shortfall} whose rewards were all equal (zero advantage)" if shortfall > 0 else "",
             )  # fmt: skip
@@ -568,6 +574,7 @@ class Controller:
             self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
         self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), TRAINED, step=request.step)
+        self.pace.record(request.step_seconds, batch.stats.samples_generated, batch.stats.reward_mean)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
                 policy_version=request.policy_version,
@@ -654,7 +661,8 @@ class Controller:
 
     def status(self) -> controller_pb2.StatusResponse:
         counts = self.ledger.counts()
-        return controller_pb2.StatusResponse(
+        workers = self.registry.snapshot()
+        status = controller_pb2.StatusResponse(
             run_name=self.cfg.run.name,
             state=self.state,
             trainer_step=self.progress.trainer_step,
@@ -669,7 +677,7 @@ class Controller:
                     in_flight=w.in_flight,
                     tokens_per_second=w.tokens_per_second,
                 )
-                for w in self.registry.snapshot()
+                for w in workers
             ],
             ledger=controller_pb2.LedgerCounts(
                 dispatched=len(self.ledger),
@@ -683,7 +691,10 @@ class Controller:
             error=self.error,
             dataset_cursor=self.progress.cursor,
             desired_rollout_replicas=self.progress.desired_rollout_replicas,
+            drained_workers=sorted(self.drained - {w.worker_id for w in workers}),
         )
+        self.pace.fill(status, self.cfg.trainer.steps)
+        return status
 
     def pause(self, reason: str) -> controller_pb2.PauseRunResponse:
         """Stop batch production and dispatch; forward Pause to every worker."""
@@ -712,6 +723,7 @@ class Controller:
         """No new Generate calls for this worker; its in-flight calls finish."""
         if not self.registry.set_state(worker_id, DRAINING):
             raise NotFound(f"worker_id: no registered worker {worker_id!r}")
+        self.drained.add(worker_id)
         handle = self.registry.get(worker_id)
         log.warning("worker %s draining (operator)", worker_id)
         return controller_pb2.DrainWorkerResponse(

@@ -1,4 +1,4 @@
-"""The operator commands (``relayrl submit|status|weights|pause|resume|drain|scale``) over RelayClient.
+"""The operator commands (``relayrl submit|status|weights|pause|unpause|drain|scale``) over RelayClient.
 
 Each returns the process exit code: 0 done, 1 the controller refused or was unreachable (the status
 code and its message are printed), 2 a usage problem (missing address, unreadable file).
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -175,8 +176,33 @@ def show(args: argparse.Namespace, response, tables) -> int:
 
 @operator_command
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch: must be > 0 seconds, got {args.watch:g}")
     with connect(args) as client:
-        return show(args, client.status(), status_tables)
+        if args.watch is None:
+            return show(args, client.status(), status_tables)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a watch
+            watch_status(args, client)
+    return 0
+
+
+def watch_status(args: argparse.Namespace, client: RelayClient) -> None:
+    """``status --watch``: the status again every ``args.watch`` seconds until the run is finished or failed: in
+    place on a terminal, else one after another (with --json, one JSON object a line)."""
+    live = Live(console=out, auto_refresh=False) if out.is_terminal and not args.json else None
+    with live or contextlib.nullcontext():
+        while True:
+            status = client.status()
+            if args.json:
+                print(json.dumps(to_dict(status)), flush=True)
+            elif live is not None:
+                live.update(Group(*status_tables(status)), refresh=True)
+            else:
+                out.rule(time.strftime("%H:%M:%S"))
+                show(args, status, status_tables)
+            if status.state in ("finished", "failed"):
+                return
+            time.sleep(args.watch)
 
 
 @operator_command
@@ -220,10 +246,15 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 @operator_command
-def cmd_resume(args: argparse.Namespace) -> int:
+def cmd_unpause(args: argparse.Namespace) -> int:
+    if getattr(args, "alias_of", None):
+        err.print(
+            "[dim]relayrl resume is an alias of relayrl unpause (to continue a stopped run: relayrl up CONFIG "
+            "--resume)[/dim]"
+        )
     with connect(args) as client:
         response = client.resume()
-    _print_ack(args, response, "resumed")
+    _print_ack(args, response, "unpaused")
     return 0
 
 
@@ -246,7 +277,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
         print_json(out, response)
     else:
         done = "its in-flight calls finished" if args.wait else f"{response.in_flight} calls in flight"
-        out.print(f"{response.worker_id} draining: no new work; {done}. Stop it once Status shows 0 in flight.")
+        out.print(
+            f"{response.worker_id} draining: no new work; {done}. Under `relayrl up` the launcher stops it once "
+            "idle and gives up its slot (it is not restarted); elsewhere stop it once Status shows 0 in flight."
+        )
     return 0
 
 

@@ -28,7 +28,8 @@ def _connection(parser: argparse.ArgumentParser) -> None:
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
-    """``submit``, ``status``, ``weights sync|status``, ``pause``, ``resume``, ``drain``, ``scale rollout``."""
+    """``submit``, ``status``, ``weights sync|status``, ``pause``, ``unpause`` (alias ``resume``), ``drain``,
+    ``scale rollout``."""
     p = sub.add_parser("submit", help="sample completions for the prompts of a JSONL file")
     p.add_argument(
         "prompts",
@@ -48,7 +49,16 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _connection(p)
     p.set_defaults(func=_lazy("cmd_submit"))
 
-    p = sub.add_parser("status", help="the run: state, step, version, workers, ledger")
+    p = sub.add_parser("status", help="the run: state, step/total, reward, samples/s, ETA, workers, ledger")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until the run ends or Ctrl-C; with --json one object a line",
+    )
     _connection(p)
     p.set_defaults(func=_lazy("cmd_status"))
 
@@ -69,9 +79,14 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reason", default="", help="logged by the controller and the workers")
     _connection(p)
     p.set_defaults(func=_lazy("cmd_pause"))
-    p = sub.add_parser("resume", help="undo pause")
+    p = sub.add_parser("unpause", help="undo pause: batches and Generate calls start again")
     _connection(p)
-    p.set_defaults(func=_lazy("cmd_resume"))
+    p.set_defaults(func=_lazy("cmd_unpause"))
+    p = sub.add_parser(
+        "resume", help="alias of unpause (to continue a stopped run: relayrl up CONFIG --resume)"
+    )  # the command's first name, kept for scripts
+    _connection(p)
+    p.set_defaults(func=_lazy("cmd_unpause"), alias_of="unpause")
 
     p = sub.add_parser("drain", help="give a worker no new work; its in-flight calls finish")
     p.add_argument("worker", help="worker id (see relayrl status)")

@@ -32,16 +32,37 @@ def _ago(unix: float) -> str:
     return f"{time.time() - unix:.0f}s ago" if unix > 0 else "never"
 
 
+def duration(seconds: float) -> str:
+    """``1h 02m``, ``3m 05s``, ``42s``."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def pace_rows(status: controller_pb2.StatusResponse) -> list[tuple[str, str]]:
+    """Step/total, recent reward, samples/s and ETA (StatusResponse's pace fields)."""
+    total = status.total_steps
+    step = f"{status.trainer_step}/{total}" + (f" ({100 * status.trainer_step / total:.0f}%)" if total else "")
+    over = f" (last {status.recent_steps} steps)" if status.recent_steps else ""
+    reward = f"{status.recent_reward:.3f}{over}" if status.HasField("recent_reward") else "- (no step yet)"
+    rate = f"{status.samples_per_second:.1f}{over}" if status.recent_steps else "-"
+    eta = duration(status.eta_seconds) if status.HasField("eta_seconds") else "unknown (no step reported yet)"
+    return [("trainer step", step), ("recent reward", reward), ("samples/s", rate), ("ETA", eta)]
+
+
 def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
     run = Table(title=f"run '{status.run_name}'", show_header=False)
     run.add_column("key", style="bold")
     run.add_column("value")
     desired = str(status.desired_rollout_replicas) if status.desired_rollout_replicas else "unset"
+    drained = ", ".join(status.drained_workers)
     for key, value in (
         ("state", status.state + (f" ({status.error})" if status.error else "")),
-        ("trainer step", str(status.trainer_step)),
+        *pace_rows(status),
         ("policy version", str(status.policy_version)),
         ("rollout workers", f"{len(status.workers)} registered, desired {desired}"),
+        ("drained", f"{drained} (stopped; not restarted under relayrl up)" if drained else "none"),
         ("dataset cursor", str(status.dataset_cursor)),
         ("last sync", f"{status.last_sync_seconds:.2f}s, {_ago(status.last_sync_unix)}"),
         ("restarts", ", ".join(f"{role} {n}" for role, n in sorted(status.restarts.items()) if n) or "none"),

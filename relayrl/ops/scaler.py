@@ -6,8 +6,10 @@ required version, and the trainer pushes it the current weights within about a s
 (relayrl.trainer.on_demand). Scale-down drains the highest-numbered workers first (DrainWorker: no new
 work, in-flight calls finish), then sends SIGTERM once they have nothing in flight (or after
 ``drain_timeout_s``; the worker deregisters and any call it still had is re-dispatched). A worker an
-operator drained (``relayrl drain rollout-k``) is stopped the same way, and replaced when a desired count
-is set.
+operator drained (``relayrl drain rollout-k``: draining in Status, or gone and listed in Status.drained_workers)
+is stopped the same way and its slot given up, as a scale-down gives it up: the desired count becomes the
+workers left, and its id is never started again by this launcher. A worker process that exited makes the next
+tick look at once, before the supervisor would restart it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class LocalScaler:
         self.interval_s, self.drain_timeout_s = interval_s, drain_timeout_s
         self.on_change = on_change
         self.draining: dict[str, float] = {}  # role -> SIGTERM deadline
+        self.given_up: set[str] = set()  # roles an operator drained: stopped, never started again
         self._next_tick = 0.0
 
     def workers(self) -> list[int]:
@@ -49,23 +52,28 @@ class LocalScaler:
         indices = [int(m.group(1)) for role in self.job.children if (m := ROLE.match(role))]
         return sorted(k for k in indices if f"rollout-{k}" not in self.draining)
 
+    def _exited(self) -> bool:
+        """A rollout process of ours has exited and is not being stopped by us."""
+        return any(
+            ROLE.match(role) and role not in self.draining and proc.poll() is not None
+            for role, proc in self.job.children.items()
+        )
+
     def tick(self) -> None:
-        if time.monotonic() < self._next_tick:
+        if time.monotonic() < self._next_tick and not self._exited():
             return
         self._next_tick = time.monotonic() + self.interval_s
         try:
             status = self.stub.Status(controller_pb2.StatusRequest(), timeout=5)
         except grpc.RpcError:
             return  # the controller is checked for liveness elsewhere
-        for w in status.workers:  # drained by an operator: stop it once idle, like our own
-            if w.state == "draining" and w.worker_id in self.job.children and ROLE.match(w.worker_id):
-                self.draining.setdefault(w.worker_id, time.monotonic() + self.drain_timeout_s)
+        self._give_up_drained(status)
         self._stop_drained(status)
         desired, running = status.desired_rollout_replicas, self.workers()
         if desired <= 0 or desired == len(running):
             return
         if desired > len(running):
-            taken = {int(m.group(1)) for role in self.job.children if (m := ROLE.match(role))}
+            taken = {int(m.group(1)) for role in [*self.job.children, *self.given_up] if (m := ROLE.match(role))}
             free = (k for k in range(len(taken) + desired) if k not in taken)
             for k in [next(free) for _ in range(desired - len(running))]:
                 self.on_change(f"scale up: starting rollout-{k}")
@@ -73,6 +81,26 @@ class LocalScaler:
         else:
             for k in running[desired:]:
                 self._drain(f"rollout-{k}")
+
+    def _give_up_drained(self, status: controller_pb2.StatusResponse) -> None:
+        """Workers of ours an operator drained: stopped once idle (``_stop_drained``) and their slots given up, the
+        desired count set to the workers left (``ScaleRollout``; at least 1, which it then starts anew)."""
+        drained = {w.worker_id for w in status.workers if w.state == "draining"} | set(status.drained_workers)
+        roles = sorted(r for r in drained if r in self.job.children and ROLE.match(r) and r not in self.draining)
+        if not roles:
+            return
+        for role in roles:
+            self.draining[role] = time.monotonic() + self.drain_timeout_s
+            self.given_up.add(role)
+        left = max(1, len(self.workers()))
+        try:
+            self.stub.ScaleRollout(controller_pb2.ScaleRolloutRequest(replicas=left), timeout=5)
+        except grpc.RpcError as err:
+            log.warning("ScaleRollout(%d) after a drain: %s", left, err.code().name)
+        self.on_change(
+            f"drain: {', '.join(roles)} drained by an operator: stopped once idle and not restarted "
+            f"(its slot is given up); desired rollout replicas now {left}"
+        )
 
     def _drain(self, role: str) -> None:
         self.on_change(f"scale down: draining {role}")

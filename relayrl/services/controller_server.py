@@ -49,6 +49,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         registry = self.controller.registry
         if registry.get(request.worker_id) is None:  # a heartbeat of a known worker is O(1), not O(workers)
             check_count("workers", len(registry) + 1, self.controller.cfg.controller.max_workers)
+            self.controller.drained.discard(request.worker_id)  # a new process under a drained id serves again
         self.controller.registry.register(
             request.worker_id, request.address, request.engine or "hf", request.policy_version
         )

@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 from relayrl.config import WeightSyncConfig
 from relayrl.errors import rpc_error_text
 from relayrl.runtime.ports import free_port
+from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.services.channels import open_channel
 from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -73,6 +74,7 @@ class WeightPublisher:
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.sender = WeightSender(self.device)
         self.builder = ManifestBuilder(bucket_bytes=int(cfg.bucket_mib * (1 << 20)), transport=cfg.transport)
+        self.repeats = RepeatedWarning(log)  # a worker left out of every step's sync: once every 10 steps
         self._arena: WeightArena | None = None
         self._layout_holders: set[str] = set()  # workers that hold the arena's layout (this group)
         self.group: WeightBroadcastGroup | None = None
@@ -195,7 +197,7 @@ class WeightPublisher:
             failed.update({wid: broken[wid] for wid in dead})
             self.close()
         for wid, reason in failed.items():
-            log.warning("weight sync v%d: worker %s left out: %s", version, wid, reason)
+            self.repeats.warn(f"left out {wid}", "weight sync v%d: worker %s left out: %s", version, wid, reason)
         seconds = time.perf_counter() - start - plan_wait
         return SyncResult(version, seconds, synced, failed, checksum, manifest.total_bytes, plan_wait)
 

@@ -272,7 +272,7 @@ class LedgerCounts(_message.Message):
     def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts")
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers")
     class RestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,12 @@ class StatusResponse(_message.Message):
     DATASET_CURSOR_FIELD_NUMBER: _ClassVar[int]
     DESIRED_ROLLOUT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_REWARD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     trainer_step: int
@@ -304,7 +310,13 @@ class StatusResponse(_message.Message):
     dataset_cursor: int
     desired_rollout_replicas: int
     restarts: _containers.ScalarMap[str, int]
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    total_steps: int
+    recent_reward: float
+    samples_per_second: float
+    eta_seconds: float
+    recent_steps: int
+    drained_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PauseRunRequest(_message.Message):
     __slots__ = ("reason",)

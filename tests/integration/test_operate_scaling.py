@@ -11,6 +11,8 @@ with a reason: none pending.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from relayrl.client import RelayClient, SamplingParams
 from relayrl.config import load_config
 from relayrl.trainer.metrics import read_metrics
 
-from .jobs import assert_roles_forked
+from .jobs import assert_roles_forked, supervised_roles
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,3 +140,64 @@ def test_scale_rollout_up_and_down_on_a_live_run(make_config, monkeypatch):
     assert all(reason for state, reason in ledger.values() if state in ("filtered", "failed"))
     assert sum(state == "trained" for state, _ in ledger.values()) == STEPS * 4
     assert "scale down: stopping rollout-1" in (config.parent / "up.log").read_text()
+
+
+def test_drain_under_up_keeps_the_worker_gone_and_status_shows_the_run(make_config, monkeypatch):
+    """One short ``relayrl up`` run (2 workers, 1 trainer rank). ``status`` shows step/total, recent reward,
+    samples/s and ETA, and ``--watch`` refreshes it. An operator drains rollout-1 and stops it at once, as the
+    drain message used to tell: the supervisor does not restart it, its slot is given up (desired 1), status
+    lists it as drained, and training goes on with rollout-0. ``resume`` says it is the alias of ``unpause``."""
+    steps = 400  # the run is stopped long before
+    config = make_config("drain", controller={"dynamic_sampling": False}, trainer={"steps": steps, "nproc": 1})
+    cfg = load_config(config)
+    log = config.parent / "up.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "up", str(config)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    try:
+        address_file = cfg.run_dir / "controller.address"
+        wait(address_file.exists, 120, "the controller")
+        monkeypatch.setenv("RELAYRL_CONTROLLER", address_file.read_text())
+        wait(lambda: relay("status")["trainer_step"] >= 2, 180, "training to pass step 2")
+        status = relay("status")
+        assert status["total_steps"] == steps and status["recent_steps"] >= 1, status
+        assert status["recent_reward"] is not None and status["samples_per_second"] > 0 < status["eta_seconds"]
+        human = subprocess.run(
+            [sys.executable, "-m", "relayrl.cli", "status"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        for shown in (f"/{steps} (", "recent reward", "samples/s", "ETA", "drained"):
+            assert shown in human.stdout, human.stdout
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "relayrl.cli", "status", "--watch", "0.2", "--json"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        frames = [json.loads(watch.stdout.readline()) for _ in range(3)]
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=30) == 0, watch.stderr.read()
+        assert all(f["total_steps"] == steps and f["state"] == "running" for f in frames)
+
+        worker = supervised_roles(cfg)["rollout-1"]["pid"]
+        assert relay("drain", "rollout-1")["state"] == "draining"
+        os.kill(worker, signal.SIGTERM)  # what the old message told the operator to do
+        wait(lambda: relay("status")["drained_workers"] == ["rollout-1"], 60, "rollout-1 listed as drained")
+        step = relay("status")["trainer_step"]
+        wait(lambda: relay("status")["trainer_step"] >= step + 3, 180, "three more steps")
+        status = relay("status")
+        assert [w["worker_id"] for w in status["workers"]] == ["rollout-0"], status["workers"]
+        assert status["desired_rollout_replicas"] == 1 and status["drained_workers"] == ["rollout-1"]
+        assert "rollout-1" not in supervised_roles(cfg)
+        text = log.read_text()
+        assert "drain: rollout-1 drained by an operator" in text and "rollout-1 restarted" not in text, text[-3000:]
+
+        alias = subprocess.run(
+            [sys.executable, "-m", "relayrl.cli", "resume", "--json"], capture_output=True, text=True, timeout=60,
+            cwd=ROOT,
+        )  # fmt: skip
+        assert alias.returncode == 0 and json.loads(alias.stdout)["state"] == "running", alias.stderr
+        assert "alias of relayrl unpause" in alias.stderr
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0, log.read_text()[-3000:]

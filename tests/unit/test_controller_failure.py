@@ -144,3 +144,38 @@ def test_a_converged_policy_trains_on_zero_advantage_groups_or_fails_the_run(mak
             assert len(rewards) == 1  # all equal: zero advantage, no policy gradient
     finally:
         ctl.stop()
+
+
+def test_a_converged_run_warns_once_every_10_steps_and_status_shows_its_pace(make_config, tmp_path, caplog):
+    """Every step of a converged run exhausts dynamic sampling: the warning is logged at the 1st and the 11th
+    step, the second with its count, not at each. Status has the run's total, recent reward, samples/s and ETA
+    over the last 10 steps reported (Pace)."""
+    controller = {"dynamic_sampling": True, "max_gen_batches": 2, "on_exhausted": "partial"}
+    cfg = load_config(make_config(controller=controller, trainer={"steps": 30}))
+    ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n, same_answers=True))
+    assert ctl.status().total_steps == 30 and not ctl.status().HasField("eta_seconds")
+    stats = []
+    try:
+        with caplog.at_level("WARNING", logger="relayrl.controller.core"):
+            for step in range(1, 13):
+                batch = ctl.pull_batch(step, timeout_s=10)
+                stats.append(batch.stats)
+                ctl.report_step(
+                    controller_pb2.ReportStepRequest(
+                        step=step, batch_id=batch.batch_id, policy_version=step, step_seconds=2.0 + step % 2,
+                        synced_worker_ids=["w0"],
+                    )
+                )  # fmt: skip
+        status = ctl.status()
+    finally:
+        ctl.stop()
+    warned = [r.getMessage() for r in caplog.records if "dynamic sampling exhausted" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "Step 1 " in warned[0] and "times so far" not in warned[0]
+    assert "Step 11 " in warned[1] and "[11 times so far; logged once every 10]" in warned[1]
+    recent = stats[2:]  # the last 10 steps
+    seconds = sum(2.0 + step % 2 for step in range(3, 13))
+    assert (status.trainer_step, status.total_steps, status.recent_steps) == (12, 30, 10)
+    assert status.recent_reward == pytest.approx(sum(s.reward_mean for s in recent) / 10)
+    assert status.samples_per_second == pytest.approx(sum(s.samples_generated for s in recent) / seconds)
+    assert status.eta_seconds == pytest.approx((30 - 12) * seconds / 10)

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from relayrl.controller.weight_syncs import WeightSyncLog
-from relayrl.ops import commands, k8s
+from relayrl.ops import commands, k8s, render
 from relayrl.ops.parser import add_operator_commands
 from relayrl.ops.scaler import LocalScaler
 from relayrl.trainer.loop import pull_or_stop
@@ -97,6 +97,29 @@ def test_scale_command_drains_the_pods_it_removes_first(monkeypatch):
     api.patch_namespaced_stateful_set_scale.assert_called_once()
 
 
+def test_status_watch_refuses_a_period_that_is_not_positive(capsys):
+    for period in ("0", "-1"):
+        assert commands.cmd_status(parse("status", "--watch", period, "--controller", "127.0.0.1:1")) == 2
+        assert "--watch: must be > 0 seconds" in capsys.readouterr().err
+
+
+def test_status_table_shows_the_pace_and_its_unknowns():
+    known = controller_pb2.StatusResponse(
+        state="running", trainer_step=12, total_steps=60, recent_reward=0.4125, samples_per_second=85.0,
+        eta_seconds=3725.0, recent_steps=10, drained_workers=["rollout-1"],
+    )  # fmt: skip
+    rows = dict(render.pace_rows(known))
+    assert rows == {
+        "trainer step": "12/60 (20%)",
+        "recent reward": "0.412 (last 10 steps)",
+        "samples/s": "85.0 (last 10 steps)",
+        "ETA": "1h 02m",
+    }
+    fresh = dict(render.pace_rows(controller_pb2.StatusResponse(state="running", total_steps=60)))
+    assert fresh["recent reward"].startswith("-") and fresh["ETA"].startswith("unknown")
+    assert [render.duration(s) for s in (42, 185, 3725)] == ["42s", "3m 05s", "1h 02m"]
+
+
 def test_scale_command_rejects_half_of_the_kubernetes_flags():
     assert commands.cmd_scale_rollout(parse("scale", "rollout", "2", "--statefulset", "x")) == 2
 
@@ -142,7 +165,17 @@ def test_local_scaler_drains_the_highest_then_stops_it_once_idle():
     assert job.stopped == ["rollout-1", "rollout-2"] and stub.DrainWorker.call_count == 2
 
 
-def test_local_scaler_stops_a_worker_an_operator_drained_and_replaces_it():
+def recording_scale(stub: mock.MagicMock) -> None:
+    """The fake controller records ScaleRollout's count in its Status, as the real one does."""
+    status = stub.Status.return_value
+
+    def scale(request, timeout):
+        status.desired_rollout_replicas = request.replicas
+
+    stub.ScaleRollout.side_effect = scale
+
+
+def test_local_scaler_gives_up_the_slot_of_a_worker_an_operator_drained():
     job = FakeJob(["rollout-0", "rollout-1"])
     spawned = []
 
@@ -151,13 +184,44 @@ def test_local_scaler_stops_a_worker_an_operator_drained_and_replaces_it():
         job.children[f"rollout-{k}"] = mock.MagicMock()
 
     stub = fake_stub(2, {"rollout-0": 0, "rollout-1": 1})
-    stub.Status.return_value.workers[1].state = "draining"
+    recording_scale(stub)
+    status = stub.Status.return_value
+    status.workers[1].state = "draining"
     scaler = LocalScaler(job, spawn, stub, interval_s=0)
-    scaler.tick()  # still busy: not stopped yet, but no longer counted as serving
-    assert job.stopped == [] and spawned == [2]
-    stub.Status.return_value.workers[1].in_flight = 0
+    scaler.tick()  # still busy: not stopped yet; its slot is given up, not refilled
+    assert job.stopped == [] and spawned == [] and status.desired_rollout_replicas == 1
+    status.workers[1].in_flight = 0
     scaler.tick()
-    assert job.stopped == ["rollout-1"] and spawned == [2] and stub.DrainWorker.call_count == 0
+    assert job.stopped == ["rollout-1"] and spawned == [] and stub.DrainWorker.call_count == 0
+    del status.workers[1]  # it deregistered; the controller lists it as drained
+    status.drained_workers.append("rollout-1")
+    scaler.tick()
+    assert spawned == [] and stub.ScaleRollout.call_count == 1
+    status.desired_rollout_replicas = 2  # `relayrl scale rollout 2`: a new worker, never the drained id
+    scaler.tick()
+    assert spawned == [2]
+
+
+def test_local_scaler_looks_at_once_when_a_worker_exits_and_keeps_a_drained_one_gone():
+    """An operator drained rollout-1 and stopped it before the scaler's next look: the exit makes it look now
+    (before the supervisor's restart); the controller lists the worker as drained, so it is given up."""
+    job = FakeJob(["rollout-0", "rollout-1"])
+    for proc in job.children.values():
+        proc.poll.return_value = None
+    stub = fake_stub(0, {"rollout-0": 0, "rollout-1": 0})
+    recording_scale(stub)
+    scaler = LocalScaler(job, mock.MagicMock(), stub, interval_s=3600)
+    scaler.tick()
+    assert stub.Status.call_count == 1
+    scaler.tick()  # within the interval, nothing exited: no look
+    assert stub.Status.call_count == 1
+    job.children["rollout-1"].poll.return_value = 0
+    status = stub.Status.return_value
+    del status.workers[1]
+    status.drained_workers.append("rollout-1")
+    scaler.tick()
+    assert stub.Status.call_count == 2 and job.stopped == ["rollout-1"] and "rollout-1" not in job.children
+    assert status.desired_rollout_replicas == 1 and scaler.given_up == {"rollout-1"}
 
 
 def test_local_scaler_does_nothing_until_a_count_is_set():
@@ -284,7 +348,7 @@ def test_help_lists_every_operator_command():
     import sys
 
     result = subprocess.run([sys.executable, "-m", "relayrl.cli", "--help"], capture_output=True, text=True, timeout=60)
-    for name in ("submit", "status", "weights", "pause", "resume", "drain", "scale"):
+    for name in ("submit", "status", "weights", "pause", "unpause", "resume", "drain", "scale"):
         assert name in result.stdout
 
 
