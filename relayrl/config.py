@@ -459,6 +459,11 @@ class RelayConfig(Section):
     def run_dir(self) -> Path:
         return self.run.path
 
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response a sample can hold: an episode's token budget, else ``rollout.max_tokens``."""
+        return self.environment.max_total_tokens if self.environment is not None else self.rollout.max_tokens
+
 
 def stream_blockers(cfg: RelayConfig) -> list[str]:
     """What keeps a streamed step from being exactly the whole-batch update (empty: nothing). Streaming trains

@@ -36,13 +36,15 @@ from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.controller.workers import DRAINING, WorkerRegistry
 from relayrl.data.dataset import PromptDataset, PromptRecord
+from relayrl.episodes.runner import EpisodeRunner
+from relayrl.episodes.stats import fill_episode_stats
 from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rewards import RewardRaised, RewardShapeError
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.trainer.partition import minibatch_groups
-from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
+from relayrl.v1 import controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 STATS_PER_ROUND = 128  # Stats calls per poll (a call to an idle channel costs controller CPU): larger fleets in turns
@@ -60,6 +62,11 @@ class ProgressState:
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
     exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
     exact_version: int = -1
+
+
+def episode_ends(groups: dict[str, list]) -> dict[str, list[str]]:
+    """Prompt id -> how each episode of its group ended ("failed: <why>" for a failed one): the ledger's notes."""
+    return {pid: [f"failed: {e.reason}" if e.failed else e.end for e in group] for pid, group in groups.items()}
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -91,6 +98,7 @@ class _Build:
     closed: bool = False  # between generation rounds: late group callbacks are ignored
     reward_error: RewardShapeError | None = None  # a reward function's wrong return: the round stops, the run fails
     filtered: dict[str, list[str]] = field(default_factory=dict)  # reason -> prompt ids: the round's, to record
+    episodes: list = field(default_factory=list)  # agentic runs: every episode that ended (BatchStats 35-42)
 
 
 class Controller:
@@ -111,7 +119,7 @@ class Controller:
             max_threads=ccfg.max_workers * self.registry.max_in_flight,  # a thread per call every worker may hold
             straggler_factor=ccfg.straggler_factor,
         )
-        self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.rollout.max_tokens, self.dataset.row)
+        self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row)
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -120,6 +128,12 @@ class Controller:
             stop_token_ids=tuple(cfg.rollout.stop_token_ids),
             min_tokens=cfg.rollout.min_tokens,
             ignore_eos=cfg.rollout.ignore_eos,
+        )
+        # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
+        self.episodes = (
+            EpisodeRunner(cfg, self.registry, self.tokenizer, self.params, self.dataset.row)
+            if cfg.environment
+            else None
         )
         self.state = "running"
         self.error = ""
@@ -154,6 +168,8 @@ class Controller:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.episodes is not None:
+            self.episodes.close()
         self.ledger.close()
 
     def _load_progress(self) -> ProgressState:
@@ -309,9 +325,8 @@ class Controller:
                         if group is not None and not build.closed:  # a call still running after a stop: settled below
                             self._offer(build, group)
 
-                result = self.dispatcher.run(
-                    [PromptJob(r.prompt_id, r.token_ids) for r in records],
-                    self.params,
+                result = self._generate(
+                    records,
                     min_version=required,
                     on_group=on_group if build.streamed else None,
                     should_stop=lambda: self._stop.is_set() or epoch != self._epoch or build.reward_error is not None,
@@ -319,6 +334,9 @@ class Controller:
                 )
                 with offer_lock:
                     build.closed = True
+                if self.episodes is not None:
+                    build.episodes += [e for group in result.episodes.values() for e in group]
+                    self.ledger.record_episodes(episode_ends(result.episodes), step)
                 if build.reward_error is not None:
                     raise build.reward_error
                 for prompt_id, reason in result.failed.items():
@@ -371,12 +389,13 @@ class Controller:
         pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
         self.ledger.mark(pending, FAILED, reason, build.step)
 
-    def _score(
-        self, build: _Build, record: PromptRecord, completions: list[common_pb2.Completion]
-    ) -> ScoredGroup | None:
-        """The scored group, or None: its reward function raised (the prompt fails with the reason) or returned a
+    def _score(self, build: _Build, record: PromptRecord, completions: list) -> ScoredGroup | None:
+        """The scored group (an agentic run's ``completions`` are its Episodes: ``Scorer.episode_group``), or None: its
+        reward function raised (the prompt fails with the reason) or returned a
         wrong shape (kept in ``build.reward_error``: the round stops and the run fails with it)."""
         try:
+            if self.episodes is not None:
+                return self.scorer.episode_group(record, completions)
             return self.scorer.group(record, completions)
         except RewardRaised as err:
             log.warning("prompt %s failed: %s", record.prompt_id, err)
@@ -386,6 +405,14 @@ class Controller:
         except RewardShapeError as err:
             build.reward_error = build.reward_error or err
         return None
+
+    def _generate(self, records: list[PromptRecord], **how):
+        """Samples for ``records``: ``rollout.n`` completions of each prompt (the dispatcher), or of an agentic run
+        ``rollout.n`` episodes of each task (the episode runner). ``how``: min_version, on_group, should_stop,
+        only; the result has ``groups`` and ``failed`` by prompt id."""
+        if self.episodes is not None:
+            return self.episodes.run(records, **how)
+        return self.dispatcher.run([PromptJob(r.prompt_id, r.token_ids) for r in records], self.params, **how)
 
     def _offer(self, build: _Build, group: ScoredGroup) -> None:
         """One generated group: stale ones are filtered, the rest offered to dynamic sampling; a streamed
@@ -489,6 +516,7 @@ class Controller:
             groups_stale=build.stale,
             groups_failed=build.failed,
         )
+        fill_episode_stats(stats, build.episodes)
         target = filler.target_groups if build.streamed else None
         return controller_pb2.Batch(
             batch_id=f"{build.step}-{uuid.uuid4().hex[:8]}",

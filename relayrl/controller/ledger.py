@@ -38,6 +38,8 @@ class Ledger:
         for line in self._path.read_text().splitlines():
             if line.strip():
                 event = json.loads(line)
+                if "state" not in event:  # a note (record_episodes), not a state change
+                    continue
                 if event["state"] == REWOUND:
                     self._entries.pop(event["id"], None)
                 else:
@@ -62,6 +64,12 @@ class Ledger:
             for pid in prompt_ids:
                 self._entries[pid] = (state, reason, step)
             self._append([{"id": pid, "state": state, "reason": reason, "step": step} for pid in prompt_ids])
+
+    def record_episodes(self, ends: dict[str, list[str]], step: int = -1) -> None:
+        """How each episode of each prompt's group ended (``{"id", "episodes": ["done", "failed: <why>", ...]}``
+        events: notes in the log, no state change; the prompt's own state says whether it trained)."""
+        with self._lock:
+            self._append([{"id": pid, "episodes": episodes, "step": step} for pid, episodes in ends.items()])
 
     def rewind(self, prompt_ids: list[str], reason: str) -> int:
         """Forget prompts drawn after a checkpoint the run rolled back to (logged, then dropped)."""

@@ -8,6 +8,7 @@ function that raises fails its group (``RewardRaised``); one that returns a wron
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
-from relayrl.rewards import GroupInputs, RewardCaller, check_reward
+from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
 
@@ -26,6 +27,7 @@ class ScoredGroup:
     completions: list[common_pb2.Completion]
     scores: list[float]  # task reward
     rewards: list[float]  # score + overlong penalty: what advantages are computed from
+    episodes: list = field(default_factory=list)  # agentic runs: the group's Episodes (relayrl/episodes/loop.py)
     response_tokens: int = field(init=False)  # sum of the responses' lengths (the batch's statistics)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,20 @@ class Scorer:
         return score + overlong_penalty(
             response_len, self.max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
         )
+
+    def episode_group(self, record: PromptRecord, episodes: list) -> ScoredGroup:
+        """A group of agentic episodes (relayrl/episodes/loop.py ``Episode``), scored by ``group`` with their
+        conversations and environment rewards. Every episode must have opened with the same prompt (one task, one
+        seed): the samples share it as the group's prompt. Overlong shaping measures an episode's response (sampled
+        and observation tokens) against ``max_tokens`` (an agentic scorer is given ``environment.max_total_tokens``)."""
+        if len({tuple(e.prompt_ids) for e in episodes}) != 1:
+            raise RewardRaised(f"{record.prompt_id}: the environment opened one task and seed with different prompts")
+        record = dataclasses.replace(record, token_ids=list(episodes[0].prompt_ids))
+        completions = [e.completion(record.prompt_id, i) for i, e in enumerate(episodes)]
+        outcomes = [EpisodeOutcome(e.messages, float(e.reward)) for e in episodes]
+        scored = self.group(record, completions, outcomes)
+        scored.episodes = list(episodes)
+        return scored
 
     def group(
         self,

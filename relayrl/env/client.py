@@ -1,4 +1,5 @@
-"""Clients of an environment: ``EnvironmentClient`` over gRPC, ``LocalEnvironmentClient`` in-process.
+"""Clients of an environment: ``EnvironmentClient`` over gRPC, ``LocalEnvironmentClient`` in-process,
+``AsyncEnvironmentClient`` over grpc.aio (the same calls as coroutines: the episode loop's client).
 
 Both have one thread-safe sync API in chat-template dicts (relayrl/env/messages.py)::
 
@@ -25,7 +26,7 @@ from relayrl.env.sessions import SessionTable
 from relayrl.env.types import EnvError, Reset, Step
 from relayrl.errors import InvalidArgument, RelayError
 from relayrl.services.auth import ClientSecurity
-from relayrl.services.channels import open_channel
+from relayrl.services.channels import open_aio_channel, open_channel
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
 
@@ -47,6 +48,45 @@ def _answer(convert: Callable):
         raise EnvError(None, f"the environment answered an invalid message: {err}") from None
 
 
+def reset_request(session_id: str, task: dict, seed: int | None) -> pb.ResetRequest:
+    request = pb.ResetRequest(session_id=session_id, task=_task_text(task))
+    if seed is not None:
+        request.seed = seed
+    return request
+
+
+def reset_answer(response: pb.ResetResponse) -> Reset:
+    return _answer(
+        lambda: Reset(messages_from_proto(response.messages, "messages"), tools_from_proto(response.tools, "tools"))
+    )
+
+
+def step_request(session_id: str, action: dict) -> pb.StepRequest:
+    try:
+        message = message_to_proto(action, "action")
+    except InvalidArgument as err:
+        raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+    return pb.StepRequest(session_id=session_id, action=message)
+
+
+def step_answer(response: pb.StepResponse) -> Step:
+    return Step(
+        observations=_answer(lambda: messages_from_proto(response.observations, "observations")),
+        reward=response.reward if response.HasField("reward") else None,
+        done=response.done,
+        truncated=response.truncated,
+        metrics=dict(response.metrics),
+    )
+
+
+def close_answer(response: pb.CloseResponse) -> float | None:
+    return response.reward if response.HasField("reward") else None
+
+
+def info_answer(response: pb.InfoResponse) -> dict:
+    return {"name": response.name, "max_sessions": response.max_sessions, "sessions": response.sessions}
+
+
 class _EnvironmentCalls:
     """The API in dicts over ``_call(method, request)``, which answers the proto response or raises EnvError."""
 
@@ -54,35 +94,16 @@ class _EnvironmentCalls:
         raise NotImplementedError
 
     def reset(self, session_id: str, task: dict, seed: int | None = None) -> Reset:
-        request = pb.ResetRequest(session_id=session_id, task=_task_text(task))
-        if seed is not None:
-            request.seed = seed
-        response = self._call("Reset", request)
-        return _answer(
-            lambda: Reset(messages_from_proto(response.messages, "messages"), tools_from_proto(response.tools, "tools"))
-        )
+        return reset_answer(self._call("Reset", reset_request(session_id, task, seed)))
 
     def step(self, session_id: str, action: dict) -> Step:
-        try:
-            message = message_to_proto(action, "action")
-        except InvalidArgument as err:
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        response = self._call("Step", pb.StepRequest(session_id=session_id, action=message))
-        return Step(
-            observations=_answer(lambda: messages_from_proto(response.observations, "observations")),
-            reward=response.reward if response.HasField("reward") else None,
-            done=response.done,
-            truncated=response.truncated,
-            metrics=dict(response.metrics),
-        )
+        return step_answer(self._call("Step", step_request(session_id, action)))
 
     def close(self, session_id: str, reason: str = "") -> float | None:
-        response = self._call("Close", pb.CloseRequest(session_id=session_id, reason=reason))
-        return response.reward if response.HasField("reward") else None
+        return close_answer(self._call("Close", pb.CloseRequest(session_id=session_id, reason=reason)))
 
     def info(self) -> dict:
-        response = self._call("Info", pb.InfoRequest())
-        return {"name": response.name, "max_sessions": response.max_sessions, "sessions": response.sessions}
+        return info_answer(self._call("Info", pb.InfoRequest()))
 
 
 class EnvironmentClient(_EnvironmentCalls):
@@ -124,6 +145,39 @@ class EnvironmentClient(_EnvironmentCalls):
 
     def __exit__(self, *exc) -> None:
         self.disconnect()
+
+
+class AsyncEnvironmentClient:
+    """``EnvironmentClient``'s API as coroutines over ``grpc.aio`` (create it inside the event loop that awaits it).
+    Each call's deadline is ``timeout_s``; every failure is an ``EnvError``."""
+
+    def __init__(self, address: str, *, timeout_s: float, security: ClientSecurity | None = None) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.address, self.timeout_s = address, timeout_s
+        self._channel, self._metadata = open_aio_channel(address, security=security)
+        self._stub = pb_grpc.EnvironmentServiceStub(self._channel)
+
+    async def _call(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise EnvError(err.code(), err.details() or "") from None
+
+    async def reset(self, session_id: str, task: dict, seed: int | None = None) -> Reset:
+        return reset_answer(await self._call("Reset", reset_request(session_id, task, seed)))
+
+    async def step(self, session_id: str, action: dict) -> Step:
+        return step_answer(await self._call("Step", step_request(session_id, action)))
+
+    async def close(self, session_id: str, reason: str = "") -> float | None:
+        return close_answer(await self._call("Close", pb.CloseRequest(session_id=session_id, reason=reason)))
+
+    async def info(self) -> dict:
+        return info_answer(await self._call("Info", pb.InfoRequest()))
+
+    async def disconnect(self) -> None:
+        await self._channel.close()
 
 
 class LocalEnvironmentClient(_EnvironmentCalls):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, dump_config
+from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.runtime.threads import torch_threads
@@ -162,7 +163,7 @@ def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozen
         source = parts() if rank0 else None
         streamed = StreamedStep(
             backend, cfg.algorithm, cfg.trainer, target_groups=cfg.controller.train_batch_groups,
-            version=step - 1, verified=verified, pad_id=pad_id, norm_len=cfg.rollout.max_tokens,
+            version=step - 1, verified=verified, pad_id=pad_id, norm_len=cfg.max_response_tokens,
         )  # fmt: skip
         whole: list[controller_pb2.Sample] = []  # parts of a batch sent whole (not streamed)
         waited = 0.0
@@ -193,7 +194,7 @@ def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozen
                 batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
                 train = train_on_batch(
                     backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-                    norm_len=cfg.rollout.max_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                    norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
                 )  # fmt: skip
             train["streamed"] = float(part.streamed)
             train["train_wait_seconds"] = waited
@@ -231,6 +232,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "rollout_workers": sorted({s.worker_id for s in batch.samples}),
         "data_cursor_start": stats.cursor_start,
         "data_cursor_end": stats.cursor_end,
+        **step_episode_metrics(stats),
         "time": time.time(),
     }
 
@@ -294,7 +296,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
                 batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
                 train = train_on_batch(
                     backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-                    norm_len=cfg.rollout.max_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                    norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
                 )  # fmt: skip
                 done = time.perf_counter()  # train_seconds: batch in hand to trained, without pull and sync
                 train.update(streamed=0.0, train_wait_seconds=pulled - began, train_seconds=done - pulled)

@@ -5,7 +5,8 @@ the secret); a task row ``{"secret": k}`` overrides it. Each policy turn guesses
 ``guess({"number": k})`` (answered by a tool result) or with plain text, whose first integer is the guess
 (answered by a user message). "correct" ends the episode with reward 1.0; after ``max_turns`` turns without it
 the environment truncates the episode with reward 0.0 (a task row may set ``max_turns``). An episode relayrl
-ends early (``close`` with a reason) is worth 0.0. Several tool calls in one turn are answered in order.
+ends early (``close`` with a reason) is worth 0.0. Several tool calls in one turn are answered in order. A task
+row ``{"tools": false}`` offers no tool (plain-text guesses only: a prompt without the tool schema).
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ class GuessNumber(Environment):
         limit = task.get("max_turns", self.max_turns)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise InvalidArgument("task.max_turns", f"must be a positive integer, got {limit!r}")
+        tools = task.get("tools", True)
+        if not isinstance(tools, bool):
+            raise InvalidArgument("task.tools", f"must be true or false, got {tools!r}")
         self.secret, self.limit, self.turns = secret, limit, 0
         return Reset(
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}],
-            tools=[GUESS_TOOL],
+            tools=[GUESS_TOOL] if tools else [],
         )
 
     def step(self, action: dict) -> Step:
