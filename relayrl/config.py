@@ -49,6 +49,27 @@ class RunConfig(Section):
         return Path(self.dir) / self.name
 
 
+class LoraConfig(Section):
+    """A LoRA adapter trained instead of the full weights (PEFT on the FSDP backend; docs/lora.md): delta W =
+    scale * B A on every target module, scale = alpha / rank (alpha / sqrt(rank) with rsLoRA). Weight sync sends
+    the base weights once per worker, then only the adapter's tensors."""
+
+    rank: int = Field(8, ge=1)  # r: the inner dimension of B A
+    alpha: float = Field(16.0, gt=0)  # lora_alpha: the scale's numerator
+    # the Linear modules adapted, by name suffix as PEFT matches them (unfused Hugging Face names)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # lora_dropout on the adapter's input while training
+    use_rslora: bool = False  # rank-stabilised scale alpha / sqrt(rank)
+    export_merged: bool = False  # the export also writes the merged model (<run dir>/final/merged)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str]) -> list[str]:
+        if not value or any(not name for name in value):
+            raise ValueError("must name at least one module, and no empty name")
+        return value
+
+
 class ModelConfig(Section):
     path: str
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -56,6 +77,7 @@ class ModelConfig(Section):
     build_tiny_if_missing: bool = False
     tiny_hidden_size: int = Field(32, ge=8)
     tiny_layers: int = Field(2, ge=1)
+    lora: LoraConfig | None = None  # train a LoRA adapter on the frozen model (absent: every weight is trained)
 
 
 class DataConfig(Section):
@@ -433,6 +455,8 @@ class RelayConfig(Section):
                 f"controller.train_batch_groups x rollout.n = {samples} samples is not divisible by the trainer's "
                 f"{trainer.data_parallel} data-parallel ranks ({ranks})"
             )
+        if self.model.lora is not None and trainer.backend != "fsdp":
+            raise ValueError(f"model.lora: LoRA trains on trainer.backend fsdp only, not {trainer.backend}")
         if self.rollout.n < 2 and self.algorithm.advantage in {"grpo", "rloo", "reinforce_pp_baseline"}:
             raise ValueError(f"rollout.n must be >= 2 for the group-relative advantage {self.algorithm.advantage!r}")
         if self.controller.reward.overlong_buffer >= self.rollout.max_tokens:

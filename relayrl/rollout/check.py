@@ -10,7 +10,11 @@ One command for a machine with the engine installed (``--engine vllm|sglang|hf -
    gRPC -> the rollout worker -> the engine, buckets over a real gloo (CPU) or NCCL (CUDA) group); the
    worker's checksum must equal the trainer's, greedy outputs must change, and the log-probs after the
    update must match a forward of the perturbed model;
-4. tokens/s of the sampling in 1.
+4. with ``--lora``, the adapter path: a random rank-8 PEFT adapter on the (updated) model, synced as a LoRA run
+   syncs it (``WeightPublisher``: the base weights, then the adapter's tensors alone) and loaded by the engine
+   (``load_adapter``); the worker must report the adapter's version, greedy outputs must change, and the
+   log-probs must match a forward of the PEFT model;
+5. tokens/s of the sampling in 1.
 
 Prints a table (or ``--json``). Exit status: 0 every check passed, 1 a check failed, 2 the engine cannot
 start here (not installed, unsupported version: the message says what to install) or bad arguments.
@@ -170,6 +174,40 @@ def _differ(a: EngineCompletion, b: EngineCompletion, tolerance: float) -> bool:
     return bool(a.logprobs) and (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item() > tolerance
 
 
+def check_adapter_update(engine: InferenceEngine, model, prompts, report: Report, max_tokens: int) -> None:
+    """Base + adapter through WeightPublisher -> gRPC -> RolloutWorker -> engine.load_adapter; the worker's version,
+    changed outputs, parity with the PEFT model's forward."""
+    from relayrl.config import LoraConfig
+    from relayrl.trainer.backends.lora import adapter_name, apply_lora, base_name, is_adapter, lora_spec
+
+    cfg = LoraConfig()
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+    before = sorted(engine.generate(prompts, greedy), key=lambda c: c.prompt_index)
+    adapted = apply_lora(model, cfg)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # PEFT starts B at zero (the base model): a random adapter instead
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator).to(p) * 0.5)
+    named = list(adapted.named_parameters())
+    base = {base_name(n): p.detach() for n, p in named if not is_adapter(n)}
+    adapter = {adapter_name(n): p.detach() for n, p in named if is_adapter(n)}
+    with _served_worker(engine, report.device, lora=lora_spec(cfg)) as (worker, publisher):
+        publisher.arena_for([(n, tuple(t.shape), t.dtype) for n, t in base.items()], "base").load(base.items())
+        arena = publisher.arena_for([(n, tuple(t.shape), t.dtype) for n, t in adapter.items()], "adapter")
+        arena.load(adapter.items())
+        result = publisher.publish(2, arena, kind="adapter")
+    ok = result.synced == [worker.worker_id] and worker.reported_version == 2
+    sizes = f"{arena.manifest.total_bytes} adapter bytes, {result.nbytes} with the base"
+    report.add("adapter sync (gRPC + broadcast)", ok, sizes + (f"; failed: {result.failed}" if result.failed else ""))
+    after = sorted(engine.generate(prompts, greedy), key=lambda c: c.prompt_index)
+    changed = sum(_differ(a, b, report.tolerance) for a, b in zip(after, before, strict=True))
+    report.add("outputs changed by the adapter", changed > 0, f"{changed}/{len(prompts)} greedy outputs differ")
+    worst = max_logprob_diff(adapted, prompts, after, 0.0)
+    report.max_logprob_diff = max(report.max_logprob_diff, worst)
+    report.add("log-probs with the adapter", worst <= report.tolerance, f"max |diff| {worst:.2e} vs the PEFT model")
+
+
 class _Plan:
     """The controller's GetWeightSyncPlan for one worker (the publisher's only question to the controller)."""
 
@@ -188,7 +226,7 @@ class _Plan:
 class _served_worker:
     """The engine behind a RolloutWorker served over gRPC on localhost, and a WeightPublisher aimed at it."""
 
-    def __init__(self, engine: InferenceEngine, device: str) -> None:
+    def __init__(self, engine: InferenceEngine, device: str, lora=None) -> None:
         from relayrl.config import RelayConfig
         from relayrl.rollout.sampling import GenerationLimits
         from relayrl.rollout.worker import RolloutWorker
@@ -214,7 +252,7 @@ class _served_worker:
             rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
         )
         plan = _Plan(self.worker.worker_id, f"127.0.0.1:{self.server.port}")
-        self.publisher = WeightPublisher(cfg.weight_sync, plan, weights_dir="")
+        self.publisher = WeightPublisher(cfg.weight_sync, plan, weights_dir="", lora=lora)
 
     def __enter__(self):
         self.server.start()
@@ -244,8 +282,10 @@ def run_check(
     tolerance: float | None = None,
     n: int = 4,
     max_tokens: int = 16,
+    lora: bool = False,
 ) -> Report:
-    """Every check above on ``engine`` (serving ``model_path``); closes the engine."""
+    """Every check above on ``engine`` (serving ``model_path``; the adapter path with ``lora``); closes the
+    engine."""
     from transformers import AutoModelForCausalLM
 
     from relayrl.rollout.hf import DTYPES
@@ -256,6 +296,8 @@ def run_check(
         prompts = prompts_for(engine.tokenizer, engine.max_model_len, max_tokens)
         check_sampling(engine, model, prompts, report, n, max_tokens)
         check_weight_update(engine, model, prompts, report, max_tokens)
+        if lora:
+            check_adapter_update(engine, model, prompts, report, max_tokens)
     finally:
         engine.close()
     return report
@@ -271,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (>= 2)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="engine option (YAML value)")
+    parser.add_argument("--lora", action="store_true", help="also check the LoRA adapter path (sync and load)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -307,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         tolerance=args.tolerance,
         n=args.n,
         max_tokens=args.max_tokens,
+        lora=args.lora,
     )
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else 1

@@ -26,8 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, GenerationC
 from transformers.cache_utils import DynamicLayer
 
 from relayrl.rollout.batcher import ContinuousBatcher
-from relayrl.rollout.engine import EngineCompletion, InferenceEngine
+from relayrl.rollout.engine import EngineCompletion, InferenceEngine, LoraAdapterSpec
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
+from relayrl.rollout.lora import AdapterSlots
 from relayrl.rollout.padding import left_pad, position_ids
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
@@ -49,6 +50,7 @@ class HFEngine(InferenceEngine):
     """
 
     name = "hf"
+    supports_lora = True  # unmerged, on both runners (relayrl.rollout.lora)
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class HFEngine(InferenceEngine):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # every name a state dict may use, tied aliases included (lm_head.weight -> the embedding)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._adapter = AdapterSlots(self.model)
         runner = self._runner(decode)
         self.decoder = "fast" if isinstance(runner, LlamaDecodeRunner) else "transformers"  # the one chosen
         self._batcher = ContinuousBatcher(runner, max_rows=max_batch_size, generator=self._generator, threads=threads)
@@ -127,6 +130,10 @@ class HFEngine(InferenceEngine):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The parameters themselves (so ``.data`` swaps reach the model); a tied weight once, first name."""
         yield from self.model.named_parameters()
+
+    def load_adapter(self, name: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
+        """See ``InferenceEngine.load_adapter`` (``relayrl.rollout.lora.AdapterSlots.load``)."""
+        return self._adapter.load(name, spec, tensors)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """See ``InferenceEngine.load_weights``; tensors are cast to the parameter's dtype and device."""

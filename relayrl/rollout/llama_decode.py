@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from relayrl.rollout.lora import LORA_ATTR
 from relayrl.rollout.padding import left_pad, position_ids
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -258,7 +259,10 @@ class LlamaDecodeRunner:
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
+    """x Wᵀ + b, plus the module's LoRA adapter when one is loaded (relayrl.rollout.lora)."""
+    out = F.linear(x, module.weight, module.bias)
+    adapter = module.__dict__.get(LORA_ATTR)
+    return out if adapter is None else adapter.add_to(out, x)
 
 
 def _mlp(h: torch.Tensor, mlp: nn.Module) -> torch.Tensor:

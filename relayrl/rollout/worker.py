@@ -9,6 +9,11 @@ calls back until the running ones have finished and swap the two copies. Either 
 is generated entirely by one version, the one stamped on it. A failed load leaves the worker "torn":
 it refuses Generate and reports version -1 until a later update succeeds.
 
+LoRA (``WeightManifest.kind``): a "base" manifest loads the frozen weights like a full one but leaves the version
+(the adapter) as it is; an "adapter" manifest is received while calls run, into staging copies, verified, then
+swapped in with no call in flight (``_update_adapter``): a transfer or load that fails leaves the previous adapter
+and version serving.
+
 In-process engines keep their weights in a ``WeightArena`` with the manifest's layout (adopted at
 the first update, a bucket at a time), so a broadcast lands in place: in the live arena (pause) or
 in the spare one (shadow), with no staging buffer and no copy.
@@ -22,11 +27,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
 from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
+from relayrl.rollout.lora import adapted_modules
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.arena import WeightArena
@@ -132,6 +140,7 @@ class RolloutWorker:
         self._live: WeightArena | None = None  # the arena the engine's parameters view
         self._spare: WeightArena | None = None  # shadow mode: where the next update lands
         self.loaded: deque[rollout_pb2.LoadedVersion] = deque(maxlen=64)
+        self._adapter_loads = 0  # suffix of adapter names: a name is never reused (engines key caches by it)
         # vllm / sglang: the engine's own GPU processes join the group and receive (docs/engines.md)
         self.engine_receives = bool(getattr(engine, "receives_weights_itself", False))
         if self.engine_receives and mode != "pause":
@@ -244,7 +253,10 @@ class RolloutWorker:
         if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
             raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
         start = time.perf_counter()
-        stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
+        if manifest.kind == "adapter":
+            stats = self._update_adapter(manifest)
+        else:
+            stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
         # stats.checksum: the fingerprint folded as the bytes landed, already compared with the sender's in band
         checksum = stats.checksum or ("" if manifest.verify == "off" else self._checksum(manifest.checksum))
         if manifest.checksum and checksum != manifest.checksum:
@@ -274,7 +286,14 @@ class RolloutWorker:
             ) from None
         except ValueError as err:
             raise InvalidArgument("manifest", str(err)) from None
-        if manifest.layout_id != self._checked_layout:  # a layout is checked against the engine once
+        if manifest.kind == "adapter" and not self.engine.supports_lora:
+            raise FailedPrecondition(f"manifest.kind: the {self.engine.name} engine cannot load LoRA adapters")
+        if manifest.kind == "adapter":
+            try:
+                adapted_modules([spec.name for spec in manifest.tensors])
+            except ValueError as err:
+                raise InvalidArgument("manifest.tensors", str(err)) from None
+        if manifest.kind != "adapter" and manifest.layout_id != self._checked_layout:  # checked once per layout
             shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
             for spec in manifest.tensors:
                 if shapes.get(spec.name) != spec.shape:
@@ -289,10 +308,10 @@ class RolloutWorker:
                 raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
         return manifest
 
-    def _receive(self, manifest: WeightManifest, target: WeightArena | None) -> ReceiveStats:
-        """Bring ``manifest``'s bytes into ``target`` (None: through ``engine.load_weights``)."""
+    def _receive(self, manifest: WeightManifest, target: WeightArena | None, load_fn=None) -> ReceiveStats:
+        """Bring ``manifest``'s bytes into ``target`` (None: through ``load_fn``, default ``engine.load_weights``)."""
         die = fault_injection(self.worker_id, manifest.version)
-        load_fn = target.load if target is not None else self.engine.load_weights
+        load_fn = target.load if target is not None else load_fn or self.engine.load_weights
         if die is not None:
             load_fn = _then(load_fn, die)
         try:
@@ -324,7 +343,8 @@ class RolloutWorker:
                 self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
                 self._live = WeightArena.adopt(manifest, self._params(), self._device())
             stats = self._receive(manifest, self._live)
-            self.version, self.state = manifest.version, "serving"
+            self.version = self.version if manifest.kind == "base" else manifest.version
+            self.state = "serving"
             return stats
         except Exception:
             self.state = "torn"
@@ -348,7 +368,7 @@ class RolloutWorker:
         try:  # re-point the parameters, O(1) per tensor
             self._spare.point(self._params())
             self._live, self._spare = self._spare, self._live
-            self.version = manifest.version
+            self.version = self.version if manifest.kind == "base" else manifest.version
             if self.state == "torn":
                 self.state = "serving"
         finally:
@@ -356,6 +376,56 @@ class RolloutWorker:
                 self._updating = False
                 self._cond.notify_all()
         return stats
+
+    def _update_adapter(self, manifest: WeightManifest) -> ReceiveStats:
+        """An adapter update (module docstring). In-process engines: the tensors are received into copies while
+        calls run (a WeightSyncError or a fingerprint mismatch raises here, nothing loaded), then loaded with no
+        call in flight (``pause``: aborted; ``shadow``: finished) under a name never used before; the engine's
+        count of adapted modules must be the count sent. Engines that receive weights themselves load it in
+        ``receive_update`` (pause)."""
+        if self.engine_receives:
+            with self._held(abort=True):
+                stats = self._receive(manifest, None)
+                self.version = manifest.version
+            return stats
+        tensors: dict[str, torch.Tensor] = {}
+        stats = self._receive(manifest, None, lambda views: tensors.update((n, t.clone()) for n, t in views))
+        if manifest.checksum:  # checked out of band, before anything is loaded
+            landed = weights_checksum(tensors.items(), method=checksum_method(manifest.checksum))
+            if landed != manifest.checksum:
+                raise FailedPrecondition(f"checksum: adapter {landed[:12]} landed, manifest {manifest.checksum[:12]}")
+            stats = replace(stats, checksum=landed)
+        sent = len(adapted_modules(tensors))
+        self._adapter_loads += 1
+        name = f"policy-v{manifest.version}.{self._adapter_loads}"
+        with self._held(abort=self.mode == "pause"):
+            try:
+                loaded = self.engine.load_adapter(name, manifest.lora, tensors)
+            except ValueError as err:
+                raise FailedPrecondition(f"manifest.tensors: {err}; version {self.version} serves on") from None
+            if loaded != sent:  # the engine serves something else than was sent: refuse calls until the next update
+                self.state = "torn"
+                raise FailedPrecondition(f"manifest.tensors: the engine adapted {loaded} modules, {sent} were sent")
+            self.version = manifest.version
+        return stats
+
+    @contextmanager
+    def _held(self, *, abort: bool) -> Iterator[None]:
+        """Inside, no Generate call is in flight: new ones wait; those in flight are aborted (``abort``: their
+        prompts come back for re-dispatch) or finish first."""
+        with self._cond:
+            self._updating = True
+            if abort:
+                self._abort.set()
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._updating = False
+                self._abort.clear()
+                self._cond.notify_all()
 
     def _device(self) -> torch.device:
         return next(iter(self.engine.named_weights()))[1].device

@@ -137,12 +137,28 @@ def save_checkpoint(backend, run_dir: Path, step: int, cursor: int) -> None:
 
 
 def publish_weights(backend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
-    """Collective: every rank gathers the full weights; rank 0 (the one with a syncer) gathers them into
-    the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks)."""
+    """Collective: every rank gathers the weights (with LoRA: the adapter's); rank 0 (the one with a syncer)
+    gathers them into the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks)."""
+    if backend.lora is not None:
+        gather = partial(backend.gather_weights, kind="adapter")
+        if syncer is None:
+            gather(None)
+            return None
+        return syncer.publish(version, backend.weight_specs("adapter"), gather, kind="adapter")
     if syncer is None:
         backend.gather_weights(None)
         return None
     return syncer.publish(version, backend.weight_specs(), backend.gather_weights)
+
+
+def stage_base(backend, syncer: OnDemandSync | None) -> None:
+    """Collective, LoRA runs: every rank gathers the frozen base weights, once; rank 0 keeps them for the
+    workers that lack them (``WeightPublisher``)."""
+    gather = partial(backend.gather_weights, kind="base")
+    if syncer is None:
+        gather(None)
+    else:
+        syncer.stage_base(backend.weight_specs("base"), gather)
 
 
 def broadcast_from_rank0(*values: object) -> list:
@@ -255,7 +271,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller_address))
-        publisher = WeightPublisher(cfg.weight_sync, stub, str(Path(cfg.weight_sync.path or run_dir / "weights")))
+        weights_dir = str(Path(cfg.weight_sync.path or run_dir / "weights"))
+        publisher = WeightPublisher(cfg.weight_sync, stub, weights_dir, lora=backend.lora)
         writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step)
         trackers = StepTrackers.from_config(cfg)
         syncer = OnDemandSync(publisher, stub, cfg.weight_sync.on_demand_interval_s)  # operator syncs, joiners
@@ -263,6 +280,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
 
     # The starting weights go to every worker first (base weights, or the checkpoint's when workers run newer,
     # lost ones): each worker's load is verified, so the first step may use the engines' logprobs.
+    if backend.lora is not None:
+        stage_base(backend, syncer)
     sync = publish_weights(backend, syncer, start_step)
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)

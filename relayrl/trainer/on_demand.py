@@ -7,9 +7,10 @@ of the last step again when
 - a worker is behind and this trainer has not pushed the current version to it (it joined after a
   scale-up, at version 0, or restarted): to those workers only, so they serve from the next dispatch
   instead of idling until the next step's sync (the controller never hands them work before).
-Each push is reported with ReportWeightSync. Pushes and the loop's per-step gather + publish share one
-lock, so a push never reads a half-gathered arena. Cost: the publisher's arena (one CPU copy of the
-weights on rank 0, where each step's gather lands) is what pushes send between steps.
+A push sends what the last step sent (its kind: "full", or a LoRA run's "adapter", which brings the base weights
+staged by ``stage_base`` to a worker that lacks them). Each push is reported with ReportWeightSync. Pushes and the
+loop's per-step gather + publish share one lock, so a push never reads a half-gathered arena. Cost: the publisher's
+arena (one CPU copy of the weights on rank 0, where each step's gather lands) is what pushes send between steps.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class OnDemandSync:
         self.interval_s = interval_s
         self.lock = threading.Lock()
         self._weights: WeightArena | None = None
+        self._kind = "full"
         self._version = 0
         self._pushed: dict[str, int] = {}  # worker id -> the version this trainer last brought it to
         self._retry_at: dict[str, tuple[float, float]] = {}  # joiner that failed -> (next try, backoff)
@@ -59,17 +61,27 @@ class OnDemandSync:
         self._thread.join(timeout=120)
 
     def publish(
-        self, version: int, specs: Sequence[Spec], gather: Callable[[Mapping[str, torch.Tensor]], None]
+        self,
+        version: int,
+        specs: Sequence[Spec],
+        gather: Callable[[Mapping[str, torch.Tensor]], None],
+        kind: str = "full",
     ) -> SyncResult:
         """The per-step publish (every live worker): ``gather(views)`` fills the publisher's arena for
-        ``specs``, which is then sent and remembered for later pushes."""
+        ``specs`` (of ``kind``), which is then sent and remembered for later pushes."""
         with self.lock:
-            arena = self.publisher.arena_for(specs)
+            arena = self.publisher.arena_for(specs, kind)
             gather(dict(arena.views()))
-            result = self.publisher.publish(version, arena)
-            self._weights, self._version = arena, version
+            result = self.publisher.publish(version, arena, kind=kind)
+            self._weights, self._version, self._kind = arena, version, kind
             self._remember(result)
         return result
+
+    def stage_base(self, specs: Sequence[Spec], gather: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
+        """LoRA: ``gather(views)`` fills the publisher's arena of the frozen base weights, once per run; adapter
+        updates bring it to the workers that lack it."""
+        with self.lock:
+            gather(dict(self.publisher.arena_for(specs, "base").views()))
 
     def _remember(self, result: SyncResult) -> None:
         for worker_id in result.synced:
@@ -111,7 +123,7 @@ class OnDemandSync:
             else:
                 if force:
                     self.publisher.close()
-                result = self.publisher.publish(self._version, self._weights, only=only)
+                result = self.publisher.publish(self._version, self._weights, only=only, kind=self._kind)
                 self._remember(result)
         if only is not None:
             for worker_id in only - set(result.synced):

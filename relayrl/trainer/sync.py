@@ -19,6 +19,11 @@ UpdateWeights(manifest) per worker and broadcast the buckets while those calls a
 acknowledged this layout in the current group gets the compact manifest (the layout named by id). A worker that
 fails (dead, frozen, torn) is left out and the group is re-formed without it: the trainer carries on with the
 rest. Filesystem transport: write shards, then the RPCs.
+
+LoRA (``model.lora``): each update is an "adapter" manifest (the adapter's tensors and its ``LoraSpec``); a member
+that has not loaded this trainer's "base" manifest (the frozen weights, staged once in ``arena_for(specs,
+"base")``) gets it first, in an update of its own to those members only: at the start, and for a worker that
+joins or restarts (a new address) later. ``SyncResult.nbytes`` counts both.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from google.protobuf.message import Message
 
 from relayrl.config import WeightSyncConfig
 from relayrl.errors import rpc_error_text
+from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.services.channels import open_channel
@@ -61,13 +67,21 @@ class SyncResult:
     synced: list[str]  # worker ids now at `version`
     failed: dict[str, str]  # worker id -> reason
     checksum: str
-    nbytes: int
+    nbytes: int  # payload bytes sent: the update's, plus the base weights' when some member needed them (LoRA)
     plan_wait_seconds: float = 0.0  # waiting for the controller's plan (a control-plane outage), not in `seconds`
 
 
 class WeightPublisher:
-    def __init__(self, cfg: WeightSyncConfig, controller: controller_pb2_grpc.ControllerServiceStub, weights_dir: str):
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        controller: controller_pb2_grpc.ControllerServiceStub,
+        weights_dir: str,
+        *,
+        lora: LoraAdapterSpec | None = None,
+    ):
         self.cfg = cfg
+        self.lora = lora
         self.controller = controller
         self.weights_dir = weights_dir
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if cfg.backend == "auto" else cfg.backend
@@ -75,8 +89,9 @@ class WeightPublisher:
         self.sender = WeightSender(self.device)
         self.builder = ManifestBuilder(bucket_bytes=int(cfg.bucket_mib * (1 << 20)), transport=cfg.transport)
         self.repeats = RepeatedWarning(log)  # a worker left out of every step's sync: once every 10 steps
-        self._arena: WeightArena | None = None
-        self._layout_holders: set[str] = set()  # workers that hold the arena's layout (this group)
+        self._arenas: dict[str, WeightArena] = {}  # by manifest kind
+        self._layout_holders: dict[str, set[str]] = {}  # layout id -> the workers that hold it (this group)
+        self._base_holders: set[tuple[str, str]] = set()  # (worker id, address) that loaded the base (LoRA)
         self.group: WeightBroadcastGroup | None = None
         self.members: list[tuple[str, str]] = []  # (worker id, address) in group-rank order
         self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
@@ -94,16 +109,16 @@ class WeightPublisher:
         self.group, self.members = None, []
         self._layout_holders.clear()
 
-    def arena_for(self, specs: list[Spec]) -> WeightArena:
-        """The arena the next update is gathered into (reused while the specs stay the same)."""
+    def arena_for(self, specs: list[Spec], kind: str = "full") -> WeightArena:
+        """The arena the next update of ``kind`` is gathered into (reused while the specs stay the same)."""
         layout = self.builder.build(specs, version=0)
-        if self._arena is None or not self._arena.fits(layout):
-            self._arena = None  # free the old one first
+        arena = self._arenas.get(kind)
+        if arena is None or not arena.fits(layout):
+            self._arenas.pop(kind, None)  # free the old one first
             free = torch.cuda.mem_get_info()[0] if self.backend == "nccl" else None
             place = arena_placement(self.backend, sum(b.nbytes for b in layout.buckets), free)
-            self._arena = WeightArena(layout, place.device, pin_memory=place.pin_memory)
-            self._layout_holders.clear()
-        return self._arena
+            self._arenas[kind] = WeightArena(layout, place.device, pin_memory=place.pin_memory)
+        return self._arenas[kind]
 
     def _form_group(self, members: list[tuple[str, str]]) -> dict[str, str]:
         """Build the group rank 0 + members; returns the members that failed to join (id -> reason)."""
@@ -146,17 +161,22 @@ class WeightPublisher:
         self.group, self.members = group, members
         return {}
 
-    def publish(self, version: int, weights: WeightArena, only: set[str] | None = None) -> SyncResult:
+    def publish(
+        self, version: int, weights: WeightArena, only: set[str] | None = None, kind: str = "full"
+    ) -> SyncResult:
         """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
-        ``arena_for``). Never raises for a worker's failure; reports it. ``seconds`` is the update's own time:
-        the wait for the controller's plan (it may be restarting) is ``plan_wait_seconds``."""
+        ``arena_for``; ``kind`` as in its manifest: "full", or with LoRA "adapter", preceded by the base where a
+        member lacks it, or "base"). Never raises for a worker's failure; reports it. ``seconds`` is the update's
+        own time: the wait for the controller's plan (it may be restarting) is ``plan_wait_seconds``."""
         start = time.perf_counter()
-        plan_wait = 0.0
+        plan_wait, base_bytes = 0.0, 0
         manifest = weights.manifest.with_header(
             version=version,
             path=self.weights_dir if self.cfg.transport == "filesystem" else "",
             transport=self.cfg.transport,
             **self._verification(version, weights),
+            kind=kind,
+            lora=None if kind == "full" else self.lora,
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
@@ -177,6 +197,13 @@ class WeightPublisher:
             # a receiver that cannot be reached is left out before the broadcast, which would wait for it
             failed.update(self._unreachable({w.worker_id: w.address for w in planned}))
             members = [(w.worker_id, w.address) for w in planned if w.worker_id not in failed]
+            lacking = {wid for wid, addr in members if (wid, addr) not in self._base_holders}
+            if kind == "adapter" and lacking:
+                base = self.publish(version, self._arenas["base"], only=lacking, kind="base")
+                failed.update(base.failed)
+                plan_wait += base.plan_wait_seconds
+                base_bytes += base.nbytes if base.synced else 0
+                members = [m for m in members if m in self._base_holders]
             if not members:
                 break
             if self.cfg.transport == "filesystem":
@@ -199,7 +226,7 @@ class WeightPublisher:
         for wid, reason in failed.items():
             self.repeats.warn(f"left out {wid}", "weight sync v%d: worker %s left out: %s", version, wid, reason)
         seconds = time.perf_counter() - start - plan_wait
-        return SyncResult(version, seconds, synced, failed, checksum, manifest.total_bytes, plan_wait)
+        return SyncResult(version, seconds, synced, failed, checksum, manifest.total_bytes + base_bytes, plan_wait)
 
     def _verification(self, version: int, weights: WeightArena) -> dict[str, str | int]:
         """The manifest's header fields that say how receivers check update ``version`` (module docstring)."""
@@ -221,9 +248,10 @@ class WeightPublisher:
         group_name = group.group_name if group else ""
         full = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(), group_name=group_name)
         compact = rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto(compact=True), group_name=group_name)
+        holders = self._layout_holders.setdefault(manifest.layout_id, set())
         futures = {
             wid: self._stub(addr).UpdateWeights.future(
-                compact if wid in self._layout_holders else full, timeout=self.cfg.timeout_s * 2
+                compact if wid in holders else full, timeout=self.cfg.timeout_s * 2
             )
             for wid, addr in members
         }
@@ -243,15 +271,19 @@ class WeightPublisher:
                 outcome[wid] = answer
                 continue
             same = not expected or answer.checksum == expected
-            ok = answer.policy_version == manifest.version and same
+            # a base load leaves the worker at its adapter's version
+            ok = (manifest.kind == "base" or answer.policy_version == manifest.version) and same
             outcome[wid] = None if ok else f"loaded version {answer.policy_version} checksum mismatch"
         if send_error and all(reason is None for reason in outcome.values()):
             outcome = {wid: f"broadcast failed: {send_error}" for wid in outcome}
+        addresses = dict(members)
         for wid, reason in outcome.items():
             if reason is None:
-                self._layout_holders.add(wid)
+                holders.add(wid)
+                if manifest.kind == "base":
+                    self._base_holders.add((wid, addresses[wid]))
             else:
-                self._layout_holders.discard(wid)
+                holders.discard(wid)
         return outcome, expected
 
     def _answers(

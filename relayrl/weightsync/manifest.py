@@ -22,6 +22,7 @@ from itertools import pairwise
 import torch
 from google.protobuf import json_format
 
+from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.v1 import common_pb2 as pb
 
 ALIGN = 256
@@ -31,6 +32,8 @@ TRANSPORTS = ("broadcast", "filesystem")
 # (broadcast), "off" (receivers check nothing), "" (by ``checksum``)
 VERIFY = ("", "fingerprint", "sampled", "off")
 IN_BAND = ("fingerprint", "sampled")
+# WeightManifest.kind: every weight ("full"), a LoRA run's frozen base weights ("base") or its adapter ("adapter")
+KINDS = ("full", "base", "adapter")
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -95,12 +98,15 @@ class WeightManifest:
     verify: str = ""  # one of VERIFY; "fingerprint": the sender's fingerprint follows the buckets over the group
     sample_stride: int = 0  # verify "sampled": blocks b with (b + sample_phase) % sample_stride == 0 are checked
     sample_phase: int = 0
+    kind: str = "full"  # one of KINDS
+    lora: LoraAdapterSpec | None = None  # the adapter's shape: kind "adapter" (and "base") only
     _by_bucket: dict[int, list[TensorSpec]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", tuple(self.tensors))
         object.__setattr__(self, "buckets", tuple(self.buckets))
         object.__setattr__(self, "_by_bucket", _check_layout(self))
+        _check_kind(self.kind, self.lora)
 
     @property
     def total_bytes(self) -> int:
@@ -144,6 +150,8 @@ class WeightManifest:
         verify: str = "",
         sample_stride: int = 0,
         sample_phase: int = 0,
+        kind: str = "full",
+        lora: LoraAdapterSpec | None = None,
     ) -> WeightManifest:
         """This layout for another update: a shallow copy with a new header (the layout, already checked,
         is shared with this manifest, and so is its computed ``layout_id``)."""
@@ -151,6 +159,7 @@ class WeightManifest:
             raise ValueError(f"transport: {transport!r} is not one of {TRANSPORTS}")
         if verify != self.verify or (sample_stride, sample_phase) != (self.sample_stride, self.sample_phase):
             _check_verify(self.tensors, verify, sample_stride, sample_phase)
+        _check_kind(kind, lora)
         manifest = copy.copy(self)
         header = {
             "version": version,
@@ -160,6 +169,8 @@ class WeightManifest:
             "verify": verify,
             "sample_stride": sample_stride,
             "sample_phase": sample_phase,
+            "kind": kind,
+            "lora": lora,
         }
         for name, value in header.items():
             object.__setattr__(manifest, name, value)
@@ -178,6 +189,8 @@ class WeightManifest:
             verify=self.verify,
             sample_stride=self.sample_stride,
             sample_phase=self.sample_phase,
+            kind=self.kind,
+            lora=_lora_proto(self.lora),
         )
 
     def _tensor_protos(self) -> list[pb.TensorSpec]:
@@ -208,6 +221,7 @@ class WeightManifest:
             verify=msg.verify,
             sample_stride=msg.sample_stride,
             sample_phase=msg.sample_phase,
+            **kind_fields(msg),
         )
         if msg.layout_id and msg.layout_id != manifest.layout_id:
             raise ValueError(f"layout_id: {msg.layout_id[:12]} is not the id of the layout sent with it")
@@ -220,6 +234,37 @@ class WeightManifest:
     @classmethod
     def from_json(cls, text: str) -> WeightManifest:
         return cls.from_proto(json_format.Parse(text, pb.WeightManifest()))
+
+
+def kind_fields(msg: pb.WeightManifest) -> dict:
+    """``kind`` and ``lora`` of a wire manifest as the dataclass holds them (proto3's "" is "full"; a LoraSpec
+    is present when ``msg.HasField("lora")``)."""
+    lora = msg.lora
+    spec = (
+        LoraAdapterSpec(lora.rank, lora.alpha, tuple(lora.target_modules), lora.use_rslora)
+        if msg.HasField("lora")
+        else None
+    )
+    return {"kind": msg.kind or "full", "lora": spec}
+
+
+def _lora_proto(spec: LoraAdapterSpec | None) -> pb.LoraSpec | None:
+    if spec is None:
+        return None
+    return pb.LoraSpec(rank=spec.rank, alpha=spec.alpha, target_modules=spec.target_modules, use_rslora=spec.use_rslora)
+
+
+def _check_kind(kind: str, lora: LoraAdapterSpec | None) -> None:
+    """ValueError unless ``kind`` is known and an adapter carries a LoraSpec of positive rank and alpha (a
+    "full" manifest carries none)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {KINDS}")
+    if kind == "adapter" and lora is None:
+        raise ValueError("lora: an adapter manifest needs its LoraSpec (rank, alpha, target modules)")
+    if kind == "full" and lora is not None:
+        raise ValueError("lora: a full manifest carries no LoraSpec (kind 'base' or 'adapter')")
+    if lora is not None and (lora.rank < 1 or not lora.alpha > 0 or not lora.target_modules):
+        raise ValueError(f"lora: rank {lora.rank}, alpha {lora.alpha}, target modules {list(lora.target_modules)}")
 
 
 def _check_layout(m: WeightManifest) -> dict[int, list[TensorSpec]]:
@@ -319,6 +364,8 @@ class ManifestBuilder:
         verify: str = "",
         sample_stride: int = 0,
         sample_phase: int = 0,
+        kind: str = "full",
+        lora: LoraAdapterSpec | None = None,
     ) -> WeightManifest:
         specs = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
         if self._layout is None or specs != self._specs:
@@ -332,6 +379,8 @@ class ManifestBuilder:
             verify=verify,
             sample_stride=sample_stride,
             sample_phase=sample_phase,
+            kind=kind,
+            lora=lora,
         )
 
 
@@ -365,6 +414,7 @@ class LayoutCache:
                 verify=msg.verify,
                 sample_stride=msg.sample_stride,
                 sample_phase=msg.sample_phase,
+                **kind_fields(msg),
             )
         self._layouts.move_to_end(manifest.layout_id)
         while len(self._layouts) > self.capacity:

@@ -47,6 +47,31 @@ def test_check_engine_passes_for_the_hf_engine_on_the_tiny_model(tiny_model_dir:
     assert report["tokens_per_second"] > 0
 
 
+def test_check_engine_lora_syncs_an_adapter_to_the_hf_engine(tiny_model_dir: Path) -> None:
+    done = check_engine("--engine", "hf", "--model", str(tiny_model_dir), "--lora", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = {check["name"]: check for check in json.loads(done.stdout)["checks"]}
+    assert all(checks[name]["ok"] for name in LORA_CHECKS), checks
+    assert "adapter bytes" in checks["adapter sync (gRPC + broadcast)"]["detail"]
+
+
+def test_check_engine_lora_fails_an_engine_that_ignores_the_adapter(tiny_model_dir: Path) -> None:
+    """An engine that reports the adapter's modules as loaded but serves the base model: the log-prob check fails."""
+    from relayrl.rollout.check import run_check
+    from relayrl.rollout.hf import HFEngine
+
+    class Ignoring(HFEngine):
+        def load_adapter(self, name, spec, tensors) -> int:
+            return len({key.rsplit(".lora_", 1)[0] for key in tensors})
+
+    report = run_check(Ignoring(str(tiny_model_dir)), str(tiny_model_dir), lora=True)
+    failed = {check.name for check in report.checks if not check.ok}
+    assert "log-probs with the adapter" in failed and not report.ok
+
+
+LORA_CHECKS = ("adapter sync (gRPC + broadcast)", "outputs changed by the adapter", "log-probs with the adapter")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_check_engine_without_vllm_exits_2_with_the_install_command(tiny_model_dir: Path) -> None:
     done = check_engine("--engine", "vllm", "--model", str(tiny_model_dir))

@@ -2,7 +2,9 @@
 
 Both expose the same interface to the training step: ``device``, ``weight_names``, ``dp_rank``/``dp_size``
 (the data-parallel rank and size the step shards rows by), ``logprobs``, ``step``,
-``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``.
+``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``, and ``lora`` (the
+adapter's spec when ``model.lora`` trains one, FSDP only: then ``weight_specs``/``gather_weights`` take a ``kind``,
+"base" or "adapter"; else None).
 """
 
 from __future__ import annotations

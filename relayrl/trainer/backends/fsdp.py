@@ -1,5 +1,10 @@
 """FSDP2 backend: ``fully_shard`` per decoder layer and at the root, gloo on CPU / NCCL on CUDA.
 
+With ``model.lora`` the policy is wrapped by PEFT (``relayrl.trainer.backends.lora``): only the adapter trains,
+the optimizer and checkpoints hold only the adapter (the frozen base comes from ``model.path``), and weights are
+gathered by kind: "base" (the frozen weights under their Hugging Face names, once) and "adapter" (every step).
+Without it there is one kind, "full".
+
 A world of one rank trains the plain module: there is nothing to shard, and FSDP's per-layer hooks,
 parameter all-gathers and DTensor dispatch (copies and no-op collectives of one rank) would cost time and
 change nothing. The math is the same (a one-rank gradient reduction
@@ -28,9 +33,18 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from relayrl.config import ModelConfig, TrainerConfig
+from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
 from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
+from relayrl.trainer.backends.lora import (
+    adapter_name,
+    apply_lora,
+    base_name,
+    is_adapter,
+    lora_spec,
+    write_adapter,
+    write_merged,
+)
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.optim import adamw
 from relayrl.trainer.packing import PaddingFree, micro_batches, packed_logprobs
@@ -38,19 +52,25 @@ from relayrl.trainer.packing import PaddingFree, micro_batches, packed_logprobs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_sharded_model(path: str, dtype: torch.dtype, device: torch.device, *, trainable: bool) -> torch.nn.Module:
-    """from_pretrained, then, in a world of more than one rank, fully_shard every decoder layer and the root."""
+def load_sharded_model(
+    path: str, dtype: torch.dtype, device: torch.device, *, trainable: bool, lora: LoraConfig | None = None
+) -> torch.nn.Module:
+    """from_pretrained (wrapped by PEFT with ``lora``), then, in a world of more than one rank, fully_shard every
+    decoder layer and the root."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
+    if lora is not None:
+        model = apply_lora(model, lora)
     if dist.get_world_size() > 1:  # one rank: nothing to shard (module docstring)
         shard(model)
     return model
 
 
 def shard(model: torch.nn.Module) -> None:
-    """fully_shard every decoder layer, then the root (the embeddings, final norm and head)."""
-    for layer in model.model.layers:
+    """fully_shard every decoder layer, then the root (the embeddings, final norm and head; PEFT's wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.layers:
         fully_shard(layer)
     fully_shard(model)
 
@@ -61,16 +81,34 @@ class FSDPBackend:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
         dtype = DTYPES[model_cfg.dtype]
-        self.model = load_sharded_model(model_cfg.path, dtype, self.device, trainable=True)
-        self.reference = (
+        self.model_path, self.lora_cfg = model_cfg.path, model_cfg.lora
+        self.lora = lora_spec(model_cfg.lora) if model_cfg.lora is not None else None
+        self.model = load_sharded_model(model_cfg.path, dtype, self.device, trainable=True, lora=model_cfg.lora)
+        self.reference = (  # with LoRA too: the reference policy is the base model
             load_sharded_model(model_cfg.path, dtype, self.device, trainable=False) if with_reference else None
         )
-        self.optimizer = adamw(self.model.parameters(), cfg)
-        # Names the rollout engines know: parameters once each (tied embeddings appear once).
-        self.weight_names = [name for name, _ in self.model.named_parameters()]
+        self.optimizer = adamw(self.trainable, cfg)
+        # Parameter names by kind (module docstring), each with the name the rollout engines know: parameters once
+        # each (tied embeddings appear once).
+        names = [name for name, _ in self.model.named_parameters()]
+        if self.lora is None:
+            self.kinds: dict[str, list[tuple[str, str]]] = {"full": [(name, name) for name in names]}
+        else:
+            self.kinds = {
+                "base": [(base_name(name), name) for name in names if not is_adapter(name)],
+                "adapter": [(adapter_name(name), name) for name in names if is_adapter(name)],
+            }
+        self.weight_names = [wire for wire, _ in self.kinds["base" if self.lora else "full"]]
+        # LoRA: checkpoints hold the adapter only, so loading one leaves the frozen base weights as they are
+        self._state_options = StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None)
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters that train: every one, or with LoRA the adapter's."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
@@ -113,7 +151,7 @@ class FSDPBackend:
 
     def step(self, max_norm: float) -> float:
         """Clip the gradient norm, step, zero the gradients; returns the pre-clip norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -121,59 +159,90 @@ class FSDPBackend:
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (a streamed mini-batch's normaliser)."""
-        for p in self.model.parameters():
+        for p in self.trainable:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
     def snapshot(self) -> tuple[list[torch.Tensor], dict]:
-        """A copy of this rank's weights and optimizer state (a streamed step keeps one until it ends)."""
-        return [p.detach().clone() for p in self.model.parameters()], copy.deepcopy(self.optimizer.state_dict())
+        """A copy of this rank's trained weights and optimizer state (a streamed step keeps one until it ends)."""
+        return [p.detach().clone() for p in self.trainable], copy.deepcopy(self.optimizer.state_dict())
 
     def restore(self, snapshot: tuple[list[torch.Tensor], dict] | None) -> None:
         """Back to ``snapshot`` (None: keep the weights), gradients dropped: a streamed step whose stream broke."""
         if snapshot is not None:
             weights, optimizer = snapshot
             with torch.no_grad():
-                for p, saved in zip(self.model.parameters(), weights, strict=True):
+                for p, saved in zip(self.trainable, weights, strict=True):
                     p.copy_(saved)
             self.optimizer.load_state_dict(optimizer)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(name, full shape, dtype) of every weight the rollout engines load, in ``weight_names`` order."""
+    def weight_specs(self, kind: str = "full") -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(wire name, full shape, dtype) of every weight of ``kind`` (module docstring) the rollout engines load."""
         params = dict(self.model.named_parameters())
-        return [(name, tuple(params[name].shape), params[name].dtype) for name in self.weight_names]
+        return [(wire, tuple(params[name].shape), params[name].dtype) for wire, name in self._names(kind)]
 
     @torch.no_grad()
-    def gather_weights(self, into: Mapping[str, torch.Tensor] | None) -> None:
-        """Collective: each weight is all-gathered in turn (one full tensor alive at a time) and rank 0
-        copies it into ``into[name]`` (other ranks pass None): the gather writes where the sync reads."""
+    def gather_weights(self, into: Mapping[str, torch.Tensor] | None, kind: str = "full") -> None:
+        """Collective: each weight of ``kind`` is all-gathered in turn (one full tensor alive at a time) and rank 0
+        copies it into ``into[wire name]`` (other ranks pass None): the gather writes where the sync reads."""
         params = dict(self.model.named_parameters())
-        for name in self.weight_names:
+        for wire, name in self._names(kind):
             param = params[name]
             full = param.full_tensor() if isinstance(param, DTensor) else param
             if into is not None:
-                into[name].copy_(full)
+                into[wire].copy_(full)
+
+    def _names(self, kind: str) -> list[tuple[str, str]]:
+        if kind not in self.kinds:
+            raise ValueError(f"kind: {kind!r} is not one of this backend's weight kinds {sorted(self.kinds)}")
+        return self.kinds[kind]
 
     def save_checkpoint(self, directory: Path, trainer_state: dict) -> None:
-        """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0). With LoRA
+        only the adapter and its optimizer state: the frozen base is ``model.path``."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
         write_trainer_state(directory, trainer_state)
 
     def load_checkpoint(self, directory: Path) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(directory))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self._state_options,
+        )
         return json.loads((directory / "trainer_state.json").read_text())
 
     def export_hf(self, directory: Path, tokenizer) -> None:
-        """A Hugging Face model directory loadable with from_pretrained (rank 0 writes; collective)."""
+        """A Hugging Face model directory loadable with from_pretrained (rank 0 writes; collective). With LoRA:
+        ``directory/adapter``, a PEFT adapter directory, and (``model.lora.export_merged``) ``directory/merged``,
+        the base with the adapter merged in."""
+        if self.lora is not None:
+            self._export_adapter(directory, tokenizer)
+            return
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
             model = AutoModelForCausalLM.from_config(self.model.config, dtype=next(iter(state.values())).dtype)
             model.load_state_dict(state)
             model.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
+        dist.barrier()
+
+    def _export_adapter(self, directory: Path, tokenizer) -> None:
+        """``export_hf`` with LoRA: the adapter as PEFT saves it; the merged model from it, through PEFT."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        state = get_model_state_dict(self.model, options=options)
+        if dist.get_rank() == 0:
+            names = {name: wire for wire, name in self.kinds["adapter"]}  # (a tied frozen weight may come along)
+            adapter = {names[k]: v for k, v in state.items() if k in names}
+            write_adapter(directory / "adapter", self.lora_cfg, self.model_path, adapter)
+            tokenizer.save_pretrained(directory / "adapter")
+            if self.lora_cfg.export_merged:
+                write_merged(directory / "merged", self.model_path, directory / "adapter", self.model.dtype)
+                tokenizer.save_pretrained(directory / "merged")
         dist.barrier()

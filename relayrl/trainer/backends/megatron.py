@@ -37,6 +37,8 @@ def check_right_padded(attention_mask: torch.Tensor) -> None:
 
 
 class MegatronBackend:
+    lora = None  # LoRA trains on the FSDP backend only (config.py refuses model.lora with megatron)
+
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool) -> None:
         from megatron.core import parallel_state as ps
 

@@ -1,0 +1,173 @@
+"""LoRA (model.lora): the config and its refusals, adapter manifests on the wire, the trainer's PEFT policy against
+the hf engine's unmerged adapter (logprobs within 1e-5 on both decode runners), the export (a PEFT adapter
+directory and the merged model), the bytes an adapter sync saves, and a worker that keeps its previous adapter
+and version when a new one fails to load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.distributed as dist
+from engine_testing import PROMPTS, sharp_tiny_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relayrl.config import ConfigError, LoraConfig, ModelConfig, TrainerConfig, parse_config
+from relayrl.models.tiny import write_tiny_model
+from relayrl.rollout.check import _served_worker
+from relayrl.rollout.engine import LoraAdapterSpec
+from relayrl.rollout.hf import HFEngine
+from relayrl.rollout.sampling import SamplingParams
+from relayrl.runtime.ports import free_port
+from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.weightsync.manifest import LayoutCache, WeightManifest, build_manifest
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+SPEC = LoraAdapterSpec(8, 16.0, ("q_proj", "v_proj"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sharp_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def lora_backend(model_dir: Path, **lora) -> FSDPBackend:
+    """The trainer's policy with a random adapter (PEFT starts B at zero: the base model itself)."""
+    backend = FSDPBackend(
+        ModelConfig(path=str(model_dir), lora=LoraConfig(**lora)), TrainerConfig(lr=0.01), with_reference=False
+    )
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in backend.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return backend
+
+
+def adapter_of(backend: FSDPBackend) -> dict[str, torch.Tensor]:
+    into = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in backend.weight_specs("adapter")}
+    backend.gather_weights(into, "adapter")
+    return into
+
+
+def trainer_logprobs(backend, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        return backend.logprobs(ids, torch.ones_like(ids), 1.0)[0][0, len(prompt) - 1 :]
+
+
+def max_gap(backend, completions) -> float:
+    return max(
+        float((torch.tensor(c.logprobs) - trainer_logprobs(backend, PROMPTS[c.prompt_index], c.token_ids)).abs().max())
+        for c in completions
+    )
+
+
+def base_config(**model) -> dict:
+    return {"model": {"path": "m", **model}, "data": {"path": "d"}}
+
+
+def test_model_lora_defaults_and_refusals() -> None:
+    cfg = parse_config(base_config(lora={"rank": 4}))
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (4, 16.0, ALL_LINEAR[:4])
+    with pytest.raises(ConfigError, match=r"model\.lora: LoRA trains on trainer\.backend fsdp only, not megatron"):
+        parse_config({**base_config(lora={}), "trainer": {"backend": "megatron"}})
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: .*at least one module"):
+        parse_config(base_config(lora={"target_modules": []}))
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank"):
+        parse_config(base_config(lora={"rank": 0}))
+
+
+def test_an_adapter_manifest_carries_its_kind_and_spec_on_the_wire() -> None:
+    layout = build_manifest([("base_model.model.x.lora_A.weight", (8, 4), torch.float32)], version=0)
+    adapter = layout.with_header(version=3, kind="adapter", lora=SPEC)
+    assert WeightManifest.from_proto(adapter.to_proto()) == adapter
+    cache = LayoutCache()
+    cache.resolve(adapter.to_proto())
+    compact = cache.resolve(layout.with_header(version=4, kind="adapter", lora=SPEC).to_proto(compact=True))
+    assert (compact.version, compact.kind, compact.lora) == (4, "adapter", SPEC)
+    assert WeightManifest.from_proto(layout.to_proto()).kind == "full"  # proto3 "" is a full update
+    with pytest.raises(ValueError, match="lora: an adapter manifest needs its LoraSpec"):
+        layout.with_header(version=1, kind="adapter")
+    with pytest.raises(ValueError, match="kind: 'delta' is not one of"):
+        layout.with_header(version=1, kind="delta")
+
+
+@pytest.mark.parametrize("decode", ["fast", "transformers"])
+def test_trainer_and_hf_engine_logprobs_agree_with_the_adapter(model_dir, decode) -> None:
+    backend = lora_backend(model_dir, target_modules=ALL_LINEAR)
+    engine = HFEngine(str(model_dir), decode=decode, attn_implementation="eager" if decode != "fast" else "sdpa")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5)
+    base = list(engine.generate(PROMPTS, params))
+    assert engine.load_adapter("policy-v1.1", backend.lora, adapter_of(backend)) == 2 * 7 + 1
+    adapted = list(engine.generate(PROMPTS, params))
+    assert max_gap(backend, adapted) <= 1e-5
+    assert max_gap(backend, base) > 1e-2  # the adapter matters: the base model's logprobs are not the trainer's
+
+
+def test_the_exported_adapter_loads_with_peft_and_gives_the_trainers_logprobs(model_dir, tmp_path) -> None:
+    backend = lora_backend(model_dir, export_merged=True)
+    backend.export_hf(tmp_path / "final", AutoTokenizer.from_pretrained(model_dir))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "final/adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final/merged")
+    prompt, response = PROMPTS[1], [3, 5, 7, 9]
+    ids = torch.tensor([prompt + response])
+    expected = trainer_logprobs(backend, prompt, response)
+    for model, tolerance in ((loaded, 1e-6), (merged, 1e-4)):  # merging W + s B A rounds differently
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        got = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
+
+
+def test_the_gen_heavy_models_adapter_is_at_most_5_percent_of_its_weights(tmp_path) -> None:
+    """hidden 256, 4 layers (relayrl/bench/e2e.py's gen-heavy workload), the default rank-8 adapter."""
+    path = write_tiny_model(tmp_path / "gen-heavy", hidden_size=256, layers=4)
+    backend = FSDPBackend(ModelConfig(path=str(path), lora=LoraConfig()), TrainerConfig(), with_reference=False)
+    nbytes = {
+        kind: sum(dtype.itemsize * torch.Size(shape).numel() for _, shape, dtype in backend.weight_specs(kind))
+        for kind in ("base", "adapter")
+    }
+    assert nbytes["adapter"] / nbytes["base"] <= 0.05, nbytes
+
+
+def test_a_failed_adapter_load_leaves_the_previous_version_serving(model_dir) -> None:
+    backend = lora_backend(model_dir)
+    engine = HFEngine(str(model_dir))
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    with _served_worker(engine, "cpu", lora=backend.lora) as (worker, publisher):
+        backend.gather_weights(dict(publisher.arena_for(backend.weight_specs("base"), "base").views()), "base")
+        good = adapter_of(backend)
+        results = []
+        for version, tensors in [(1, good), (2, good)]:
+            arena = publisher.arena_for([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], "adapter")
+            arena.load(tensors.items())
+            results.append(publisher.publish(version, arena, kind="adapter"))
+        adapter_bytes = arena.manifest.total_bytes
+        assert [r.synced for r in results] == [[worker.worker_id]] * 2
+        assert results[0].nbytes > adapter_bytes == results[1].nbytes  # the base went once
+        serving = list(engine.generate(PROMPTS, greedy))
+        assert max_gap(backend, serving) <= 1e-5
+        one_b_missing = {n: t for n, t in good.items() if not n.endswith("layers.1.self_attn.v_proj.lora_B.weight")}
+        no_such_module = {
+            **good,
+            "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": good[next(iter(good))],
+        }
+        for version, tensors in [(3, one_b_missing), (4, no_such_module)]:
+            arena = publisher.arena_for([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], "adapter")
+            arena.load(tensors.items())
+            result = publisher.publish(version, arena, kind="adapter")
+            assert result.synced == [] and (worker.reported_version, worker.state) == (2, "serving")
+            after = list(engine.generate(PROMPTS, greedy))
+            assert [c.logprobs for c in after] == [c.logprobs for c in serving]
