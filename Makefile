@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/relayrl up examples/digits.yaml
 
+# Two xdist workers: most tests wait on subprocesses and gRPC, so two share a 2-core machine well; one Slurm
+# cluster at a time (tests/conftest.py groups the slurm slice). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 # The documentation site into site/, strictly: any warning, broken link or anchor fails (tests/docs does the same).
 docs: $(STAMP)
