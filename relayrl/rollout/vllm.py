@@ -89,8 +89,9 @@ class RelayRLWorkerExtension:
 
 
 class VLLMEngine(InferenceEngine):
-    """vLLM backend (pause mode only). ``options`` go to ``vllm.LLM`` as they are (``tensor_parallel_size``,
-    ``gpu_memory_utilization``, ``enforce_eager``, ``max_model_len``, ...), except those this adapter sets."""
+    """vLLM backend (pause mode, and rows kept in flight through an update). ``options`` go to ``vllm.LLM`` as
+    they are (``tensor_parallel_size``, ``gpu_memory_utilization``, ``enforce_eager``, ``max_model_len``, ...),
+    except those this adapter sets."""
 
     name = "vllm"
     receives_weights_itself: ClassVar[bool] = True
@@ -130,6 +131,9 @@ class VLLMEngine(InferenceEngine):
         self._calls = itertools.count()
         self._stepper = _Stepper(self.llm.llm_engine)
         self._checksum = ""
+        self._version = 0  # the policy version of the weights loaded: the label of the tokens sampled now
+        self._paused = False
+        self.llm.update_weight_version("0")
 
     def generate(
         self,
@@ -146,10 +150,11 @@ class VLLMEngine(InferenceEngine):
         call = next(self._calls)
         pending: dict[str, tuple[int, int]] = {}
         requests = []
+        version = self._version
         for p, prompt in enumerate(prompts):
             for s in range(params.n):
                 request_id = f"relayrl-{call}-{p}-{s}"
-                prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=list(prompt))
+                prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=list(prompt), cache_salt=_salt(version))
                 requests.append((request_id, prompt_ids, self._sampling_params(params, s)))
                 pending[request_id] = (p, s)
         outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,12 +162,12 @@ class VLLMEngine(InferenceEngine):
         try:
             while pending:
                 if should_abort is not None and should_abort():
-                    yield from _finished(outbox, pending, block=False)  # what is done already is not lost
+                    yield from _finished(outbox, pending, version, block=False)  # what is done already is not lost
                     aborted, pending = pending, {}
                     self._stepper.abort(list(aborted))
                     yield from (EngineCompletion(p, s, [], [], "abort") for p, s in aborted.values())
                     return
-                yield from _finished(outbox, pending, block=True)
+                yield from _finished(outbox, pending, version, block=True)
         finally:
             if pending:  # the consumer stopped early (or failed): leave nothing running in the engine
                 self._stepper.abort(list(pending))
@@ -206,18 +211,47 @@ class VLLMEngine(InferenceEngine):
         return EngineGroup(args.group_name, lambda: self.llm.collective_rpc("relayrl_close_weight_sync"))
 
     def receive_update(self, manifest: WeightManifest) -> ReceiveStats:
-        """Every worker receives (or reads) ``manifest``'s tensors and loads them; then the prefix cache is reset."""
+        """Every worker receives (or reads) ``manifest``'s tensors and loads them. With no request in flight the
+        prefix cache is reset and later tokens carry ``manifest.version``; between ``pause_in_flight`` and
+        ``resume_in_flight`` the frozen requests hold KV blocks, so vLLM cannot reset the cache (``BlockPool.
+        reset_prefix_cache`` returns False): ``resume_in_flight`` changes the requests' ``cache_salt`` instead."""
         self._checksum = ""  # a failed update leaves no checksum behind
         results = self.llm.collective_rpc("relayrl_receive", args=(manifest.to_json(), self._tp_size))
         stats, self._checksum = collect_receipts(results)
-        self.llm.reset_prefix_cache()
+        if not self._paused:
+            self.llm.reset_prefix_cache()
+            self._set_version(manifest.version)
         return stats
+
+    # -- in-flight weight updates (rollout.partial; see docs/engines.md) -------------------------------------
+    supports_in_flight_update: ClassVar[bool] = True
+
+    def pause_in_flight(self) -> None:
+        """vLLM's ``pause_generation(mode="keep", clear_cache=False)`` (``EngineCoreProc.pause_generation``, what
+        ``AsyncLLM.pause_generation`` calls): every request stays where it is with its KV blocks; returns once the
+        engine core is idle. Open ``generate`` calls stay open."""
+        self.llm.llm_engine.engine_core.call_utility("pause_generation", "keep", False)
+        self._paused = True
+
+    def resume_in_flight(self, version: int) -> None:
+        """Label later tokens ``version`` (``LLM.update_weight_version``: vLLM reports each request's
+        ``weight_versions`` spans), salt new requests' prefix-cache keys with it (a new request never reuses KV
+        of the old weights; the frozen ones keep theirs) and ``resume_scheduler`` (``AsyncLLM.resume_generation``)."""
+        self._set_version(version)
+        self.llm.llm_engine.engine_core.call_utility("resume_scheduler")
+        self._paused = False
+
+    def _set_version(self, version: int) -> None:
+        self.llm.update_weight_version(str(version))
+        self._version = version
 
     def loaded_checksum(self) -> str:
         """``weights_checksum`` of the tensors the last ``receive_update`` loaded; "" before the first."""
         return self._checksum
 
     def close(self) -> None:
+        if self._paused:  # the stepper waits for outputs that come only after a resume
+            self.llm.llm_engine.engine_core.call_utility("resume_scheduler")
         self._stepper.close()
         self.llm.collective_rpc("relayrl_close_weight_sync")
         self.llm.llm_engine.engine_core.shutdown()
@@ -309,11 +343,19 @@ class _Stepper:
                     outbox.put((output.request_id, output))
 
 
+def _salt(version: int) -> str:
+    """The ``cache_salt`` of requests added under policy ``version``: vLLM mixes it into the first block's hash
+    (``generate_block_hash_extra_keys``), so requests of one version share prefixes (a later turn reuses its
+    conversation's KV) and never reuse another version's."""
+    return f"relayrl-v{version}"
+
+
 def _finished(
-    outbox: queue.SimpleQueue, pending: dict[str, tuple[int, int]], *, block: bool
+    outbox: queue.SimpleQueue, pending: dict[str, tuple[int, int]], version: int, *, block: bool
 ) -> Iterator[EngineCompletion]:
     """The completions waiting in ``outbox`` (removed from ``pending``): one waited for up to POLL_S when
-    ``block``, else all there are now. Raises the engine's error for a request that failed."""
+    ``block``, else all there are now; ``version``: the one the call's requests were added under. Raises the
+    engine's error for a request that failed."""
     while pending:
         try:
             request_id, output = outbox.get(timeout=POLL_S) if block else outbox.get_nowait()
@@ -323,17 +365,20 @@ def _finished(
             raise RuntimeError(f"vllm engine: {output}") from output
         if request_id in pending:
             p, s = pending.pop(request_id)
-            yield _completion(p, s, output.outputs[0])
+            yield _completion(p, s, output.outputs[0], version)
         if block:
             return
 
 
-def _completion(prompt_index: int, sample_index: int, output: Any) -> EngineCompletion:
-    """A finished ``CompletionOutput`` as an EngineCompletion (logprob of each sampled token)."""
+def _completion(prompt_index: int, sample_index: int, output: Any, version: int) -> EngineCompletion:
+    """A finished ``CompletionOutput`` as an EngineCompletion (logprob of each sampled token); ``token_versions``
+    from its ``weight_versions`` spans when any token was sampled by another version than ``version``."""
     token_ids = list(output.token_ids)
     logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs, strict=True)]
     reason = FINISH_REASONS.get(output.finish_reason)
     if reason is None:  # "error" (retryable) or another reason relayrl does not train on
         log.warning("vllm engine: sample finished with %r; reported as aborted", output.finish_reason)
         reason = "abort"
-    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason)
+    versions = [int(span.version) for span in output.weight_versions or () for _ in range(span.start, span.end)]
+    mixed = len(versions) == len(token_ids) and any(v != version for v in versions)
+    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None)

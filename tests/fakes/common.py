@@ -159,3 +159,42 @@ def vllm_top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], temperature: float = 1.0) -> list[float]:
     """log softmax(logits / temperature)[token] per position."""
     return logprobs_from_logits(logits, torch.tensor(list(tokens)), temperature).tolist()
+
+
+class PrefixCache:
+    """The engines' prefix caches, by what they key on: vLLM's automatic prefix caching (hashes of full blocks of
+    ``block_size`` tokens, chained from the first block; the extra keys (LoRA name and path on every block,
+    ``cache_salt`` on the first) make one chain per key, ``vllm/v1/core/kv_cache_utils.py``:
+    ``generate_block_hash_extra_keys``, ``hash_block_tokens``) and SGLang's radix cache (``block_size`` 1, keyed by
+    ``extra_key`` + LoRA id + ``cache_salt``, ``sglang/srt/managers/schedule_batch.py``: ``RadixKey``). A hit never
+    covers the last prompt token (vLLM ``max_cache_hit_length = num_tokens - 1``, ``kv_cache_manager.py``; SGLang
+    ``_compute_max_prefix_len``).
+
+    Each cached block remembers the weights epochs its KV was computed under, so that a test can see a request
+    reuse KV of other weights (what a missing flush or salt serves)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._blocks: dict[tuple, tuple] = {}  # (key, token prefix) -> the epoch of each position's KV
+
+    def match(self, tokens: Sequence[int], key: Any) -> list[Any]:
+        """The epochs of the KV the cache serves for ``tokens``, position by position (its length is the hit)."""
+        limit = (len(tokens) - 1) // self.block_size * self.block_size
+        epochs: list[Any] = []
+        for end in range(self.block_size, limit + 1, self.block_size):
+            block = self._blocks.get((key, tuple(tokens[:end])))
+            if block is None:
+                break
+            epochs.extend(block)
+        return epochs
+
+    def insert(self, tokens: Sequence[int], kv_epochs: Sequence[Any], key: Any) -> None:
+        """Cache every full block of ``tokens`` whose KV was computed (``kv_epochs[i]``: under which weights)."""
+        for end in range(self.block_size, len(kv_epochs) + 1, self.block_size):
+            self._blocks.setdefault((key, tuple(tokens[:end])), tuple(kv_epochs[end - self.block_size : end]))
+
+    def reset(self) -> None:
+        self._blocks.clear()
+
+    def __len__(self) -> int:
+        return len(self._blocks)

@@ -39,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import NotRequired
 
-from fakes.common import FusedShardModel, run_on_ranks, teacher_forced_logits, vllm_top_p_mask
+from fakes.common import FusedShardModel, PrefixCache, run_on_ranks, vllm_top_p_mask
 from relayrl.rollout.hf import DTYPES, eos_token_ids, sample_step, stop_token_set
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 
@@ -58,6 +58,11 @@ ENGINE_ARGS = frozenset(  # the EngineArgs fields this fake understands (vllm/en
         "enforce_eager",
         "enable_prefix_caching",
         "generation_config",
+        "block_size",
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
+        "max_cpu_loras",
     }
 )
 
@@ -162,6 +167,16 @@ class SamplingParams:
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+@dataclass
+class WeightVersionSpan:
+    """vllm/outputs.py: output tokens ``[start, end)`` were sampled by weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass
@@ -180,6 +195,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -202,6 +218,7 @@ class RequestOutput:
         self.prompt_logprobs = prompt_logprobs
         self.outputs = outputs
         self.finished = finished
+        self.num_cached_tokens = kwargs.get("num_cached_tokens")
 
 
 class FakeWorker:
@@ -278,7 +295,16 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator
+    cache_salt: str | None = None
     output: list[int] = dataclasses.field(default_factory=list)
+    versions: list[str] = dataclasses.field(default_factory=list)  # the weight label that sampled each token
+    logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each token's, when sampled
+    kv_epochs: list[Any] = dataclasses.field(default_factory=list)  # the weights each KV position was computed under
+    cached: int = 0  # prompt tokens served by the prefix cache
+
+    def cache_key(self) -> Any:
+        """What a block hash mixes in beside the tokens (``generate_block_hash_extra_keys``)."""
+        return ("salt", self.cache_salt)
 
 
 class EngineCore:
@@ -307,6 +333,13 @@ class EngineCore:
         self._seeds = torch.Generator().manual_seed(seed)
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
         self.running: list[_Request] = []
+        # vllm/config/cache.py: enable_prefix_caching (default True), block_size (16 on GPUs)
+        self.prefix_caching = kwargs.get("enable_prefix_caching", True)
+        self.cache = PrefixCache(kwargs.get("block_size") or 16)
+        self.epoch = 0  # bumped by every weight load: which weights computed a KV block
+        self.paused = False  # PauseState.PAUSED_ALL
+        self.weight_version = "default"  # EngineCore._weight_version
+        self.admissions: dict[str, tuple[int, int, bool]] = {}  # request id -> (prompt, cached, stale KV reused)
 
     # utility methods (reached through call_utility)
     def collective_rpc(self, method: str, timeout: float | None, args: list, kwargs: dict) -> list[Any]:
@@ -326,7 +359,41 @@ class EngineCore:
         return run_on_ranks(len(self.workers), call)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """False while any request holds KV blocks (running, or frozen by a "keep" pause): ``BlockPool.
+        reset_prefix_cache`` refuses then (vllm/v1/core/block_pool.py); preempting them is not emulated."""
+        if reset_running_requests:
+            raise NotImplementedError("the fake does not preempt running requests")
+        if self.running:
+            return False
+        self.cache.reset()
         return True
+
+    # pause (vllm/v1/engine/core.py: EngineCoreProc.pause_generation / pause_scheduler / resume_scheduler)
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """ "keep": freeze every request where it is (PAUSED_ALL: the scheduler schedules nothing; requests keep
+        their KV); "abort": abort them all. ``clear_cache`` resets the prefix cache, which fails (RuntimeError, as
+        ``_reset_caches``) while requests hold blocks."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"Invalid pause mode: {mode}")
+        if mode == "wait":
+            raise NotImplementedError("the fake does not emulate the 'wait' pause")
+        if mode == "abort":
+            self.abort_requests([r.request_id for r in self.running] + list(self.waiting))
+        self.paused = True
+        if clear_cache and not self.reset_prefix_cache():
+            raise RuntimeError("Failed to reset the KV connector cache.")
+
+    def resume_scheduler(self) -> None:
+        self.paused = False
+
+    def is_scheduler_paused(self) -> bool:
+        return self.paused
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.weight_version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
 
     def fake_probe(self, what: str) -> Any:
         """Test-only: what a test may read of the engine process (named so: no vLLM method)."""
@@ -334,25 +401,43 @@ class EngineCore:
             return [list(w.model_runner.get_model().loaded_names) for w in self.workers]
         if what == "group_ranks":
             return [w.relayrl_receiver.group.rank for w in self.workers]
+        if what == "admissions":
+            return {rid: list(a) for rid, a in self.admissions.items()}
         raise ValueError(what)
 
     # requests
-    def add_request(self, request_id: str, prompt: list[int], fields: dict[str, Any]) -> None:
+    def add_request(self, request_id: str, prompt: list[int], fields: dict[str, Any], salt: str | None) -> None:
         params = SamplingParams(**fields)
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._seeds))
-        self.waiting[request_id] = _Request(request_id, prompt, params, torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        self.waiting[request_id] = _Request(request_id, prompt, params, generator, cache_salt=salt)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.waiting.pop(request_id, None)
         self.running = [r for r in self.running if r.request_id not in set(request_ids)]
 
+    def _admit(self, r: _Request) -> None:
+        """Prefill: the prefix cache serves what it holds for the prompt (under the request's key); the rest is
+        computed now, under the current weights, and cached."""
+        served = self.cache.match(r.prompt, r.cache_key()) if self.prefix_caching else []
+        r.cached = len(served)
+        r.kv_epochs = served + [self.epoch] * (len(r.prompt) - len(served))
+        self.admissions[r.request_id] = (len(r.prompt), r.cached, any(e != self.epoch for e in served))
+        if self.prefix_caching:
+            self.cache.insert(r.prompt, r.kv_epochs, r.cache_key())
+
     @torch.no_grad()
-    def step(self) -> tuple[list[RequestOutput], list[str]]:
-        """One scheduler step: (the outputs of the requests that finished, the ids of every request in it)."""
+    def step(self) -> tuple[list[RequestOutput], list[str], bool]:
+        """One scheduler step: (the outputs of the requests that finished, the ids of every request in it, whether
+        the scheduler is paused). Paused ("keep"), it schedules nothing."""
         self._sync_weights()
+        if self.paused:
+            return [], [], True
         while self.waiting and len(self.running) < self.max_num_seqs:
-            self.running.append(self.waiting.popitem(last=False)[1])
+            r = self.waiting.popitem(last=False)[1]
+            self._admit(r)
+            self.running.append(r)
         batch = [r.request_id for r in self.running]
         outputs, still = [], []
         for r in self.running:
@@ -369,7 +454,11 @@ class EngineCore:
             if len(r.output) < relay.min_tokens:
                 banned = torch.tensor(sorted(self.eos | set(relay.stop_token_ids)))
             token = int(sample_step(logits, relay, r.generator, banned=banned)[0][0])
+            r.logprob_rows.append(self._process(logits.float(), r.params, len(r.output))[0])
+            if r.output:
+                r.kv_epochs.append(self.epoch)  # this step computed the KV of the previous token
             r.output.append(token)
+            r.versions.append(self.weight_version)
             if token in stop_token_set(frozenset(self.eos), relay):
                 outputs.append(self._finish(r, "stop", token if token in relay.stop_token_ids else None))
             elif len(r.output) >= relay.max_tokens:
@@ -377,7 +466,7 @@ class EngineCore:
             else:
                 still.append(r)
         self.running = still
-        return outputs, batch
+        return outputs, batch, False
 
     def _sync_weights(self) -> None:
         """Generate with what the workers' (fused, sharded) tensors hold: rebuilt when a load happened."""
@@ -389,11 +478,14 @@ class EngineCore:
                 for name, tensor in full.items():
                     params[name].copy_(tensor)
             self._synced = loads
+            self.epoch += 1
 
     def _finish(self, r: _Request, reason: str, stop_reason: int | None) -> RequestOutput:
+        if self.prefix_caching:  # a finished request's full blocks stay cached
+            self.cache.insert(r.prompt + r.output, r.kv_epochs, r.cache_key())
         logprobs = None
         if r.params.logprobs is not None:
-            rows = self._logprobs(r)
+            rows = r.logprob_rows
             logprobs = [
                 {token: Logprob(float(row[token]), rank=int((row > row[token]).sum()) + 1)}
                 for token, row in zip(r.output, rows, strict=True)
@@ -406,21 +498,34 @@ class EngineCore:
             logprobs=logprobs,
             finish_reason=reason,
             stop_reason=stop_reason,
+            weight_versions=_spans(r.versions),
         )
-        return RequestOutput(r.request_id, None, r.prompt, None, [completion], True)
+        return RequestOutput(r.request_id, None, r.prompt, None, [completion], True, num_cached_tokens=r.cached)
 
-    def _logprobs(self, r: _Request) -> torch.Tensor:
-        """[len(output), V] logprobs as vLLM's sampler returns them under ``logprobs_mode``
-        (vllm/v1/sample/sampler.py: ``Sampler.forward``): raw ones from the logits as they come; processed ones
-        after the logits processors (min-tokens: EOS and stop tokens at -inf while fewer than ``min_tokens`` are
-        out, vllm/v1/sample/logits_processor/builtin.py), temperature and the top-p mask."""
-        logits = teacher_forced_logits(self.hf, r.prompt, r.output)
-        params = r.params
+    def _process(self, logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+        """Logprobs [rows, V] as vLLM's sampler returns them, at the step that samples them, under
+        ``logprobs_mode`` (vllm/v1/sample/sampler.py: ``Sampler.forward``; rows from output ``position`` on): raw
+        ones from the logits as they come; processed ones after the logits processors (min-tokens: EOS and stop
+        tokens at -inf while fewer than ``min_tokens`` are out, vllm/v1/sample/logits_processor/builtin.py),
+        temperature and the top-p mask. (A request that lives through a weight update gets its later logits
+        from a full forward with the new weights: the fake recomputes where vLLM keeps the old KV.)"""
         if self.logprobs_mode == "processed_logprobs":
-            logits[: params.min_tokens, sorted(self.eos | set(params.stop_token_ids))] = float("-inf")
+            masked = max(0, min(len(logits), params.min_tokens - position))
+            logits[:masked, sorted(self.eos | set(params.stop_token_ids))] = float("-inf")
             if params.temperature >= SAMPLING_EPS:
                 logits = vllm_top_p_mask(logits / params.temperature, params.top_p)
         return logits.log_softmax(dim=-1)
+
+
+def _spans(versions: list[str]) -> list[WeightVersionSpan]:
+    """vllm/v1/engine/output_processor.py: ``_weight_version_spans`` (set on the final output only)."""
+    spans: list[WeightVersionSpan] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1].version == version:
+            spans[-1].end = index + 1
+        else:
+            spans.append(WeightVersionSpan(version, index, index + 1))
+    return spans
 
 
 def core_main(conn: Any, model: str, dtype: str, seed: int, tp_size: int, kwargs: dict[str, Any]) -> None:
@@ -476,6 +581,10 @@ class EngineCoreClient:
             raise Exception(value)
         return value
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """``SyncMPClient.call_utility``: any engine-core method by name (arguments and result via msgpack)."""
+        return self.call("utility", method, *args)
+
     def call(self, kind: str, name: str, *args: Any) -> Any:
         with self._lock:
             if self.closed:
@@ -522,7 +631,8 @@ class LLMEngine:
         if unsupported:
             raise NotImplementedError(f"the fake vllm does not emulate SamplingParams {unsupported}")
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}  # a msgspec Struct's fields
-        self.client.call("request", "add_request", request_id, list(prompt["prompt_token_ids"]), fields)
+        salt = prompt.get("cache_salt")
+        self.client.call("request", "add_request", request_id, list(prompt["prompt_token_ids"]), fields, salt)
         self.added.append((request_id, prompt, params))
         self._unfinished.add(request_id)
         return request_id
@@ -539,7 +649,12 @@ class LLMEngine:
         return len(self._unfinished)
 
     def step(self) -> list[RequestOutput]:
-        outputs, batch = self.client.call("request", "step")
+        """Blocks while the engine core is paused with nothing to report, as ``SyncMPClient.get_output`` does."""
+        while True:
+            outputs, batch, paused = self.client.call("request", "step")
+            if not paused:
+                break
+            time.sleep(0.005)
         self.steps.append(batch)
         for output in outputs:
             self._unfinished.discard(output.request_id)
@@ -547,6 +662,12 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, timeout: float | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
         return self.client.call("utility", "collective_rpc", method, timeout, args, kwargs)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.client.call_utility("set_weight_version", weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.client.call_utility("get_weight_version")
 
 
 class LLM:
@@ -598,6 +719,11 @@ class LLM:
         self.prefix_cache_resets += 1
         return self.llm_engine.client.call("utility", "reset_prefix_cache", reset_running_requests, reset_connector)
 
+    def update_weight_version(self, new_version: str) -> None:
+        """vllm/entrypoints/rl/offline.py: ``RLOfflineMixin.update_weight_version`` (the label of later tokens)."""
+        self.llm_engine.set_weight_version(new_version)
+
     def fake_probe(self, what: str) -> Any:
-        """Test-only view into the engine-core process (``loaded_names``, ``group_ranks``); not a vLLM method."""
+        """Test-only view into the engine-core process (``loaded_names``, ``group_ranks``, ``admissions``: request id
+        -> [prompt tokens, tokens the prefix cache served, whether it served KV of other weights]); not vLLM's."""
         return self.llm_engine.client.call("utility", "fake_probe", what)

@@ -194,7 +194,10 @@ def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path,
         for s in range(2)
     ]
     added = llm.llm_engine.added
-    assert [prompt for _, prompt, _ in added] == [{"prompt_token_ids": PROMPTS[p]} for p in range(2) for _ in range(2)]
+    salt = added[0][1]["cache_salt"]  # the policy version's (test_engine_vllm_turns.py)
+    assert re.fullmatch(r"relayrl-v\d+", salt)
+    expected = [{"prompt_token_ids": PROMPTS[p], "cache_salt": salt} for p in range(2) for _ in range(2)]
+    assert [prompt for _, prompt, _ in added] == expected
     assert len({request_id for request_id, _, _ in added}) == 4
     list(engine.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=2, seed=None)))
     assert [kw["seed"] for kw in made[4:]] == [None, None]
