@@ -28,6 +28,7 @@ from relayrl.controller.latency import LatencyHistogram
 from relayrl.controller.workers import WorkerHandle, WorkerRegistry
 from relayrl.errors import rpc_error_text
 from relayrl.rollout.sampling import SamplingParams
+from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.v1 import common_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class Dispatcher:
         self.chunk_seconds: deque[float] = deque(maxlen=32)  # durations of recent complete chunks
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="dispatch")
         self.generate_seconds = LatencyHistogram()  # each Generate call, from its start to its stream's end
+        self.repeats = RepeatedWarning(log)  # a slow worker is a straggler step after step: once every 10
 
     def run(
         self,
@@ -232,7 +234,8 @@ class Dispatcher:
                 return
             copy = Attempt(rest, worker, twin=attempt)
             attempt.twin = copy
-            log.warning(
+            self.repeats.warn(
+                f"straggler {attempt.worker.worker_id}",
                 "%s has had %d prompts for %.1fs (> %.0fx the median chunk): also sending them to %s",
                 attempt.worker.worker_id, len(rest), now - attempt.started, self.straggler_factor, worker.worker_id,
             )  # fmt: skip
