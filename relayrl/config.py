@@ -123,11 +123,22 @@ class RolloutConfig(Section):
     # the hf engine's decode steps: "fast" (relayrl.rollout.llama_decode, Llama-family models only), "transformers"
     # (the model's own forward), "auto" (fast whenever the model is supported)
     hf_decode: Literal["auto", "fast", "transformers"] = "auto"
+    # In-flight weight updates (docs/operating.md): "off" aborts the rows in flight at a weight update (pause mode;
+    # the controller sends their prompts again) or waits for them (shadow); "recompute" and "keep_kv" let them
+    # run on over the update on the new weights, re-prefilled first (AReaL) or on their kept KV (PipelineRL);
+    # every token carries the version that sampled it
+    partial: Literal["off", "recompute", "keep_kv"] = "off"
 
     @field_validator("threads")
     @classmethod
     def _positive_threads(cls, value: int | str) -> int | str:
         return _check_threads(value)
+
+    @field_validator("partial", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads a bare off (``--set rollout.partial=off``) as false."""
+        return "off" if value is False else value
 
     @field_validator("cpus", mode="before")
     @classmethod

@@ -94,6 +94,7 @@ class _Build:
     drawn: list[str] = field(default_factory=list)
     stale: int = 0
     failed: int = 0
+    aborted: int = 0  # completions the workers aborted (their prompts generated again)
     kept: int = 0
     closed: bool = False  # between generation rounds: late group callbacks are ignored
     reward_error: RewardShapeError | None = None  # a reward function's wrong return: the round stops, the run fails
@@ -245,11 +246,13 @@ class Controller:
     def _starting_weights_in(self) -> bool:
         """Rollouts wait for the trainer's starting weights in pause mode: their load aborts every call in flight,
         so a round begun before it was generated twice (and warned about once a call). Shadow mode swaps the
-        weights in between calls: nothing is lost by starting at once. The trainer's "initial" report, a Rewind
+        weights in between calls, and in-flight updates (``rollout.partial``) let the calls run on over the load:
+        nothing is lost by starting at once. The trainer's "initial" report, a Rewind
         and each ReportStep set ``exact_version`` (``_set_exact``), so it is >= 0 once the weights are out;
         ``trainer_step``: a run saved before ``exact_version`` existed."""
         progress = self.progress
-        return progress.exact_version >= 0 or progress.trainer_step > 0 or self.cfg.weight_sync.mode == "shadow"
+        interrupts = self.cfg.weight_sync.mode == "pause" and self.cfg.rollout.partial == "off"
+        return progress.exact_version >= 0 or progress.trainer_step > 0 or not interrupts
 
     def _produce_loop(self) -> None:
         while not self._stop.is_set():
@@ -342,6 +345,7 @@ class Controller:
                 for prompt_id, reason in result.failed.items():
                     self.ledger.mark([prompt_id], FAILED, reason, step)
                 build.failed += len(result.failed)
+                build.aborted += result.aborted
                 if self._stop.is_set() or epoch != self._epoch:
                     raise _Abandoned
                 build.closed = False
@@ -515,6 +519,7 @@ class Controller:
             response_len_mean=sum(g.response_tokens for g in build.all_groups) / generated,
             groups_stale=build.stale,
             groups_failed=build.failed,
+            samples_aborted=build.aborted,
         )
         fill_episode_stats(stats, build.episodes)
         target = filler.target_groups if build.streamed else None

@@ -76,6 +76,7 @@ class DispatchResult:
     groups: dict[str, list[common_pb2.Completion]] = field(default_factory=dict)  # prompt id -> n samples
     failed: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
     seconds: float = 0.0
+    aborted: int = 0  # completions a worker ended as "abort" (their prompts were sent again)
 
 
 def _finished(futures: queue.SimpleQueue[Future], timeout: float) -> list[Future]:
@@ -171,8 +172,9 @@ class Dispatcher:
             for future in _finished(finished, timeout=0.2):
                 attempt = running.pop(future)
                 self.registry.release(attempt.worker)
-                groups, error = future.result()
+                groups, error, aborted = future.result()
                 result.groups.update(groups)
+                result.aborted += aborted
                 if attempt.cancelled:
                     continue  # its twin delivered the chunk
                 if not error:
@@ -249,9 +251,9 @@ class Dispatcher:
 
     def _generate_chunk(
         self, attempt: Attempt, params: SamplingParams, min_version: int, claims: GroupClaims
-    ) -> tuple[dict[str, list[common_pb2.Completion]], str]:
-        """Stream one Generate call; returns the groups it completed first (claimed) and the error that ended
-        it, if any."""
+    ) -> tuple[dict[str, list[common_pb2.Completion]], str, int]:
+        """Stream one Generate call; returns the groups it completed first (claimed), the error that ended it, if
+        any, and how many completions the worker aborted."""
         request = rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.PromptInput(prompt_id=j.prompt_id, token_ids=j.token_ids) for j in attempt.chunk],
             params=params.to_proto(),
@@ -262,12 +264,12 @@ class Dispatcher:
         worker = attempt.worker
         samples: dict[str, list[common_pb2.Completion]] = {j.prompt_id: [] for j in attempt.chunk}
         won: dict[str, list[common_pb2.Completion]] = {}
-        error = ""
+        error, aborted = "", 0
         started = time.monotonic()
         try:
             call = worker.stub.Generate(request, timeout=self.generate_timeout_s)
         except ValueError as err:  # its channel was closed: the worker was removed after it was acquired
-            return {}, f"UNAVAILABLE: worker removed ({err})"
+            return {}, f"UNAVAILABLE: worker removed ({err})", 0
         with self.registry.lock:
             worker.calls.add(call)
             attempt.call = call
@@ -277,6 +279,7 @@ class Dispatcher:
             for completion in (c for response in call for c in response.completions):
                 if completion.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     error = "aborted by the worker"
+                    aborted += 1
                     continue
                 group = samples[completion.prompt_id]
                 group.append(completion)
@@ -289,4 +292,4 @@ class Dispatcher:
             with self.registry.lock:
                 worker.calls.discard(call)
             self.generate_seconds.observe(time.monotonic() - started)
-        return won, error
+        return won, error, aborted

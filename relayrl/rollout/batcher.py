@@ -15,6 +15,15 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
 So rows join and leave between steps and no request waits for another to finish. A seeded request draws
 from one generator per row (seeded from the request's seed, prompt and sample index), so its samples do
 not depend on what else shares the batch; unseeded rows draw from the engine's generator.
+
+In-flight weight updates (``pause`` / ``resume``): ``pause`` parks the loop between two steps, with every
+running row's tokens, KV cache and next logits kept, and returns once it is parked; the weights are then
+changed under it, and ``resume(version, recompute)`` continues the same rows. ``recompute`` (AReaL) first
+prefills every running row's prompt and tokens so far on the new weights (new KV, new next logits); without it
+(PipelineRL) the rows keep their KV and the logits computed before the update. Every sampled token is stamped
+with the version of the weights that computed the logits it was drawn from (``version``: 0 until the first
+resume, as a worker's), so after a keep-KV resume a row's next token still carries the old version. The rows of
+every request alive at a resume report these per-token versions (``EngineCompletion.token_versions``).
 """
 
 from __future__ import annotations
@@ -80,9 +89,14 @@ class _Row:
     generator: torch.Generator | None  # seeded requests: this row's own
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the version that sampled each token
+    logits_version: int = 0  # the version of the weights that computed the row's next logits
 
     def finish(self, reason: FinishReason) -> None:
-        self.request.emit(EngineCompletion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason))
+        versions = self.versions if self.request.updated else None
+        self.request.emit(
+            EngineCompletion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason, versions)
+        )
 
 
 class _Request:
@@ -100,6 +114,7 @@ class _Request:
         self.prompts, self.params, self.stop_ids, self.banned = prompts, params, stop_ids, banned
         self._should_abort = should_abort
         self.cancelled = False
+        self.updated = False  # alive at an in-flight weight update: its rows report per-token versions
         self.out: queue.SimpleQueue[EngineCompletion | BaseException] = queue.SimpleQueue()
         self.unfinished = len(prompts) * params.n
         self.released = threading.Event()  # set once none of its rows is in the batch any more
@@ -185,6 +200,11 @@ class ContinuousBatcher:
         self._thread: threading.Thread | None = None
         self.peak_rows = 0  # most rows ever decoded together (observability, tests)
         self.peak_requests = 0  # most requests ever in one decode step
+        self.version = 0  # of the weights: stamped on every sampled token (module docstring)
+        self._pausing = False  # pause() asked the loop to park
+        self._parked = False  # the loop is parked between two steps
+        self._recompute = False  # the resume asked for the running rows to be prefilled again
+        self.recomputed_rows = 0  # rows prefilled again by recompute resumes (observability, tests)
 
     def submit(
         self,
@@ -210,6 +230,23 @@ class ContinuousBatcher:
         with self._cond:
             self._cond.notify_all()
 
+    def pause(self) -> None:
+        """Park the loop between two steps, rows and their state kept, and return once it is parked (at once when
+        no loop runs). Requests submitted meanwhile wait; ``resume`` continues."""
+        with self._cond:
+            self._pausing = True
+            self._cond.notify_all()
+            while self._thread is not None and self._thread.is_alive() and not self._parked and not self._closed:
+                self._cond.wait()
+
+    def resume(self, version: int, *, recompute: bool) -> None:
+        """Continue after ``pause`` on weights of ``version``; ``recompute``: prefill the running rows again first."""
+        with self._cond:
+            for request in self._requests:
+                request.updated = True
+            self.version, self._recompute, self._pausing = version, recompute, False
+            self._cond.notify_all()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -231,15 +268,18 @@ class ContinuousBatcher:
         state: DecodeState | None = None
         while True:
             with self._cond:
-                while not self._closed and not rows and not any(r.waiting for r in self._requests):
+                while not (self._closed or self._pausing or rows or any(r.waiting for r in self._requests)):
                     self._drop_released()
                     self._cond.wait()
+                recompute = self._park() if self._pausing else False
                 if self._closed:
                     self._fail_all(rows, RuntimeError("the engine is closed"))
                     return
                 requests = list(self._requests)
             try:
                 with torch.inference_mode():
+                    if recompute and rows:
+                        logits, state = self._prefill_again(rows)
                     rows, logits, state = self._step(requests, rows, logits, state)
             except Exception as err:  # one failed step fails its requests, never the engine
                 log.exception("generation step failed; failing the requests in the batch")
@@ -247,6 +287,25 @@ class ContinuousBatcher:
                 rows, logits, state = [], None, None
             with self._cond:
                 self._drop_released()
+
+    def _park(self) -> bool:
+        """Parked until ``resume`` (called with the lock held); returns whether it asked for a recompute."""
+        self._parked = True
+        self._cond.notify_all()
+        while self._pausing and not self._closed:
+            self._cond.wait()
+        self._parked = False
+        recompute, self._recompute = self._recompute, False
+        return recompute
+
+    def _prefill_again(self, rows: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
+        """Each running row's prompt and tokens so far, prefilled on the current weights (one row each)."""
+        prompts = [[*row.request.prompts[row.prompt_index], *row.token_ids] for row in rows]
+        logits, state = self.runner.prefill(prompts, torch.arange(len(rows), device=self.runner.device))
+        for row in rows:
+            row.logits_version = self.version
+        self.recomputed_rows += len(rows)
+        return logits, state
 
     def _step(self, requests, rows, logits, state):
         """Aborts, admission, one sampled token per row, one decode step. Returns the new (rows, logits, state)."""
@@ -264,6 +323,8 @@ class ContinuousBatcher:
         joining = self._admit(requests, len(rows))
         if joining:
             new_logits, new_state = self._prefill(joining)
+            for row in joining:
+                row.logits_version = self.version
             if state is None:
                 rows, logits, state = joining, new_logits, new_state
             else:
@@ -285,7 +346,10 @@ class ContinuousBatcher:
         rows, _, state = self._select(rows, None, state, keep)
         if not rows:
             return [], None, None
-        return rows, self.runner.decode(state, tokens[keep] if len(keep) < len(tokens) else tokens), state
+        logits = self.runner.decode(state, tokens[keep] if len(keep) < len(tokens) else tokens)
+        for row in rows:
+            row.logits_version = self.version
+        return rows, logits, state
 
     def _admit(self, requests: list[_Request], running: int) -> list[_Row]:
         joining: list[_Row] = []
@@ -328,6 +392,7 @@ class ContinuousBatcher:
         for row, token, logprob in zip(rows, token_list, logprobs.tolist(), strict=True):
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(row.logits_version)
         return tokens, token_list
 
     def _select(self, rows, logits, state, keep: list[int]):

@@ -10,6 +10,12 @@ samples and merged into the running batch (left-padded to a common width); then 
 with the cache, the attention mask grown by one column and the positions by one. Finished rows leave the
 batch (and the cache) at once; columns that only pads still use are trimmed.
 
+In-flight weight updates (``rollout.partial``): ``pause_in_flight`` parks the decode loop between two steps
+with every row's tokens and KV cache kept; the weights are loaded in place (or re-pointed) under it; and
+``resume_in_flight(version)`` continues the same rows, re-prefilled on the new weights (``partial="recompute"``,
+as AReaL) or on their kept KV (``"keep_kv"``, as PipelineRL). Each token carries the version that sampled it
+(``relayrl.rollout.batcher``).
+
 Left padding leaves the pad positions' query rows fully masked; torch (>= 2.5) SDPA answers zeros for such
 rows, not NaN, so the pads' cached keys/values stay finite and, masked, never reach a real token. The tests
 check sdpa and eager against an unpadded forward, with rows of several calls batched together.
@@ -37,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODERS = ("auto", "fast", "transformers")
+PARTIAL = ("off", "recompute", "keep_kv")
 
 
 class HFEngine(InferenceEngine):
@@ -51,6 +58,7 @@ class HFEngine(InferenceEngine):
 
     name = "hf"
     supports_lora = True  # unmerged, on both runners (relayrl.rollout.lora)
+    supports_in_flight_update = True
 
     def __init__(
         self,
@@ -63,7 +71,10 @@ class HFEngine(InferenceEngine):
         seed: int = 0,
         decode: str = "auto",
         threads: int | None = None,
+        partial: str = "off",
     ) -> None:
+        if partial not in PARTIAL:
+            raise ValueError(f"partial (rollout.partial): expected one of {', '.join(PARTIAL)}, got {partial!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
         if decode not in DECODERS:
@@ -71,6 +82,7 @@ class HFEngine(InferenceEngine):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)
+        self.partial = partial
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
@@ -123,6 +135,15 @@ class HFEngine(InferenceEngine):
         held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
         stop_ids = stop_token_set(self.eos_token_ids, params)
         yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort).batches()
+
+    def pause_in_flight(self) -> None:
+        """See ``InferenceEngine.pause_in_flight``: the decode loop parks between two steps (module docstring)."""
+        self._batcher.pause()
+
+    def resume_in_flight(self, version: int) -> None:
+        """See ``InferenceEngine.resume_in_flight``: the rows continue, re-prefilled first under
+        ``partial="recompute"``, on their kept KV otherwise."""
+        self._batcher.resume(version, recompute=self.partial == "recompute")
 
     def close(self) -> None:
         self._batcher.close()

@@ -14,6 +14,14 @@ LoRA (``WeightManifest.kind``): a "base" manifest loads the frozen weights like 
 swapped in with no call in flight (``_update_adapter``): a transfer or load that fails leaves the previous adapter
 and version serving.
 
+In-flight updates (``rollout.partial`` recompute / keep_kv, engines with ``supports_in_flight_update``): the
+calls in flight are neither aborted nor waited for. New calls wait; the engine freezes its rows
+(``pause_in_flight``); the weights are loaded (pause mode) or, received meanwhile into the spare copy, swapped in
+(shadow mode); the rows continue on the new weights (``resume_in_flight(version)``). A completion that lived
+through an update carries the version of each token (``Completion.token_versions``) and, as its
+``policy_version``, the oldest of them. A failed load aborts the frozen rows before they continue. (Full and
+base updates; an adapter update aborts or waits for the calls as without it.)
+
 In-process engines keep their weights in a ``WeightArena`` with the manifest's layout (adopted at
 the first update, a bucket at a time), so a broadcast lands in place: in the live arena (pause) or
 in the spare one (shadow), with no staging buffer and no copy.
@@ -119,10 +127,15 @@ def fault_injection(worker_id: str, version: int):
 class RolloutWorker:
     """Engine + version + admission control. Thread-safe; the servicer is a thin layer over it."""
 
-    def __init__(self, engine: InferenceEngine, worker_id: str, *, mode: str, limits: GenerationLimits) -> None:
+    def __init__(
+        self, engine: InferenceEngine, worker_id: str, *, mode: str, limits: GenerationLimits, partial: str = "off"
+    ) -> None:
+        if partial != "off" and not engine.supports_in_flight_update:
+            raise ValueError(f"rollout.partial ({partial}): the {engine.name} engine cannot update weights in flight")
         self.engine = engine
         self.worker_id = worker_id
         self.mode = mode
+        self.in_flight = partial != "off"  # weight updates leave the rows in flight running (module docstring)
         self.limits = limits
         self.version = 0
         self.state = "serving"
@@ -332,28 +345,19 @@ class RolloutWorker:
         return dict(self.engine.named_weights())
 
     def _update_paused(self, manifest: WeightManifest) -> ReceiveStats:
-        with self._cond:
-            self._updating = True
-            self._abort.set()
-            while self._active:
-                self._cond.wait()
-        try:
-            self.state = "loading"
-            if not self.engine_receives and (self._live is None or not self._live.fits(manifest)):
-                self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
-                self._live = WeightArena.adopt(manifest, self._params(), self._device())
-            stats = self._receive(manifest, self._live)
-            self.version = self.version if manifest.kind == "base" else manifest.version
-            self.state = "serving"
-            return stats
-        except Exception:
-            self.state = "torn"
-            raise
-        finally:
-            with self._cond:
-                self._updating = False
-                self._abort.clear()
-                self._cond.notify_all()
+        with self._held(abort=True, freeze=self.in_flight):
+            try:
+                self.state = "loading"
+                if not self.engine_receives and (self._live is None or not self._live.fits(manifest)):
+                    self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
+                    self._live = WeightArena.adopt(manifest, self._params(), self._device())
+                stats = self._receive(manifest, self._live)
+                self.version = self.version if manifest.kind == "base" else manifest.version
+                self.state = "serving"
+                return stats
+            except Exception:
+                self.state = "torn"
+                raise
 
     def _update_shadow(self, manifest: WeightManifest) -> ReceiveStats:
         """Receive into the spare arena (allocated when missing or of another layout), then swap it in:
@@ -361,20 +365,12 @@ class RolloutWorker:
         if self._spare is None or not self._spare.fits(manifest):
             self._spare = WeightArena(manifest, self._device())
         stats = self._receive(manifest, self._spare)
-        with self._cond:  # new calls wait; the swap happens once the calls in flight have finished
-            self._updating = True
-            while self._active:
-                self._cond.wait()
-        try:  # re-point the parameters, O(1) per tensor
+        with self._held(abort=False, freeze=self.in_flight):  # re-point the parameters, O(1) per tensor
             self._spare.point(self._params())
             self._live, self._spare = self._spare, self._live
             self.version = self.version if manifest.kind == "base" else manifest.version
             if self.state == "torn":
                 self.state = "serving"
-        finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
         return stats
 
     def _update_adapter(self, manifest: WeightManifest) -> ReceiveStats:
@@ -410,19 +406,29 @@ class RolloutWorker:
         return stats
 
     @contextmanager
-    def _held(self, *, abort: bool) -> Iterator[None]:
-        """Inside, no Generate call is in flight: new ones wait; those in flight are aborted (``abort``: their
-        prompts come back for re-dispatch) or finish first."""
+    def _held(self, *, abort: bool, freeze: bool = False) -> Iterator[None]:
+        """Inside, the weights may change: new calls wait, and those in flight are frozen by the engine (``freeze``:
+        in-flight updates; they go on at ``self.version`` after, or end as aborts when the block raised), aborted
+        (``abort``: their prompts come back for re-dispatch) or finish first."""
         with self._cond:
             self._updating = True
-            if abort:
+            if abort and not freeze:
                 self._abort.set()
-            while self._active:
+            while self._active and not freeze:
                 self._cond.wait()
+        if freeze:
+            self.engine.pause_in_flight()
         try:
             yield
+        except BaseException:
+            self._abort.set()  # frozen rows must not go on with weights that failed to load
+            raise
         finally:
+            if freeze:
+                self.engine.resume_in_flight(self.version)
             with self._cond:
+                while self._abort.is_set() and self._active:  # aborted rows end before the abort is lifted
+                    self._cond.wait()
                 self._updating = False
                 self._abort.clear()
                 self._cond.notify_all()

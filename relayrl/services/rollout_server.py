@@ -151,7 +151,11 @@ def serve_rollout(
         max_batch_size=cfg.rollout.max_batch_size,
         # each worker its own random stream: its id (relayrl up names them), else where it serves from
         seed=worker_seed(cfg.run.seed, worker_id or advertise or f"{socket.gethostname()}:{port}:{os.getpid()}"),
-        **({"decode": cfg.rollout.hf_decode, "threads": threads} if cfg.rollout.engine == "hf" else {}),
+        **(
+            {"decode": cfg.rollout.hf_decode, "threads": threads, "partial": cfg.rollout.partial}
+            if cfg.rollout.engine == "hf"
+            else {}
+        ),
         **cfg.rollout.engine_options,
     )
     limits = GenerationLimits(
@@ -168,7 +172,9 @@ def serve_rollout(
         security=cfg.security,
     )
     address = advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{server.port}"
-    worker = RolloutWorker(engine, worker_id or address, mode=cfg.weight_sync.mode, limits=limits)
+    worker = RolloutWorker(
+        engine, worker_id or address, mode=cfg.weight_sync.mode, limits=limits, partial=cfg.rollout.partial
+    )
     registration = Registration()
     server.add(
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server,

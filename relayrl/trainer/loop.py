@@ -231,6 +231,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "groups_filtered": stats.groups_filtered,
         "groups_stale": stats.groups_stale,
         "groups_failed": stats.groups_failed,
+        "samples_aborted": stats.samples_aborted,
         "gen_batches": stats.gen_batches,
         "response_len_mean": stats.response_len_mean,
         "samples_trained": len(batch.samples),

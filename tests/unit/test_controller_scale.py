@@ -189,8 +189,8 @@ def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry
     dispatcher = Dispatcher(registry, chunk_size=1, generate_timeout_s=5)
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=2)
     attempt = Attempt([PromptJob("p0", [4, 5])], worker)
-    groups, error = dispatcher._generate_chunk(attempt, params, 0, GroupClaims(None))
-    assert groups == {} and error.startswith("UNAVAILABLE: worker removed")  # run() re-dispatches the prompt
+    groups, error, aborted = dispatcher._generate_chunk(attempt, params, 0, GroupClaims(None))
+    assert groups == {} and aborted == 0 and error.startswith("UNAVAILABLE: worker removed")  # run() re-dispatches
 
 
 def _expected_acquire(registry: WorkerRegistry, min_version: int, only=None, idle_other_than=None):
