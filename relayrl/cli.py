@@ -177,9 +177,13 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from relayrl.ops.resume import resume_config
     from relayrl.runtime.launcher import run_local
+    from relayrl.services.channels import configure_client
 
-    return run_local(_config(args), resume=args.resume)
+    cfg, changes = resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
+    configure_client(cfg.security)
+    return run_local(cfg, resume=changes)
 
 
 BENCHMARKS = {  # name -> module whose main(argv) runs it
@@ -261,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
     _add_config(p, positional=True)
-    p.add_argument("--resume", action="store_true", help="continue the run in its run directory")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the stopped run of this config's run.name, as it was saved"
+    )
     p.set_defaults(func=cmd_up, fast_exit=True)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale

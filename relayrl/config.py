@@ -70,26 +70,54 @@ class LoraConfig(Section):
         return value
 
 
+# `builtin:` paths name the demo's assets, built into <run dir>/assets (relayrl/data/assets.py); nothing else is
+# ever built, whatever path is missing.
+BUILTIN = "builtin:"
+BUILTIN_MODELS = ("builtin:tiny-qwen2",)
+BUILTIN_DATA = ("builtin:digits",)
+# Keys that are gone -> what replaces them (a config that still has one is refused, naming the replacement).
+REMOVED_KEYS = {
+    "model.build_tiny_if_missing": "write model.path: builtin:tiny-qwen2 (a missing path is never built any more)",
+    "data.generate_digits_if_missing": "write data.path: builtin:digits (a missing path is never built any more)",
+}
+
+
+def _check_builtin(value: str, known: tuple[str, ...]) -> str:
+    if value.startswith(BUILTIN) and value not in known:
+        raise ValueError(f"unknown built-in {value!r} (built-ins: {', '.join(known)})")
+    return value
+
+
 class ModelConfig(Section):
+    # a local Hugging Face model directory, a hub id (org/name), or builtin:tiny-qwen2 (the demo's tiny Qwen2,
+    # built into <run dir>/assets)
     path: str
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Build the tiny Qwen2 demo model into `path` when the directory does not exist yet.
-    build_tiny_if_missing: bool = False
-    tiny_hidden_size: int = Field(32, ge=8)
-    tiny_layers: int = Field(2, ge=1)
+    tiny_hidden_size: int = Field(32, ge=8)  # builtin:tiny-qwen2 only: its hidden size
+    tiny_layers: int = Field(2, ge=1)  # builtin:tiny-qwen2 only: its layers
     lora: LoraConfig | None = None  # train a LoRA adapter on the frozen model (absent: every weight is trained)
+
+    @field_validator("path")
+    @classmethod
+    def _known_builtin(cls, value: str) -> str:
+        return _check_builtin(value, BUILTIN_MODELS)
 
 
 class DataConfig(Section):
-    path: str  # local JSONL/parquet file, a directory, or a hub dataset id
+    # local JSONL/parquet file, a directory, a hub dataset id, or builtin:digits (the demo's task, written into
+    # <run dir>/assets)
+    path: str
     subset: str | None = None  # a hub dataset's config name (`name` of datasets.load_dataset), e.g. gsm8k's "main"
     split: str = "train"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     chat_template: Literal["auto", "never", "always"] = "auto"
     shuffle: bool = True
-    # Write the synthetic `digits` task to `path` when the file is missing (the CPU demo).
-    generate_digits_if_missing: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _known_builtin(cls, value: str) -> str:
+        return _check_builtin(value, BUILTIN_DATA)
 
 
 class GenerationLimitsConfig(Section):
@@ -547,7 +575,15 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(value)
 
 
+def _refuse_removed_keys(raw: dict[str, Any]) -> None:
+    for dotted, replacement in REMOVED_KEYS.items():
+        section, key = dotted.split(".")
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(f"{dotted}: removed; {replacement}")
+
+
 def parse_config(raw: dict[str, Any]) -> RelayConfig:
+    _refuse_removed_keys(raw)
     try:
         return RelayConfig.model_validate(raw)
     except ValidationError as err:

@@ -95,8 +95,8 @@ def bench_config(workdir: Path, args: argparse.Namespace) -> Path:
     """The run config: the tiny demo model's tokenizer, the digits task, the batch shape from ``args``."""
     raw = {
         "run": {"name": "bench-controller", "dir": str(workdir / "runs")},
-        "model": {"path": str(workdir / "tiny-qwen2"), "build_tiny_if_missing": True},
-        "data": {"path": str(workdir / "digits.jsonl"), "generate_digits_if_missing": True},
+        "model": {"path": "builtin:tiny-qwen2"},
+        "data": {"path": "builtin:digits"},
         "rollout": {"n": args.n, "max_tokens": args.response_tokens},
         "controller": {
             "prompts_per_gen_batch": args.gen_batch,

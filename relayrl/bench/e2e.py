@@ -110,15 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def workload(name: str, workdir: Path, args: argparse.Namespace) -> Workload:
-    data = f"data.path={workdir / 'digits.jsonl'}"
+def workload(name: str, args: argparse.Namespace) -> Workload:
     if name == "demo":
         quick = [f"trainer.steps={args.steps}", "rollout.workers=1", "trainer.nproc=1"] if args.quick else []
-        model = f"model.path={workdir / 'tiny-qwen2'}"
-        return Workload("demo", [model, data, *quick, *args.set], {"default": []}, samples_budget=True)
+        return Workload("demo", [*quick, *args.set], {"default": []}, samples_budget=True)
     hidden, layers, tokens, prompts, n = (32, 2, 8, 4, 4) if args.quick else (256, 4, 48, 16, 16)
     overrides = [
-        f"model.path={workdir / f'tiny-qwen2-h{hidden}-l{layers}'}", data,
         f"model.tiny_hidden_size={hidden}", f"model.tiny_layers={layers}",
         "rollout.workers=1", f"rollout.n={n}", f"rollout.max_tokens={tokens}", "rollout.ignore_eos=true",
         f"controller.prompts_per_gen_batch={prompts}", f"controller.train_batch_groups={prompts}",
@@ -457,11 +454,13 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
 def run_bench(args: argparse.Namespace) -> dict:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    loads = [workload(name, workdir, args) for name in args.workloads]
-    cfgs = {wl.name: load_config(DEMO_CONFIG, wl.overrides) for wl in loads}
-    for cfg in cfgs.values():
-        check_mirrorable(cfg)
-        prepare_assets(cfg)  # built once here, before any system runs
+    loads = [workload(name, args) for name in args.workloads]
+    assets = [f"run.dir={workdir / 'assets'}"]
+    cfgs = {wl.name: load_config(DEMO_CONFIG, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
+    for wl in loads:
+        check_mirrorable(cfgs[wl.name])
+        prepare_assets(cfgs[wl.name])  # built once here, before any system runs, which all name the built paths
+        wl.overrides.extend([f"model.path={cfgs[wl.name].model.path}", f"data.path={cfgs[wl.name].data.path}"])
     result = {"bench": "e2e", "workdir": str(workdir), "machine": machine(args, cfgs), "workloads": {}}
     for wl in loads:
         cfg = cfgs[wl.name]

@@ -62,8 +62,8 @@ def demo_config(workdir: Path, args: argparse.Namespace) -> Path:
     """A config for the tiny demo model and the digits data (built on first use) under ``workdir``."""
     raw = {
         "run": {"name": "bench-load", "dir": str(workdir / "runs")},
-        "model": {"path": str(workdir / "tiny-qwen2"), "build_tiny_if_missing": True},
-        "data": {"path": str(workdir / "digits.jsonl"), "generate_digits_if_missing": True},
+        "model": {"path": "builtin:tiny-qwen2"},
+        "data": {"path": "builtin:digits"},
         "rollout": {"n": max(2, args.n), "max_tokens": max(2, args.max_tokens)},
         "controller": {"prompts_per_gen_batch": 2, "train_batch_groups": 2, "reward": {"fn": "prefix_match"}},
         "trainer": {"mini_batches": 1},

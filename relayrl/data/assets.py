@@ -1,8 +1,11 @@
-"""Demo assets a config can ask for: the tiny Qwen2 model and the digits dataset, built locally.
+"""The demo's built-in assets, named by ``builtin:`` paths: ``model.path: builtin:tiny-qwen2`` (a seeded tiny
+Qwen2 sized by ``model.tiny_hidden_size``/``tiny_layers``) and ``data.path: builtin:digits`` (the digits task).
 
-Every role calls ``prepare_assets`` before loading anything, so a job started by Slurm or Kubernetes
-(where no launcher runs first) builds them too. Building is atomic (a temp path renamed into
-place), so roles racing on a shared filesystem end with one complete copy.
+Nothing is ever built because a path is missing: only these names build anything, into
+``<run dir>/assets/`` (``asset_dir``). Every role calls ``prepare_assets`` before loading anything, so a job
+started by Slurm or Kubernetes (where no launcher runs first) builds them too. Building is atomic (a temp path
+renamed into place), so roles racing on a shared filesystem end with one complete copy; a copy already there
+is used as is (same seed, same bytes).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from relayrl.config import RelayConfig
+from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, RelayConfig
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -22,21 +25,44 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
+def asset_dir(cfg: RelayConfig) -> Path:
+    """Where the run's built-in assets live: ``<run dir>/assets``."""
+    return cfg.run_dir / "assets"
+
+
+def builtin_model_path(cfg: RelayConfig) -> Path:
+    """The directory ``builtin:tiny-qwen2`` stands for; its name holds every input of the build."""
+    m = cfg.model
+    return asset_dir(cfg) / f"{m.path.removeprefix(BUILTIN)}-h{m.tiny_hidden_size}-l{m.tiny_layers}-seed{cfg.run.seed}"
+
+
+def builtin_data_path(cfg: RelayConfig) -> Path:
+    """The file ``builtin:digits`` stands for."""
+    return asset_dir(cfg) / f"{cfg.data.path.removeprefix(BUILTIN)}-seed{cfg.run.seed}.jsonl"
+
+
 def prepare_assets(cfg: RelayConfig) -> list[str]:
-    """Build what the config marks as build-if-missing; returns what this call built."""
+    """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path`` /
+    ``cfg.data.path`` at them, in place; returns the paths this call built."""
     built = []
-    model_dir = Path(cfg.model.path)
-    if cfg.model.build_tiny_if_missing and not (model_dir / "config.json").exists():
-        from relayrl.models.tiny import write_tiny_model
+    if cfg.model.path in BUILTIN_MODELS:
+        model_dir = builtin_model_path(cfg)
+        if not (model_dir / "config.json").exists():
+            from relayrl.models.tiny import write_tiny_model
 
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
-        write_tiny_model(tmp, seed=cfg.run.seed, hidden_size=cfg.model.tiny_hidden_size, layers=cfg.model.tiny_layers)
-        _publish(tmp, model_dir)
-        built.append(cfg.model.path)
-    if cfg.data.generate_digits_if_missing and not Path(cfg.data.path).exists():
-        from relayrl.data.digits import write_digits_jsonl
+            model_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
+            m = cfg.model
+            write_tiny_model(tmp, seed=cfg.run.seed, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers)
+            _publish(tmp, model_dir)
+            built.append(str(model_dir))
+        cfg.model.path = str(model_dir)
+    if cfg.data.path in BUILTIN_DATA:
+        data_file = builtin_data_path(cfg)
+        if not data_file.exists():
+            from relayrl.data.digits import write_digits_jsonl
 
-        write_digits_jsonl(cfg.data.path, seed=cfg.run.seed)  # writes a temp file, then renames
-        built.append(cfg.data.path)
+            write_digits_jsonl(data_file, seed=cfg.run.seed)  # writes a temp file, then renames
+            built.append(str(data_file))
+        cfg.data.path = str(data_file)
     return built

@@ -25,7 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
+from relayrl.data.assets import prepare_assets
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
+from relayrl.ops.resume import record_changes
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
 from relayrl.runtime.environments import environment_roles, environments_serving, start_environment_servers
@@ -145,17 +147,20 @@ def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: lis
     raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def prepare_run_dir(cfg: RelayConfig, resume: bool) -> Path:
-    """A fresh run directory; an existing one is moved aside (never deleted) unless resuming."""
+def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:
+    """A fresh run directory, an existing one moved aside (never deleted), with ``cfg`` saved in it; or, resuming
+    (``resume``: the safe changes, relayrl.ops.resume), the run's own, its saved config updated by them."""
     run_dir = cfg.run_dir
-    if run_dir.exists() and not resume:
+    if resume is not None:
+        record_changes(cfg, resume)
+    elif run_dir.exists():
         archived = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
         shutil.move(str(run_dir), archived)
         console.print(f"[dim]previous run moved to {archived}[/dim]")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(dump_config(cfg))
-    return config_path
+    if resume is None:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return run_dir / "config.yaml"
 
 
 def spawn_rollout(job: LocalJob, index: int) -> None:
@@ -289,11 +294,14 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
     return result
 
 
-def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
+def run_local(cfg: RelayConfig, *, resume: list[str] | None = None) -> int:
+    """Run ``cfg`` to its end; ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume)."""
     started = time.monotonic()
     place(cfg, node_devices(cfg.supervisor.gpus))  # refuse GPU over-subscription before touching the run dir
     check_role_cpus(cfg)  # and CPUs a role is pinned to that are not here
-    config_path = prepare_run_dir(cfg, resume)
+    config_path = prepare_run_dir(cfg, resume)  # saved with its builtin: paths, which every role resolves
+    for path in prepare_assets(cfg):
+        console.print(f"[dim]built {path}[/dim]")
     stop_signal: list[str] = []
 
     def on_signal(signum, _frame):
@@ -303,7 +311,7 @@ def run_local(cfg: RelayConfig, *, resume: bool = False) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     job = None
     try:
-        job = start_job(cfg, config_path, resume)
+        job = start_job(cfg, config_path, resume is not None)
         console.print(
             f"controller {job.controller_address} · {cfg.rollout.workers} rollout workers · "
             f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"

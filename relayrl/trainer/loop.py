@@ -270,7 +270,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     stub = publisher = writer = syncer = trackers = None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if not (run_dir / "config.yaml").exists():  # `relayrl up` saved it (builtin: paths unresolved, for --resume)
+            (run_dir / "config.yaml").write_text(dump_config(cfg))
         stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller_address))
         weights_dir = str(Path(cfg.weight_sync.path or run_dir / "weights"))
         publisher = WeightPublisher(cfg.weight_sync, stub, weights_dir, lora=backend.lora)

@@ -19,8 +19,6 @@ pytestmark = pytest.mark.slow
 def test_demo_reward_rises(tmp_path):
     overrides = [
         f"run.dir={tmp_path / 'runs'}",
-        f"model.path={tmp_path / 'assets/tiny-qwen2'}",
-        f"data.path={tmp_path / 'assets/digits/train.jsonl'}",
     ]
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
     for o in overrides:

@@ -31,8 +31,6 @@ def test_megatron_tp2_demo_learns_and_resumes_after_a_kill(tmp_path):
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
     for override in (
         f"run.dir={tmp_path / 'runs'}",
-        f"model.path={tmp_path / 'assets/tiny-qwen2'}",
-        f"data.path={tmp_path / 'assets/digits/train.jsonl'}",
         "trainer.backend=megatron",
         "trainer.megatron.tensor_parallel=2",
         "trainer.nproc=2",

@@ -88,10 +88,6 @@ def test_relayrl_up_refuses_a_missing_cpu_before_it_starts_anything(tmp_path) ->
     sets = [
         f"trainer.cpus={min(os.sched_getaffinity(0))},{missing}",
         f"run.dir={tmp_path / 'runs'}",
-        f"model.path={tmp_path / 'model'}",
-        "model.build_tiny_if_missing=false",
-        f"data.path={tmp_path / 'd.jsonl'}",
-        "data.generate_digits_if_missing=false",
     ]
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), *[arg for s in sets for arg in ("--set", s)]]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # nothing built: the refusal comes first

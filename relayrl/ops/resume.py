@@ -1,0 +1,112 @@
+"""``relayrl up CONFIG --resume``: continue a stopped run exactly as its saved config says.
+
+The resumed run's config is ``<run dir>/config.yaml``, the one it was started with. The config given now
+(the file plus ``--set``) must agree with it on every key, except:
+
+- keys in ``RESUME_SAFE_KEYS`` changed by an explicit ``--set``: applied, written into the saved config
+  and logged, one line each, in ``<run dir>/resume.log``. The same change coming from the file alone is
+  refused: it is exactly what a forgotten ``--set`` looks like;
+- ``controller.port: 0`` ("any free port"): the run keeps the port it recorded, so its address stays;
+- the ``environment.servers`` addresses ``relayrl up`` appended for ``environment.serve`` (it starts them anew).
+
+Any other difference is refused, every differing key listed. A run directory without a saved config is no
+run to resume; a run whose ``trainer.steps`` are all trained has nothing left to train.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from relayrl.config import ConfigError, RelayConfig, dump_config, load_config, parse_config
+from relayrl.trainer.metrics import read_metrics
+
+# Keys that may change when a run resumes (by an explicit --set): how long it trains, what it logs and where it
+# reports, how its processes are kept alive; none changes what a step computes or how the data is drawn.
+RESUME_SAFE_KEYS = (
+    "trainer.steps",
+    "trainer.checkpoint_every",
+    "trainer.tensorboard",
+    "trainer.wandb",
+    "trainer.pull_timeout_s",
+    "rollout.workers",
+    "controller.host",
+    "controller.port",
+    "controller.worker_timeout_s",
+    "controller.generate_timeout_s",
+    "controller.shutdown_grace_s",
+    "supervisor.max_restarts",
+    "supervisor.backoff_s",
+    "supervisor.backoff_max_s",
+)
+LOG_FILE = "resume.log"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and None are leaves."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _under(key: str, section: str) -> bool:
+    """``key`` is ``section`` or lies inside it, or ``section`` lies inside ``key`` (a leaf that became one)."""
+    return key == section or key.startswith(section + ".") or section.startswith(key + ".")
+
+
+def _set_keys(overrides: list[str]) -> list[str]:
+    return [assignment.split("=", 1)[0].strip() for assignment in overrides]
+
+
+def read_saved(run_dir: Path) -> RelayConfig:
+    """The run's saved config; ConfigError naming ``--resume`` when there is no run to resume."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume: no run at {run_dir} (no {saved.name}); start it without --resume")
+    return parse_config(yaml.safe_load(saved.read_text()) or {})
+
+
+def resume_config(path: str | Path, overrides: list[str]) -> tuple[RelayConfig, list[str]]:
+    """The config to resume with and the safe changes it applies (``key: old -> new``); ConfigError listing
+    every key that differs from the saved config and may not."""
+    given = load_config(path, overrides)
+    saved = read_saved(given.run_dir)
+    if given.controller.port == 0:
+        given.controller.port = saved.controller.port
+    if saved.environment is not None and saved.environment.serve:  # the addresses `relayrl up` appended itself
+        saved.environment.servers = saved.environment.servers[: -saved.environment.replicas]
+    old, new = flatten(saved.model_dump(mode="json")), flatten(given.model_dump(mode="json"))
+    differing = sorted(key for key in old.keys() | new.keys() if old.get(key, None) != new.get(key, None))
+    explicit = _set_keys(overrides)
+    refused = [
+        key
+        for key in differing
+        if not any(_under(key, safe) for safe in RESUME_SAFE_KEYS) or not any(_under(key, s) for s in explicit)
+    ]
+    if refused:
+        shown = ", ".join(f"{key} ({old.get(key)!r} in the run, {new.get(key)!r} now)" for key in refused)
+        raise ConfigError(
+            f"--resume: differs from {given.run_dir / 'config.yaml'} in {shown}; a resumed run keeps its saved "
+            "config (the keys safe to change on resume, docs/operating.md, change by an explicit --set)"
+        )
+    trained = max((r["step"] for r in read_metrics(given.run_dir / "metrics.jsonl")), default=0)
+    if given.trainer.steps <= trained:
+        raise ConfigError(
+            f"trainer.steps: {given.trainer.steps}, and the run has trained {trained} steps; "
+            f"--set trainer.steps=N (N > {trained}) to train on"
+        )
+    return given, [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differing]
+
+
+def record_changes(cfg: RelayConfig, changes: list[str]) -> None:
+    """Write the resumed config over the saved one and log ``changes`` in ``<run dir>/resume.log``."""
+    (cfg.run_dir / "config.yaml").write_text(dump_config(cfg))
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with (cfg.run_dir / LOG_FILE).open("a") as log:
+        log.write(f"{stamp} resumed" + "".join(f"; {change}" for change in changes) + "\n")
