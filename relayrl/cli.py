@@ -13,6 +13,15 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.ops.args import (
+    OneLineParser,
+    address,
+    existing_file,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from relayrl.ops.parser import add_operator_commands
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
@@ -21,24 +30,49 @@ from relayrl.runtime.threads import pin_role, yield_cores_to_generation
 from relayrl.services.retry import STOPPING
 
 
-def _config(args: argparse.Namespace) -> RelayConfig:
-    """The validated config, with the demo assets it asks for built; its ``security`` section also
-    becomes this process's client security."""
+def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
+    """The validated config, with the demo assets it asks for built; its ``security`` section also becomes this
+    process's client security. ``port_flag``: the flag (or key) naming the port this process binds, refused
+    when it is busy before anything is built or loaded."""
     from relayrl.data.assets import prepare_assets
     from relayrl.services.channels import configure_client
 
     cfg = load_config(args.config, args.set)
+    if port_flag == "controller.port":
+        _refuse_busy(port_flag, cfg.controller.host, cfg.controller.port)
+    elif port_flag is not None:
+        _refuse_busy(port_flag, getattr(args, "host", cfg.controller.host), args.port)
     for path in prepare_assets(cfg):
         print(f"built {path}", file=sys.stderr)
     configure_client(cfg.security)
     return cfg
 
 
+def _controller(args: argparse.Namespace) -> str | None:
+    """``--controller``, else RELAYRL_CONTROLLER parsed as strictly (ConfigError naming the variable)."""
+    from relayrl.runtime.address import AddressError, parse_address
+
+    if args.controller or not os.environ.get("RELAYRL_CONTROLLER"):
+        return args.controller
+    try:
+        return str(parse_address(os.environ["RELAYRL_CONTROLLER"], "RELAYRL_CONTROLLER"))
+    except AddressError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _refuse_busy(field: str, host: str, port: int) -> None:
+    """ConfigError naming ``field`` when ``host:port`` cannot be bound now (before any model is loaded)."""
+    from relayrl.runtime.ports import port_in_use
+
+    if port and (why := port_in_use(host, port)):
+        raise ConfigError(f"{field}: {host}:{port} is in use ({why})")
+
+
 def _add_config(parser: argparse.ArgumentParser, positional: bool = False) -> None:
     if positional:
-        parser.add_argument("config", help="run config (YAML)")
+        parser.add_argument("config", type=existing_file, help="run config (YAML)")
     else:
-        parser.add_argument("--config", required=True, help="run config (YAML)")
+        parser.add_argument("--config", type=existing_file, required=True, help="run config (YAML)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
 
 
@@ -63,9 +97,9 @@ def wait_for_shutdown() -> str:
 
 def cmd_controller_serve(args: argparse.Namespace) -> int:
     pause_collection()  # until its startup heap is frozen (relayrl/runtime/gcfreeze.py)
-    from relayrl.services.controller_server import serve_controller
+    cfg = _config(args, port_flag="controller.port" if args.port is None else "--port")
+    from relayrl.services.controller_server import serve_controller  # after the checks: seconds of imports
 
-    cfg = _config(args)
     server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir, metrics_port=args.metrics_port)
     freeze_startup_heap("controller")  # its startup heap (modules, tokenizer, dataset, ledger) lives as long as it does
     print(f"controller listening on port {server.port}", flush=True)
@@ -82,9 +116,9 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 
     retain_freed_memory()
 
-    cfg = _config(args)
+    cfg = _config(args, port_flag="--port")
     pin_role(cfg, "rollout")  # before any thread starts (relayrl/runtime/cpus.py)
-    controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
+    controller = _controller(args)
     server, worker, heartbeat = serve_rollout(
         cfg,
         controller=controller,
@@ -112,10 +146,6 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     from relayrl.env.pool import busy_ports, pool_ports, run_pool
     from relayrl.env.server import EnvironmentServer, load_environment
 
-    if args.processes < 1:
-        raise ConfigError(f"--processes: must be >= 1, got {args.processes}")
-    if args.max_sessions < 0 or not args.idle_timeout_s > 0:
-        raise ConfigError("--max-sessions must be >= 0 (0: no limit) and --idle-timeout-s > 0")
     env_class = load_environment(args.environment)  # before any process starts: a bad name fails once
     ports = pool_ports(args.port, args.processes)
     if busy := busy_ports(args.host, ports):
@@ -147,15 +177,16 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
 
 def cmd_trainer_run(args: argparse.Namespace) -> int:
     pause_collection()  # until run_trainer freezes its startup heap (relayrl/runtime/gcfreeze.py)
-    from relayrl.trainer.loop import run_trainer
     from relayrl.trainer.world import restart_attempt
 
-    controller = args.controller or os.environ.get("RELAYRL_CONTROLLER")
+    controller = _controller(args)
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     retain_freed_memory()
     cfg = _config(args)
+    from relayrl.trainer.loop import run_trainer  # after the config is known good: seconds of imports
+
     pin_role(cfg, "trainer")  # before any thread starts (relayrl/runtime/cpus.py)
     yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/runtime/threads.py)
     try:
@@ -176,14 +207,31 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
     return run_supervised(rest)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _checked(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
+    """The config of ``up``/``check`` (resuming: the run's saved one and its safe changes, relayrl.ops.resume),
+    through the start-up checks (relayrl.ops.preflight)."""
+    from relayrl.ops.preflight import preflight
     from relayrl.ops.resume import resume_config
+
+    cfg, changes = resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
+    preflight(cfg)
+    return cfg, changes
+
+
+def cmd_up(args: argparse.Namespace) -> int:
     from relayrl.runtime.launcher import run_local
     from relayrl.services.channels import configure_client
 
-    cfg, changes = resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
+    cfg, changes = _checked(args)
     configure_client(cfg.security)
     return run_local(cfg, resume=changes)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg, changes = _checked(args)
+    what = f"resumes {cfg.run_dir}" + (f" ({'; '.join(changes)})" if changes else "") if args.resume else "starts"
+    print(f"{args.config}: ok; `relayrl up` {what}")
+    return 0
 
 
 BENCHMARKS = {  # name -> module whose main(argv) runs it
@@ -206,27 +254,27 @@ def cmd_check_engine(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relayrl", description=__doc__)
+    parser = OneLineParser(prog="relayrl", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("RELAYRL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     controller = sub.add_parser("controller", help="the control plane").add_subparsers(dest="action", required=True)
     p = controller.add_parser("serve", help="serve ControllerService")
     _add_config(p)
-    p.add_argument("--port", type=int, default=None, help="overrides controller.port (0 = any free port)")
+    p.add_argument("--port", type=port, default=None, help="overrides controller.port (0 = any free port)")
     p.add_argument("--state-dir", default=None, help="ledger, cursor and versions (default <run dir>/controller)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
+    p.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_controller_serve, fast_exit=True)
 
     rollout = sub.add_parser("rollout", help="rollout workers").add_subparsers(dest="action", required=True)
     p = rollout.add_parser("serve", help="serve RolloutService with one engine")
     _add_config(p)
-    p.add_argument("--controller", default=None, help="controller address (or RELAYRL_CONTROLLER)")
+    p.add_argument("--controller", type=address, default=None, help="controller host:port (or RELAYRL_CONTROLLER)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--advertise", default=None, help="address others reach this worker at (default host:port)")
+    p.add_argument("--port", type=port, default=0)
+    p.add_argument("--advertise", type=address, default=None, help="host:port others reach this worker at")
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0/absent: off)")
+    p.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_rollout_serve, fast_exit=True)
 
     env = sub.add_parser("env", help="environments for agentic episodes").add_subparsers(dest="action", required=True)
@@ -239,11 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("environment", help="module:Class, e.g. relayrl.env.examples.guess:GuessNumber")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="the first port (0: each process any free port)")
-    p.add_argument("--processes", type=int, default=1, help="server processes, on consecutive ports")
-    p.add_argument("--max-sessions", type=int, default=64, help="sessions per process (0: no limit)")
-    p.add_argument("--idle-timeout-s", type=float, default=600.0, help="a session idle this long is closed")
-    p.add_argument("--config", default=None, help="run config whose security section applies (token, TLS)")
+    p.add_argument("--port", type=port, default=0, help="the first port (0: each process any free port)")
+    p.add_argument("--processes", type=positive_int, default=1, help="server processes, on consecutive ports")
+    p.add_argument("--max-sessions", type=non_negative_int, default=64, help="sessions per process (0: no limit)")
+    p.add_argument("--idle-timeout-s", type=positive_float, default=600.0, help="a session idle this long is closed")
+    p.add_argument(
+        "--config", type=existing_file, default=None, help="run config whose security section applies (token, TLS)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(func=cmd_env_serve, fast_exit=True)
 
@@ -252,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = trainer.add_parser("run", help="train: pull batches, step, broadcast weights")
     _add_config(p)
-    p.add_argument("--controller", default=None, help="controller address (or RELAYRL_CONTROLLER)")
+    p.add_argument("--controller", type=address, default=None, help="controller host:port (or RELAYRL_CONTROLLER)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     p.set_defaults(func=cmd_trainer_run, fast_exit=True)
 
@@ -269,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the stopped run of this config's run.name, as it was saved"
     )
     p.set_defaults(func=cmd_up, fast_exit=True)
+
+    p = sub.add_parser("check", help="validate a run config and run the start-up checks of `relayrl up`; start nothing")
+    _add_config(p, positional=True)
+    p.add_argument("--resume", action="store_true", help="check it as `relayrl up --resume` would")
+    p.set_defaults(func=cmd_check)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
 

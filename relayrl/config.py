@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
+from relayrl.runtime.address import AddressError, parse_address
 from relayrl.runtime.cpus import parse_cpu_list
 
 
@@ -216,8 +217,9 @@ class RewardConfig(Section):
 
 
 class ControllerConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535)
+    host: str = "127.0.0.1"  # the address the controller binds (0.0.0.0: every interface)
+    # its port; 0: a free one, which `relayrl up` records in the run's config.yaml and controller.address
+    port: int = Field(0, ge=0, le=65535)
     state_dir: str | None = None  # default: <run dir>/controller
     prompts_per_gen_batch: int = Field(16, ge=1)  # prompts generated per dynamic-sampling round
     train_batch_groups: int = Field(16, ge=1)  # groups (prompts x n samples) per trainer step
@@ -458,6 +460,14 @@ class EnvironmentConfig(Section):
     step_timeout_s: float = Field(30.0, gt=0)  # deadline of one environment call (Reset, Step, Close)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are parsed from sampled text (Qwen/Hermes JSON)
 
+    @field_validator("servers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        try:
+            return [str(parse_address(address, f"[{i}]")) for i, address in enumerate(value)]
+        except AddressError as err:
+            raise ValueError(str(err)) from None
+
 
 class RelayConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
@@ -564,7 +574,7 @@ def _format_error(err: ValidationError) -> str:
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one ``dotted.key=value`` override in place; the value is parsed as YAML."""
     if "=" not in assignment:
-        raise ConfigError(f"{assignment}: overrides look like key.path=value")
+        raise ConfigError(f"--set {assignment}: overrides look like key.path=value")
     key, value = assignment.split("=", 1)
     node = raw
     parts = key.strip().split(".")
@@ -572,7 +582,10 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: {value!r} is not a YAML value ({getattr(err, 'problem', None) or err})") from None
 
 
 def _refuse_removed_keys(raw: dict[str, Any]) -> None:
@@ -595,7 +608,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayCo
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', None) or err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for assignment in overrides or []:

@@ -51,6 +51,7 @@ from relayrl.config import ControllerConfig, load_config
 from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.data.assets import prepare_assets
 from relayrl.errors import rpc_error_text
+from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.runtime.launcher import LocalJob, controller_status, wait_until
 from relayrl.runtime.ports import free_port
 from relayrl.services.channels import open_channel
@@ -61,7 +62,7 @@ BARE_TRAJECTORIES = 20_000  # the baseline is a rate: this many trajectories mea
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relayrl bench controller", description=__doc__)
+    parser = OneLineParser(prog="relayrl bench controller", description=__doc__)
     parser.add_argument("--workers", type=int, default=1000, help="simulated rollout workers")
     parser.add_argument("--trajectories", type=int, default=100_000, help="generated trajectories to measure")
     parser.add_argument("--simulators", type=int, default=4, help="processes the simulated workers are spread over")
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--generate-s", type=float, default=0.0, help="seconds a simulated Generate call takes")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds the idle, paused controller is measured")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
-    parser.add_argument("--workdir", type=Path, help="where the model, data, state and logs go (default: temp)")
+    parser.add_argument("--workdir", type=existing_dir, help="where the model, data, state and logs go (default: temp)")
     parser.add_argument("--json", action="store_true", help="print the JSON object only")
     args = parser.parse_args(argv)
     for name in ("workers", "trajectories", "simulators", "n", "batch_groups", "gen_batch", "dispatch_chunk"):
@@ -338,7 +339,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-controller-") as tmp:
-        workdir = args.workdir or Path(tmp)
+        workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.json:
             print(f"controller + {args.workers} simulated workers (logs in {workdir / 'logs'})", file=sys.stderr)

@@ -49,6 +49,7 @@ from pathlib import Path
 from relayrl.bench.cpu import CpuSampler
 from relayrl.config import RelayConfig, load_config
 from relayrl.data.assets import prepare_assets
+from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.runtime.cpus import format_cpu_list
 from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
@@ -83,7 +84,7 @@ class Run:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relayrl bench e2e", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="relayrl bench e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once, alternating")
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of the gen-heavy workload")
@@ -96,7 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="1 round, 3 steps, tiny sizes, 1 worker and 1 rank: checks that it runs"
     )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run")
-    parser.add_argument("--workdir", type=Path, help="models, data, run dirs and logs (default: a new temp dir)")
+    parser.add_argument(
+        "--workdir", type=existing_dir, help="models, data, run dirs and logs (default: a new temp dir)"
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON result to stdout (else a table)")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -452,7 +455,7 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     loads = [workload(name, args) for name in args.workloads]
     assets = [f"run.dir={workdir / 'assets'}"]

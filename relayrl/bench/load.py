@@ -27,6 +27,7 @@ import yaml
 from relayrl.bench.cluster import local_cluster
 from relayrl.config import load_config
 from relayrl.data.assets import prepare_assets
+from relayrl.ops.args import OneLineParser, address, existing_dir, existing_file, positive_int
 from relayrl.services.channels import configure_client, open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
@@ -42,19 +43,23 @@ class Outcome:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relayrl bench load", description=__doc__)
-    parser.add_argument("--controller", help="address of a running controller (default: start one here)")
+    parser = OneLineParser(prog="relayrl bench load", description=__doc__)
+    parser.add_argument("--controller", type=address, help="address of a running controller (default: start one here)")
     parser.add_argument("--controller-pid", type=int, help="its process id, for the memory readings")
-    parser.add_argument("--config", type=Path, help="run config (default: the tiny demo model, built here)")
-    parser.add_argument("--workers", type=int, default=2, help="rollout workers to start (without --controller)")
-    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--config", type=existing_file, help="run config (default: the tiny demo model, built here)")
+    parser.add_argument(
+        "--workers", type=positive_int, default=2, help="rollout workers to start (without --controller)"
+    )
+    parser.add_argument("--clients", type=positive_int, default=64)
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per request")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--deadline", type=float, default=120.0, help="deadline of each request, seconds")
-    parser.add_argument("--workdir", type=Path, help="where the demo model, data and logs go (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", type=existing_dir, help="where the demo model, data and logs go (default: a temp dir)"
+    )
     return parser.parse_args(argv)
 
 
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_load(args.controller, args.controller_pid, args)
     else:
         with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
-            workdir = args.workdir or Path(tmp)
+            workdir = Path(args.workdir or tmp)
             config_path = args.config or demo_config(workdir, args)
             prepare_assets(load_config(config_path))
             print(

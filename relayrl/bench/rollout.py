@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.bench.cpu import cpu_seconds
 from relayrl.models.tiny import write_tiny_model
+from relayrl.ops.args import OneLineParser, existing_dir, positive_int
 from relayrl.runtime.ports import free_port
 from relayrl.services.channels import open_channel
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
@@ -47,19 +48,19 @@ Completions = list[tuple[list[int], common_pb2.Completion]]  # (prompt token ids
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relayrl bench rollout", description=__doc__)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=16, help="samples per prompt")
-    parser.add_argument("--calls", type=int, default=4, help="Generate calls the prompts are split into")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=256, help="tiny Qwen2 hidden size")
-    parser.add_argument("--layers", type=int, default=4, help="tiny Qwen2 layers")
+    parser = OneLineParser(prog="relayrl bench rollout", description=__doc__)
+    parser.add_argument("--prompts", type=positive_int, default=16)
+    parser.add_argument("--n", type=positive_int, default=16, help="samples per prompt")
+    parser.add_argument("--calls", type=positive_int, default=4, help="Generate calls the prompts are split into")
+    parser.add_argument("--max-tokens", type=positive_int, default=48)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--hidden", type=positive_int, default=256, help="tiny Qwen2 hidden size")
+    parser.add_argument("--layers", type=positive_int, default=4, help="tiny Qwen2 layers")
     parser.add_argument("--threads", default="auto", help="the worker's rollout.threads")
     parser.add_argument(
         "--hf-decode", default="auto,transformers", help="comma-separated rollout.hf_decode values, one worker each"
     )
-    parser.add_argument("--workdir", type=Path, help="model, config and worker log (default: a temp dir)")
+    parser.add_argument("--workdir", type=existing_dir, help="model, config and worker log (default: a temp dir)")
     return parser.parse_args(argv)
 
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     decodes = args.hf_decode.split(",")
     modes = ("serialized", "concurrent")
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-rollout-") as tmp:
-        workdir = args.workdir or Path(tmp)
+        workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         workers: dict[str, tuple[subprocess.Popen, str]] = {}
         seconds = {decode: {mode: [] for mode in modes} for decode in decodes}

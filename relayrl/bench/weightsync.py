@@ -67,6 +67,7 @@ import grpc
 import torch
 
 from relayrl.config import WeightSyncConfig
+from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
@@ -726,7 +727,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="relayrl bench weightsync", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="relayrl bench weightsync", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON list of rows to stdout")
     parser.add_argument("--sizes", type=_ints, default=[64, 256, 1024], help="model sizes in MiB")
     parser.add_argument("--receivers", type=_ints, default=[1, 2, 3], help="receiver counts")
@@ -737,7 +738,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--control", choices=["grpc", "socket"], default="grpc", help="transport of the control messages"
     )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="collective / control timeout")
-    parser.add_argument("--tmp-dir", default=None, help="where the disk method writes (default: system tmp)")
+    parser.add_argument(
+        "--tmp-dir", type=existing_dir, default=None, help="where the disk method writes (default: system tmp)"
+    )
     parser.add_argument(
         "--sample-stride",
         type=int,

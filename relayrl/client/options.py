@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from relayrl.runtime.address import AddressError, parse_address
 from relayrl.services.channels import message_options
 
 ENV_ADDRESS = "RELAYRL_CONTROLLER"
@@ -73,9 +74,14 @@ class ClientOptions:
         **settings,
     ) -> ClientOptions:
         """Arguments first, then the environment. TLS is on when a CA or a client certificate is given."""
+        field = "address" if address else ENV_ADDRESS
         address = address or os.environ.get(ENV_ADDRESS)
         if not address:
             raise ClientConfigError(f"controller address: pass it or set {ENV_ADDRESS} (host:port)")
+        try:
+            address = str(parse_address(address, field))  # strictly: no scheme, a port in range
+        except AddressError as err:
+            raise ClientConfigError(str(err)) from None
         files = {
             "root_certificates": tls_ca or os.environ.get(ENV_TLS["root_certificates"]),
             "certificate_chain": tls_cert or os.environ.get(ENV_TLS["certificate_chain"]),

@@ -17,6 +17,7 @@ from relayrl.data.fast_tokens import encode_texts
 # Rendered rows kept for later epochs, up to this many prompt tokens (16 MB of int32 ids, plus the texts): all of
 # a 20k-prompt set at 200 tokens a prompt, so every draw after its first epoch skips the read and the tokenizer.
 RENDERED_CACHE_TOKENS = 4_000_000
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets builder
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,10 @@ class PromptRecord:
 def load_rows(cfg: DataConfig) -> datasets.Dataset:
     """Local JSONL/JSON/parquet/CSV file, a `save_to_disk` directory, or a hub dataset id."""
     path = Path(cfg.path)
-    suffix_builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
     if path.is_file():
-        builder = suffix_builders.get(path.suffix)
+        builder = FILE_BUILDERS.get(path.suffix)
         if builder is None:
-            raise ValueError(f"data.path: unsupported file type {path.suffix!r} (use {sorted(suffix_builders)})")
+            raise ValueError(f"data.path: unsupported file type {path.suffix!r} (use {sorted(FILE_BUILDERS)})")
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.is_dir() and (path / "dataset_info.json").exists():
         return datasets.load_from_disk(str(path))

@@ -29,6 +29,7 @@ from relayrl.client.options import ENV_ADDRESS
 from relayrl.client.types import as_prompts
 from relayrl.errors import rpc_error_text
 from relayrl.ops import k8s, slurm
+from relayrl.ops.args import controller_address
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
 from relayrl.ops.submit_order import InputOrder
 
@@ -44,24 +45,25 @@ def operator_command(fn: Callable[[argparse.Namespace], int]) -> Callable[[argpa
         try:
             return fn(args)
         except (ClientConfigError, ValueError, OSError) as error:
-            err.print(f"[red]relayrl: {error}[/red]")
+            err.print(f"[red]relayrl: {error}[/red]", soft_wrap=True)
             return 2
         except grpc.RpcError as error:
-            err.print(f"[red]relayrl: {rpc_error_text(error)}[/red]")
+            err.print(f"[red]relayrl: {rpc_error_text(error)}[/red]", soft_wrap=True)
             return 1
         except TimeoutError as error:
-            err.print(f"[red]relayrl: {error}[/red]")
+            err.print(f"[red]relayrl: {error}[/red]", soft_wrap=True)
             return 1
 
     return run
 
 
 def connect(args: argparse.Namespace) -> RelayClient:
+    """A client of the controller ``controller_address`` finds (--controller, RELAYRL_CONTROLLER, --run)."""
     settings = {"attempts": args.attempts}
     if args.timeout:
         settings["timeout_s"] = settings["submit_timeout_s"] = args.timeout
     return RelayClient(
-        args.controller,
+        controller_address(args.controller, os.environ.get(ENV_ADDRESS), args.run),
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -298,8 +300,6 @@ def wait_drained(client: RelayClient, worker_ids: list[str], timeout_s: float) -
 
 @operator_command
 def cmd_scale_rollout(args: argparse.Namespace) -> int:
-    if args.replicas < 1:
-        raise ValueError(f"replicas: must be >= 1, got {args.replicas}")
     if bool(args.k8s_namespace) != bool(args.statefulset):
         raise ValueError("--k8s-namespace and --statefulset go together")
     if args.k8s_namespace and args.slurm_job:
@@ -324,7 +324,7 @@ def cmd_scale_rollout(args: argparse.Namespace) -> int:
 def _scale_statefulset(args: argparse.Namespace) -> int:
     """Drain the pods a scale-down removes (when a controller is reachable), then patch the StatefulSet."""
     drained: list[str] = []
-    if args.controller or os.environ.get(ENV_ADDRESS):
+    if args.controller or os.environ.get(ENV_ADDRESS) or args.run:
         with connect(args) as client:
             client.scale_rollout(args.replicas)
             ids = [w.worker_id for w in client.status().workers]

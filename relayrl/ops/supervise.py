@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -43,6 +44,21 @@ class RestartBudget:
 
     def record(self, role: str) -> None:
         self.counts[role] = self.counts.get(role, 0) + 1
+
+
+# The last line of a Python traceback: "ValueError: ...", "OSError: ...", "transformers.x.SomeError: ...".
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def last_error(log: Path, tail_bytes: int = 65536) -> str:
+    """What a role died of, for the console: the last traceback's last line in its log, else the log's last line."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, log.stat().st_size - tail_bytes))
+            lines = [line.strip() for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return next((line for line in reversed(lines) if _ERROR_LINE.match(line)), lines[-1] if lines else "")
 
 
 def read_restarts(run_dir: Path) -> dict[str, int]:
@@ -86,7 +102,8 @@ class Supervisor:
                     self.write_state()
                     raise RestartBudgetExhausted(
                         f"{role} exited with code {code} after {self.budget.counts.get(role, 0)} restarts "
-                        f"(supervisor.max_restarts = {self.budget.cfg.max_restarts}); see {logfile}"
+                        f"(supervisor.max_restarts = {self.budget.cfg.max_restarts}): {last_error(logfile)} "
+                        f"(log: {logfile})"
                     )
                 self.due[role] = now + self.budget.delay_s(role)
                 self.on_event(

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import yaml
 
+from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine, create_engine
 from relayrl.rollout.sampling import SamplingParams
 
@@ -304,9 +305,9 @@ def run_check(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relayrl check-engine", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="relayrl check-engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", required=True, choices=["hf", "vllm", "sglang"])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--model", type=existing_dir, required=True, help="Hugging Face model directory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the HF reference and the hf engine)")
     parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES))
     parser.add_argument("--tolerance", type=float, default=None, help="max |log-prob diff| (default by dtype)")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -29,12 +30,13 @@ from relayrl.data.assets import prepare_assets
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.scaler import LocalScaler
-from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor
+from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor, last_error
+from relayrl.runtime.address import Address
 from relayrl.runtime.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
-from relayrl.runtime.threads import COLOCATED_ENV, check_role_cpus, trainer_env
+from relayrl.runtime.threads import COLOCATED_ENV, trainer_env
 from relayrl.services.channels import open_channel
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
@@ -102,7 +104,8 @@ class LocalJob:
         for role in roles:
             proc = self.children[role]
             if proc.poll() is not None:
-                raise LaunchError(f"{role} exited with code {proc.returncode}; see {self.logs / (role + '.log')}")
+                log = self.logs / f"{role}.log"
+                raise LaunchError(f"{role} exited with code {proc.returncode}: {last_error(log)} (log: {log})")
 
     def stop(self, roles: list[str] | None = None, grace_s: float = 30.0, *, in_order: bool = True) -> None:
         """Stop roles: SIGTERM a role's process group, wait up to ``grace_s``, SIGKILL the rest.
@@ -186,13 +189,21 @@ def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
         return None
 
 
+def dial_address(host: str, port: int) -> str:
+    """The address a local client dials for a server bound to ``host:port`` (a wildcard host: loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return str(Address(host, port))
+
+
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
+    """Start every role of ``cfg``; the controller binds ``controller.host:port`` (a fixed port: ``run_local``
+    records the one it picks for ``controller.port: 0`` in the saved config first)."""
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
     job.forks = start_forks(cfg, job.logs)
     env_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
     job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
-    port = free_port()
-    job.controller_address = f"127.0.0.1:{port}"
+    port = cfg.controller.port or free_port(cfg.controller.host)
+    job.controller_address = dial_address(cfg.controller.host, port)
     common = ["--config", str(config_path)]
     # Every role starts at once (each spends seconds importing torch and loading the model): workers retry
     # their heartbeat and the trainer its first calls until the controller answers. A trainer that publishes
@@ -295,10 +306,11 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
 
 
 def run_local(cfg: RelayConfig, *, resume: list[str] | None = None) -> int:
-    """Run ``cfg`` to its end; ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume)."""
+    """Run ``cfg`` (through relayrl.ops.preflight already) to its end; ``resume``: continue its stopped run, with
+    these safe changes (relayrl.ops.resume)."""
     started = time.monotonic()
-    place(cfg, node_devices(cfg.supervisor.gpus))  # refuse GPU over-subscription before touching the run dir
-    check_role_cpus(cfg)  # and CPUs a role is pinned to that are not here
+    if not cfg.controller.port:  # saved with the run, so that its address stays when it resumes
+        cfg.controller.port = free_port(cfg.controller.host)
     config_path = prepare_run_dir(cfg, resume)  # saved with its builtin: paths, which every role resolves
     for path in prepare_assets(cfg):
         console.print(f"[dim]built {path}[/dim]")
@@ -325,7 +337,7 @@ def run_local(cfg: RelayConfig, *, resume: list[str] | None = None) -> int:
             job.close()
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted) as err:
-        console.print(f"[red]relayrl up failed: {err}[/red]")
+        console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")
         if job is not None:
             job.stop()
             job.close()

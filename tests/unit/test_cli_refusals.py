@@ -4,16 +4,21 @@ names the key or flag; no run directory and nothing built left behind."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import yaml
 
 from relayrl.config import dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "digits.yaml"
+NO_ADDRESS = {"RELAYRL_CONTROLLER": ""}  # an operator's shell may have one set
 
 
 def relayrl(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
@@ -87,9 +92,235 @@ def test_the_removed_build_if_missing_keys_name_their_replacement(tmp_path: Path
 def test_a_mistyped_data_path_in_a_copy_of_the_demo_builds_nothing(tmp_path: Path) -> None:
     raw = yaml.safe_load(DEMO.read_text())
     raw["run"]["dir"] = str(tmp_path / "runs")
-    for path, expected in [("builtin:digit", "data.path: unknown built-in 'builtin:digit'")]:
+    for path, expected in [
+        ("builtin:digit", "data.path: unknown built-in 'builtin:digit'"),
+        ("digts.jsonl", "data.path: digts.jsonl: no such file or directory"),
+        ("assets/digits/trian.jsonl", "data.path: assets/digits/trian.jsonl: no such file or directory"),
+    ]:
         raw["data"]["path"] = path
         config = tmp_path / "mine.yaml"
         config.write_text(yaml.safe_dump(raw))
         assert expected in relayrl("up", str(config), cwd=tmp_path)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]  # no run directory, no data, no model
+
+
+MISSING = "/nonexistent/relayrl-test-path"
+PROMPTS = str(ROOT / "tests" / "unit" / "test_cli_refusals.py")  # exists: the refusal is about the other flag
+GUESS = "relayrl.env.examples.guess:GuessNumber"
+ANY = "127.0.0.1:1"
+# subcommand -> (missing path, bad port, bad value) argvs, each with the flag or key its one line must name;
+# None where the subcommand has no such flag
+SUBCOMMANDS = {
+    "controller serve": (
+        (["controller", "serve", "--config", MISSING], "--config"),
+        (["controller", "serve", "--config", str(DEMO), "--port", "99999"], "--port"),
+        (["controller", "serve", "--config", str(DEMO), "--set", "trainer.steps=0"], "trainer.steps"),
+    ),
+    "rollout serve": (
+        (["rollout", "serve", "--config", MISSING], "--config"),
+        (["rollout", "serve", "--config", str(DEMO), "--port", "70000"], "--port"),
+        (["rollout", "serve", "--config", str(DEMO), "--advertise", "http://h:1"], "--advertise"),
+    ),
+    "env serve": (
+        (["env", "serve", GUESS, "--config", MISSING], "--config"),
+        (["env", "serve", GUESS, "--port", "99999"], "--port"),
+        (["env", "serve", GUESS, "--processes", "0"], "--processes"),
+    ),
+    "trainer run": (
+        (["trainer", "run", "--config", MISSING, "--controller", ANY], "--config"),
+        (["trainer", "run", "--config", str(DEMO), "--controller", "127.0.0.1:99999"], "--controller"),
+        (["trainer", "run", "--config", str(DEMO), "--controller", ANY, "--set", "trainer.lr=-1"], "trainer.lr"),
+    ),
+    "up": (
+        (["up", MISSING], "config"),
+        (["up", str(DEMO), "--set", "controller.port=99999"], "controller.port"),
+        (["up", str(DEMO), "--set", "rollout.n=x"], "rollout.n"),
+    ),
+    "check": (
+        (["check", MISSING], "config"),
+        (["check", str(DEMO), "--set", "controller.port=-1"], "controller.port"),
+        (["check", str(DEMO), "--set", "trainer.steps"], "--set"),
+    ),
+    "submit": (
+        (["submit", MISSING, "--controller", ANY], "prompts"),
+        (["submit", PROMPTS, "--controller", "127.0.0.1:99999"], "--controller"),
+        (["submit", PROMPTS, "--controller", ANY, "--n", "0"], "--n"),
+    ),
+    "status": (
+        (["status", "--run", MISSING], "--run"),
+        (["status", "--controller", "localhost"], "--controller"),
+        (["status", "--controller", ANY, "--attempts", "0"], "--attempts"),
+    ),
+    "weights sync": (
+        (["weights", "sync", "--tls-ca", MISSING], "--tls-ca"),
+        (["weights", "sync", "--controller", "http://127.0.0.1:50051"], "--controller"),
+        (["weights", "sync", "--controller", ANY, "--wait-timeout", "-1"], "--wait-timeout"),
+    ),
+    "weights status": (
+        (["weights", "status", "--tls-cert", MISSING], "--tls-cert"),
+        (["weights", "status", "--controller", "127.0.0.1:"], "--controller"),
+        (["weights", "status", "--controller", ANY, "--timeout", "0"], "--timeout"),
+    ),
+    "pause": (
+        (["pause", "--tls-key", MISSING], "--tls-key"),
+        (["pause", "--controller", "127.0.0.1:0"], "--controller"),
+        (["pause", "--controller", ANY, "--attempts", "x"], "--attempts"),
+    ),
+    "resume": (
+        (["resume", "--run", MISSING], "--run"),
+        (["resume", "--controller", "grpc://127.0.0.1:50051"], "--controller"),
+        (["resume", "--controller", ANY, "--timeout", "-3"], "--timeout"),
+    ),
+    "drain": (
+        (["drain", "rollout-0", "--run", MISSING], "--run"),
+        (["drain", "rollout-0", "--controller", ":50051"], "--controller"),
+        (["drain", "rollout-0", "--controller", ANY, "--wait-timeout", "0"], "--wait-timeout"),
+    ),
+    "scale rollout": (
+        (["scale", "rollout", "2", "--tls-ca", MISSING], "--tls-ca"),
+        (["scale", "rollout", "2", "--controller", "127.0.0.1:65536"], "--controller"),
+        (["scale", "rollout", "0", "--controller", ANY], "replicas"),
+    ),
+    "bench load": (
+        (["bench", "load", "--workdir", MISSING], "--workdir"),
+        (["bench", "load", "--controller", "127.0.0.1:99999"], "--controller"),
+        (["bench", "load", "--workers", "0"], "--workers"),
+    ),
+    "bench controller": (
+        (["bench", "controller", "--workdir", MISSING], "--workdir"),
+        None,
+        (["bench", "controller", "--n", "x"], "--n"),
+    ),
+    "bench rollout": (
+        (["bench", "rollout", "--workdir", MISSING], "--workdir"),
+        None,
+        (["bench", "rollout", "--prompts", "0"], "--prompts"),
+    ),
+    "bench weightsync": (
+        (["bench", "weightsync", "--tmp-dir", MISSING], "--tmp-dir"),
+        None,
+        (["bench", "weightsync", "--tensors", "x"], "--tensors"),
+    ),
+    "bench e2e": (
+        (["bench", "e2e", "--workdir", MISSING], "--workdir"),
+        None,
+        (["bench", "e2e", "--rounds", "x"], "--rounds"),
+    ),
+    "check-engine": (
+        (["check-engine", "--engine", "hf", "--model", MISSING], "--model"),
+        None,
+        (["check-engine", "--engine", "tgi", "--model", str(ROOT)], "--engine"),
+    ),
+}
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_subcommand_refuses_a_missing_path_a_bad_port_and_a_bad_value_in_one_line(command, tmp_path) -> None:
+    cases = [case for case in SUBCOMMANDS[command] if case is not None]
+    with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: side by side
+        lines = list(pool.map(lambda case: relayrl(*case[0], cwd=tmp_path, env=NO_ADDRESS), cases))
+    for (argv, flag), line in zip(cases, lines, strict=True):
+        assert flag in line, (argv, line)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_the_controller_address_comes_from_the_run_directory(tmp_path: Path) -> None:
+    line = relayrl("status", cwd=tmp_path, env=NO_ADDRESS)
+    assert "--controller: no controller address: give --controller HOST:PORT, set RELAYRL_CONTROLLER" in line
+    assert "RELAYRL_CONTROLLER: 'localhost' has no port" in relayrl("status", env={"RELAYRL_CONTROLLER": "localhost"})
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    assert "has no controller.address" in relayrl("status", "--run", str(run), env=NO_ADDRESS)
+    (run / "controller.address").write_text("127.0.0.1:99999")
+    assert "controller.address: port 99999 is out of range" in relayrl("status", "--run", str(run), env=NO_ADDRESS)
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("run:\n  name: x\nmodel:\n  path: [unclosed\n")
+    for command in ("up", "check"):
+        line = relayrl(command, str(config), cwd=tmp_path)
+        assert f"{config}:5:1: YAML syntax error" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory(
+    tmp_path: Path, tiny_model_dir: Path, busy_port: int
+) -> None:
+    no_config = tmp_path / "not-a-model"
+    no_config.mkdir()
+    bad_rows = tmp_path / "rows.jsonl"
+    bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
+    cases = [
+        (["model.path=/nonexistent/model"], "model.path: /nonexistent/model: no such directory, and not a hub id"),
+        ([f"model.path={no_config}"], f"model.path: {no_config} has no config.json"),
+        (["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file or directory"),
+        ([f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
+        (["controller.reward.fn=no_such_module:score"], "controller.reward.fn: reward function 'no_such_module:score'"),
+        (["controller.reward.fn=json:dumps"], "controller.reward.fn: json:dumps takes (obj, *, "),
+        (["controller.reward.fn=exact_mtch"], "controller.reward.fn: unknown reward function 'exact_mtch'"),
+        (["rollout.engine=sglang"], "rollout.engine: sglang is not installed: pip install 'relayrl[sglang]'"),
+        ([f"controller.port={busy_port}"], f"controller.port: 127.0.0.1:{busy_port} is in use"),
+        (
+            [f"security.tls_cert={tmp_path / 'cert.pem'}", f"security.tls_key={tmp_path / 'key.pem'}"],
+            f"security.tls_cert: {tmp_path / 'cert.pem'}: cannot read (No such file or directory)",
+        ),
+    ]
+    runs = tmp_path / "runs"
+
+    def refused(case: tuple[list[str], str]) -> tuple[str, str]:
+        sets = [f"run.dir={runs}", f"model.path={tiny_model_dir}", *case[0]]
+        return relayrl("up", str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), case[1]
+
+    with ThreadPoolExecutor(4) as pool:
+        for line, expected in pool.map(refused, cases):
+            assert expected in line, line
+    assert not runs.exists()
+    ok = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "check", str(DEMO), "--set", f"run.dir={runs}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and "ok" in ok.stdout and not runs.exists(), ok.stderr
+
+
+def test_a_role_that_dies_at_start_has_its_error_on_the_console(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Weights that do not load pass the start-up checks (the tokenizer loads): the worker dies loading them, and
+    `relayrl up` says what it died of, not only where its log is."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    sets = [f"run.dir={tmp_path / 'runs'}", f"model.path={model}", "supervisor.fork_roles=false"]
+    done = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), *(arg for s in sets for arg in ("--set", s))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "1000"},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    failed = next(line for line in done.stderr.splitlines() if "relayrl up failed" in line)
+    assert "exited with code" in failed and "SafetensorError" in failed and ".log)" in failed, failed
+
+
+def test_a_busy_port_is_one_line_before_anything_is_built(tmp_path: Path, busy_port: int) -> None:
+    sets = ["--set", f"run.dir={tmp_path / 'runs'}"]
+    for argv, flag in [
+        (["controller", "serve", "--config", str(DEMO), "--port", str(busy_port), *sets], "--port"),
+        (
+            ["controller", "serve", "--config", str(DEMO), "--set", f"controller.port={busy_port}", *sets],
+            "controller.port",
+        ),
+        (["rollout", "serve", "--config", str(DEMO), "--port", str(busy_port), *sets], "--port"),
+    ]:
+        assert f"{flag}: 127.0.0.1:{busy_port} is in use" in relayrl(*argv, cwd=tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,160 @@
+"""Start-up checks: what would make a role die while it starts, found before any process starts and before
+the run directory is created (``relayrl up``, ``relayrl check``).
+
+Each failure is a ConfigError whose one line starts with the key: the GPUs and CPUs the roles are placed on,
+the model (a local Hugging Face directory whose tokenizer loads, a hub id ``org/name``, or a ``builtin:``), the
+dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer columns in its
+first JSON row; or a hub dataset id), the reward function (importable, callable as ``fn(response, answer)``),
+the engine (installed, at a supported version), the controller's port (free, when fixed) and the TLS files
+(readable PEM).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import re
+from pathlib import Path
+
+from relayrl.config import BUILTIN_DATA, BUILTIN_MODELS, ConfigError, DataConfig, ModelConfig, RelayConfig
+from relayrl.ops.placement import node_devices, place
+from relayrl.runtime.ports import port_in_use
+from relayrl.runtime.threads import check_role_cpus
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+HUB_MODEL_ID = re.compile(rf"^{_NAME}/{_NAME}$")  # org/name
+HUB_DATASET_ID = re.compile(rf"^({_NAME}/)?{_NAME}$")  # name or org/name
+
+
+def preflight(cfg: RelayConfig) -> None:
+    """Every check below, in order (the machine's GPUs and CPUs first: they need nothing loaded); the first failure
+    is raised."""
+    place(cfg, node_devices(cfg.supervisor.gpus))  # GPU over-subscription
+    check_role_cpus(cfg)  # CPUs a role is pinned to that are not here
+    check_model(cfg.model)
+    check_data(cfg.data)
+    check_reward(cfg.controller.reward.fn)
+    check_engine(cfg.rollout.engine)
+    check_port(cfg)
+    check_tls(cfg)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def check_model(model: ModelConfig) -> None:
+    if model.path in BUILTIN_MODELS:
+        return
+    path = Path(model.path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(path)
+        except Exception as err:
+            raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
+    elif path.exists():
+        raise ConfigError(f"model.path: {path} is a file, not a model directory")
+    elif not HUB_MODEL_ID.match(model.path):
+        raise ConfigError(f"model.path: {model.path}: no such directory, and not a hub id (org/name) or a builtin:")
+
+
+def check_data(data: DataConfig) -> None:
+    if data.path in BUILTIN_DATA:
+        return
+    from relayrl.data.dataset import FILE_BUILDERS
+
+    path = Path(data.path)
+    if path.is_file():
+        if path.suffix not in FILE_BUILDERS:
+            raise ConfigError(f"data.path: unsupported file type {path.suffix!r} (use {sorted(FILE_BUILDERS)})")
+        if path.suffix == ".jsonl":
+            _check_first_row(path, data)
+    elif not path.is_dir() and (path.suffix in FILE_BUILDERS or not HUB_DATASET_ID.match(data.path)):
+        raise ConfigError(f"data.path: {data.path}: no such file or directory, and not a hub dataset id or a builtin:")
+
+
+def _check_first_row(path: Path, data: DataConfig) -> None:
+    with path.open() as rows:
+        line = next((line for line in rows if line.strip()), None)
+    if line is None:
+        raise ConfigError(f"data.path: {path} has no rows")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"data.path: {path}: the first row is not JSON ({err.msg})") from None
+    for key in ("prompt_key", "answer_key"):
+        column = getattr(data, key)
+        if not isinstance(row, dict) or column not in row:
+            found = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"data.{key}: column {column!r} not in the first row of {path} (found: {found})")
+
+
+def check_reward(spec: str) -> None:
+    from relayrl.rewards import resolve_reward
+
+    try:
+        fn = resolve_reward(spec)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"controller.reward.fn: {str(err).strip(chr(34) + chr(39))}") from None
+    try:
+        inspect.signature(fn).bind("response", "answer")
+    except TypeError:
+        raise ConfigError(
+            f"controller.reward.fn: {spec} takes {inspect.signature(fn)}; a reward function is called as "
+            "fn(response, answer) -> float"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+
+
+def check_engine(engine: str) -> None:
+    """vllm/sglang: installed (distribution metadata, else an importable module: a source tree or a test's stand-in,
+    whose ``__version__`` the engine checks at start) at a version in SUPPORTED_VERSIONS."""
+    if engine == "hf":
+        return
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    from relayrl.rollout.external import SUPPORTED_VERSIONS, install_hint
+
+    try:
+        found = importlib.metadata.version(engine)
+    except importlib.metadata.PackageNotFoundError:
+        if importlib.util.find_spec(engine) is None:
+            raise ConfigError(f"rollout.engine: {engine} is not installed: {install_hint(engine)}") from None
+        return
+    try:
+        supported = Version(found) in SpecifierSet(SUPPORTED_VERSIONS[engine])
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        wanted = f"{engine}{SUPPORTED_VERSIONS[engine]}"
+        raise ConfigError(
+            f"rollout.engine: {engine} {found} is installed, relayrl supports {wanted}: {install_hint(engine)}"
+        )
+
+
+def check_port(cfg: RelayConfig) -> None:
+    """The controller's fixed port is free (``controller.port: 0`` picks a free one)."""
+    host, port = cfg.controller.host, cfg.controller.port
+    if port and (why := port_in_use(host, port)):
+        raise ConfigError(f"controller.port: {host}:{port} is in use ({why})")
+
+
+def check_tls(cfg: RelayConfig) -> None:
+    for key in ("tls_cert", "tls_key", "tls_ca"):
+        path = getattr(cfg.security, key)
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_bytes()
+        except OSError as err:
+            raise ConfigError(f"security.{key}: {path}: cannot read ({err.strerror})") from None
+        if b"-----BEGIN " not in text:
+            raise ConfigError(f"security.{key}: {path} is not PEM (no -----BEGIN line)")
