@@ -4,7 +4,7 @@ the run directory is created (``relayrl up``, ``relayrl check``).
 Each failure is a ConfigError whose one line starts with the key: the GPUs and CPUs the roles are placed on,
 the model (a local Hugging Face directory whose tokenizer loads, a hub id ``org/name``, or a ``builtin:``), the
 dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer columns in its
-first JSON row; or a hub dataset id), the reward function (importable, callable as ``fn(response, answer)``),
+first JSON row; or a hub dataset id), the reward function (importable, of a form relayrl calls),
 the engine (installed, at a supported version), the controller's port (free, when fixed) and the TLS files
 (readable PEM).
 """
@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import re
 from pathlib import Path
 
-from relayrl.config import BUILTIN_DATA, BUILTIN_MODELS, ConfigError, DataConfig, ModelConfig, RelayConfig
+from relayrl.config import (
+    BUILTIN_DATA,
+    BUILTIN_MODELS,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RelayConfig,
+    RewardConfig,
+)
 from relayrl.ops.placement import node_devices, place
 from relayrl.runtime.ports import port_in_use
 from relayrl.runtime.threads import check_role_cpus
@@ -35,7 +42,7 @@ def preflight(cfg: RelayConfig) -> None:
     check_role_cpus(cfg)  # CPUs a role is pinned to that are not here
     check_model(cfg.model)
     check_data(cfg.data)
-    check_reward(cfg.controller.reward.fn)
+    check_reward(cfg.controller.reward)
     check_engine(cfg.rollout.engine)
     check_port(cfg)
     check_tls(cfg)
@@ -95,22 +102,15 @@ def _check_first_row(path: Path, data: DataConfig) -> None:
             raise ConfigError(f"data.{key}: column {column!r} not in the first row of {path} (found: {found})")
 
 
-def check_reward(spec: str) -> None:
-    from relayrl.rewards import resolve_reward
+def check_reward(cfg: RewardConfig) -> None:
+    """``controller.reward``: the function resolves and has a form (relayrl.rewards.check_reward, the controller's
+    own check at its start)."""
+    from relayrl.rewards import check_reward as controller_check
 
     try:
-        fn = resolve_reward(spec)
-    except (KeyError, ValueError) as err:
-        raise ConfigError(f"controller.reward.fn: {str(err).strip(chr(34) + chr(39))}") from None
-    try:
-        inspect.signature(fn).bind("response", "answer")
-    except TypeError:
-        raise ConfigError(
-            f"controller.reward.fn: {spec} takes {inspect.signature(fn)}; a reward function is called as "
-            "fn(response, answer) -> float"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): the call will tell
-        pass
+        controller_check(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_engine(engine: str) -> None:

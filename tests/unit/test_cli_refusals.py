@@ -149,7 +149,7 @@ SUBCOMMANDS = {
     "status": (
         (["status", "--run", MISSING], "--run"),
         (["status", "--controller", "localhost"], "--controller"),
-        (["status", "--controller", ANY, "--attempts", "0"], "--attempts"),
+        (["status", "--controller", ANY, "--watch", "0"], "--watch"),
     ),
     "weights sync": (
         (["weights", "sync", "--tls-ca", MISSING], "--tls-ca"),
@@ -165,6 +165,11 @@ SUBCOMMANDS = {
         (["pause", "--tls-key", MISSING], "--tls-key"),
         (["pause", "--controller", "127.0.0.1:0"], "--controller"),
         (["pause", "--controller", ANY, "--attempts", "x"], "--attempts"),
+    ),
+    "unpause": (
+        (["unpause", "--run", MISSING], "--run"),
+        (["unpause", "--controller", "127.0.0.1:-5"], "--controller"),
+        (["unpause", "--controller", ANY, "--attempts", "-1"], "--attempts"),
     ),
     "resume": (
         (["resume", "--run", MISSING], "--run"),
@@ -265,7 +270,7 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         (["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file or directory"),
         ([f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
         (["controller.reward.fn=no_such_module:score"], "controller.reward.fn: reward function 'no_such_module:score'"),
-        (["controller.reward.fn=json:dumps"], "controller.reward.fn: json:dumps takes (obj, *, "),
+        (["controller.reward.fn=json:dumps"], "controller.reward.fn: reward function json:dumps(obj, skipkeys"),
         (["controller.reward.fn=exact_mtch"], "controller.reward.fn: unknown reward function 'exact_mtch'"),
         (["rollout.engine=sglang"], "rollout.engine: sglang is not installed: pip install 'relayrl[sglang]'"),
         ([f"controller.port={busy_port}"], f"controller.port: 127.0.0.1:{busy_port} is in use"),
