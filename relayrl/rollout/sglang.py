@@ -62,7 +62,14 @@ log = logging.getLogger(__name__)
 
 LOADER = "relayrl.rollout.sglang.receive_in_scheduler"
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-_RESERVED = ("model_path", "custom_weight_loader", "random_seed", "max_running_requests", "skip_tokenizer_init")
+_RESERVED = (
+    "model_path",
+    "custom_weight_loader",
+    "random_seed",
+    "max_running_requests",
+    "skip_tokenizer_init",
+    "weight_version",
+)
 POLL_S = 0.05  # how often a streaming generate call checks should_abort while no chunk arrives
 SEED_BOUND = 1 << 31  # sampling seeds drawn for seedless requests are in [0, SEED_BOUND)
 
@@ -101,9 +108,9 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
 
 
 class SGLangEngine(InferenceEngine):
-    """SGLang backend (pause mode only). ``options`` go to ``sglang.Engine`` as they are (``tp_size``,
-    ``mem_fraction_static``, ``context_length``, ``enable_deterministic_inference``, ...), except those this
-    adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``.
+    """SGLang backend (pause mode, and rows kept in flight through an update). ``options`` go to ``sglang.Engine``
+    as they are (``tp_size``, ``mem_fraction_static``, ``context_length``, ``enable_deterministic_inference``,
+    ...), except those this adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``.
     Speculative decoding is refused: SGLang runs a custom weight loader once per model runner (target and
     draft), so relayrl's receive would run twice per update and wait for a broadcast that never comes."""
 
@@ -137,6 +144,7 @@ class SGLangEngine(InferenceEngine):
             random_seed=seed,
             max_running_requests=max_batch_size,
             custom_weight_loader=[LOADER],
+            weight_version="0",  # the label of the tokens sampled before the first update (version 0)
             **options,
         )
         self.max_model_len = self.engine.tokenizer_manager.context_len
@@ -148,6 +156,8 @@ class SGLangEngine(InferenceEngine):
         self._checksum = ""
         self._seeds = random.Random(seed)
         self._runner = _LoopRunner(self.engine.loop)
+        self._version = 0  # the policy version of the weights loaded: the label of the tokens sampled now
+        self._paused = False
 
     def generate(
         self,
@@ -164,12 +174,14 @@ class SGLangEngine(InferenceEngine):
         items = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
         rids = [f"relayrl-{batch}-{p}-{s}" for p, s in items]
         pending = dict(zip(rids, items, strict=True))
+        version = self._version
         request = {
             "input_ids": [list(prompts[p]) for p, _ in items],
             "sampling_params": [self._sampling_params(params, self._sampling_seed(params, s)) for _, s in items],
             "return_logprob": True,
             "stream": True,
             "rid": rids,
+            "cache_salt": [_salt(version)] * len(items),
         }
         with self._runner.streaming():
             chunks = self._runner.stream(self.engine.async_generate, request)
@@ -180,7 +192,7 @@ class SGLangEngine(InferenceEngine):
                         meta = chunk["meta_info"]
                         if meta["finish_reason"] is not None and meta["id"] in pending:
                             p, s = pending.pop(meta["id"])
-                            yield _completion(p, s, chunk)
+                            yield _completion(p, s, chunk, version)
                     if pending and not aborting and should_abort is not None and should_abort():
                         aborting = True
                         self._runner.abort(self.engine.tokenizer_manager, list(pending))
@@ -241,7 +253,10 @@ class SGLangEngine(InferenceEngine):
         self._group = None
 
     def receive_update(self, manifest: WeightManifest) -> ReceiveStats:
-        """Every scheduler receives (or reads) ``manifest``'s tensors and loads them; the radix cache is flushed."""
+        """Every scheduler receives (or reads) ``manifest``'s tensors and loads them. With no request in flight the
+        radix cache is flushed and later tokens carry ``manifest.version``; between ``pause_in_flight`` and
+        ``resume_in_flight`` the frozen requests make a flush fail (``Scheduler.flush_cache`` refuses while
+        requests run), so the update runs with ``flush_cache=False`` and ``resume_in_flight`` salts new requests."""
         self._checksum = ""  # a failed update leaves no checksum behind
         prefix = os.path.join(self._receipts, f"update-{next(self._updates)}")
         request = {
@@ -251,10 +266,11 @@ class SGLangEngine(InferenceEngine):
             "result": prefix,
         }
         carrier = [(json.dumps(request), torch.empty(0))]
-        with self._runner.exclusive():
+        paused = self._paused
+        with self._runner.halted() if paused else self._runner.exclusive():
             self._in_session(
                 lambda: self.engine.update_weights_from_tensor(
-                    named_tensors=carrier, load_format=LOADER, flush_cache=True
+                    named_tensors=carrier, load_format=LOADER, flush_cache=not paused
                 )
             )
         results = []
@@ -265,7 +281,45 @@ class SGLangEngine(InferenceEngine):
             results.append(json.loads(path.read_text(encoding="utf-8")))
             path.unlink()
         stats, self._checksum = collect_receipts(results)
+        if not paused:
+            with self._runner.exclusive():
+                self._set_version(manifest.version)
         return stats
+
+    # -- in-flight weight updates (rollout.partial; see docs/engines.md) -------------------------------------
+    supports_in_flight_update: ClassVar[bool] = True
+
+    def pause_in_flight(self) -> None:
+        """SGLang's ``pause_generation(mode="in_place")`` (a ``TokenizerManager`` coroutine: the offline Engine has
+        no method for it), run on the engine's loop while it is halted: the scheduler stops, every request stays in
+        the running batch with its KV; new requests wait in the tokenizer manager. Open calls stay open."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+        with self._runner.halted():
+            self.engine.loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(mode="in_place")))
+        self._paused = True
+
+    def resume_in_flight(self, version: int) -> None:
+        """Label later tokens ``version`` (``update_weight_version(abort_all_requests=False)``: its default aborts
+        every request; SGLang then reports ``meta_info["weight_versions"]`` spans), salt new requests' radix keys
+        with it, and ``continue_generation``."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        with self._runner.halted():
+            self._set_version(version)
+            self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
+            )
+        self._paused = False
+
+    def _set_version(self, version: int) -> None:
+        """``update_weight_version`` on the halted loop, keeping every request."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        obj = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+        self.engine.loop.run_until_complete(self.engine.tokenizer_manager.update_weight_version(obj))
+        self._version = version
 
     def _in_session(self, update: Callable[[], tuple[bool, str]]) -> None:
         """Run one ``update_weights_*`` call inside ``begin_weight_update`` / ``end_weight_update``."""
@@ -318,11 +372,36 @@ class _LoopRunner:
         finally:
             with self._cond:
                 self._streams -= 1
-                if not self._streams:
+                if not self._streams and self._thread is not None:
                     self.loop.call_soon_threadsafe(self.loop.stop)
                     self._thread.join()
                     self._thread = None
-                    self._cond.notify_all()
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def halted(self) -> Iterator[None]:
+        """The loop stopped (its thread joined) even while calls stream, so that the caller can run it
+        (``run_until_complete``: SGLang's synchronous methods, tokenizer-manager coroutines); new calls wait; the
+        loop thread is started again afterwards if calls are still open."""
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            if self._thread is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join()
+                self._thread = None
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._streams:
+                    self._thread = threading.Thread(
+                        target=self.loop.run_forever, name="relayrl-sglang-loop", daemon=True
+                    )
+                    self._thread.start()
+                self._exclusive = False
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -370,8 +449,15 @@ class _LoopRunner:
             self.loop.call_soon_threadsafe(functools.partial(tokenizer_manager.abort_request, rid=rid))
 
 
-def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any]) -> EngineCompletion:
-    """An item's final chunk as an EngineCompletion."""
+def _salt(version: int) -> str:
+    """The ``cache_salt`` of requests added under policy ``version`` (SGLang's ``RadixKey`` namespace): requests of
+    one version share prefixes (a later turn reuses its conversation's KV), never another version's."""
+    return f"relayrl-v{version}"
+
+
+def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any], version: int) -> EngineCompletion:
+    """An item's final chunk as an EngineCompletion; ``token_versions`` from ``meta_info["weight_versions"]`` when
+    any token was sampled by another version than ``version``."""
     meta = chunk["meta_info"]
     token_ids = list(chunk["output_ids"])
     logprobs = [float(logprob) for logprob, _, _ in meta["output_token_logprobs"]]
@@ -384,4 +470,7 @@ def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any]) -> 
             raise RuntimeError(f"sglang returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
         kept = min(len(logprobs), len(token_ids))  # an abort may cut the two at different points
         token_ids, logprobs = token_ids[:kept], logprobs[:kept]
-    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason)
+    spans = meta.get("weight_versions") or ()
+    versions = [int(span["version"]) for span in spans for _ in range(span["start"], span["end"])][: len(token_ids)]
+    mixed = len(versions) == len(token_ids) and any(v != version for v in versions)
+    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None)

@@ -34,13 +34,20 @@ from typing import Any
 
 import torch
 
-from fakes.common import FakeEngineModel, run_on_ranks, teacher_forced_logits, token_logprobs
+from fakes.common import FakeEngineModel, PrefixCache, run_on_ranks, token_logprobs
 from relayrl.rollout.hf import HFEngine, sample_step, stop_token_set
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 
 __version__ = "0.5.23+fake"
 # What a test puts into sys.modules to stand in for SGLang (the adapter's loader imports the last one).
-MODULES = ("sglang", "sglang.srt", "sglang.srt.distributed", "sglang.srt.distributed.parallel_state")
+MODULES = (
+    "sglang",
+    "sglang.srt",
+    "sglang.srt.distributed",
+    "sglang.srt.distributed.parallel_state",
+    "sglang.srt.managers",
+    "sglang.srt.managers.io_struct",
+)
 # sglang/srt/managers/scheduler_components/weight_updater.py: flush_cache_after_weight_update
 FLUSH_REFUSED = (
     "Weights were updated, but the cache was not flushed because requests are still running or queued. "
@@ -61,6 +68,9 @@ SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/
         "mem_fraction_static",
         "speculative_algorithm",
         "log_level",
+        "weight_version",
+        "page_size",
+        "disable_radix_cache",
     }
 )
 SAMPLING_FIELDS = frozenset(  # sglang.srt.sampling.sampling_params.SamplingParams
@@ -98,6 +108,28 @@ _NEUTRAL = {
     "stop": (None,),
 }
 
+
+@dataclass(kw_only=True)
+class PauseGenerationReqInput:
+    """sglang/srt/managers/io_struct.py: "abort" aborts every request; "in_place" freezes them in the running
+    batch with their KV (a cache flush then fails); "retract" (not emulated) moves them back to the queue."""
+
+    mode: str = "abort"
+
+
+@dataclass(kw_only=True)
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReqInput:
+    """sglang/srt/managers/io_struct.py: note the default, which aborts every running request."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
 _rank = threading.local()  # the calling fake scheduler's tp_rank, tp_size, pp_rank
 
 
@@ -115,9 +147,32 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 class TokenizerManager:
-    def __init__(self, context_len: int) -> None:
+    def __init__(self, context_len: int, engine: Engine) -> None:
         self.context_len = context_len
         self.aborted: list[str] = []
+        self._engine = engine
+
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+        """sglang/srt/managers/tokenizer_manager.py: ``pause_generation``; the scheduler's side is
+        ``Scheduler.pause_generation`` (sglang/srt/managers/scheduler.py)."""
+        if obj.mode == "abort":
+            self.abort_request(abort_all=True)
+        elif obj.mode != "in_place":
+            raise NotImplementedError(f"the fake does not emulate pause mode {obj.mode!r}")
+        self._engine.paused = True
+
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+        self._engine.paused = False
+        if self._engine._wake is not None:
+            self._engine._wake.set()
+
+    async def update_weight_version(self, obj: UpdateWeightVersionReqInput) -> None:
+        """sglang/srt/managers/tokenizer_control_mixin.py: ``update_weight_version``; the scheduler records the
+        old version's end in every live request (``record_weight_version_change``,
+        sglang/srt/utils/weight_versions.py)."""
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        self._engine.weight_version = obj.new_version
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if abort_all or rid:
@@ -138,7 +193,16 @@ class _Item:
     logprob: bool
     outbox: asyncio.Queue
     generator: torch.Generator
+    cache_salt: str | None = None
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each token's, taken when it is sampled
+    versions: list[str] = field(default_factory=list)  # the weight version that sampled each token
+    kv_epochs: list[Any] = field(default_factory=list)  # the weights each KV position was computed under
+    cached: int = 0  # prompt tokens served by the radix cache
+
+    def cache_key(self) -> Any:
+        """``RadixKey``'s namespace: ``extra_key`` (+ LoRA id) and ``cache_salt`` (schedule_batch.py)."""
+        return ("salt", self.cache_salt)
 
 
 class Engine:
@@ -156,7 +220,7 @@ class Engine:
             seed=kwargs.get("random_seed") or 0,
             max_batch_size=kwargs.get("max_running_requests") or 256,
         )
-        self.tokenizer_manager = TokenizerManager(kwargs.get("context_length") or self.hf.max_model_len)
+        self.tokenizer_manager = TokenizerManager(kwargs.get("context_length") or self.hf.max_model_len, self)
         self.model = FakeEngineModel(self.hf.model)
         self.tp_size = kwargs.get("tp_size", 1)
         self.pp_size = kwargs.get("pp_size", 1)
@@ -176,6 +240,15 @@ class Engine:
         self.cache_flushes = 0
         self.closed = False
         self._session = False
+        self.paused = False
+        self.weight_version = kwargs.get("weight_version", "default")
+        self.cache = PrefixCache(kwargs.get("page_size") or 1)  # the radix cache (page size 1)
+        self.prefix_caching = not kwargs.get("disable_radix_cache", False)
+        self.epoch = 0  # bumped by every weight load: which weights computed a KV position
+        self.admissions: dict[str, tuple[int, int, bool]] = {}  # rid -> (prompt, cached, stale KV reused)
+        self.hold_after: int | None = None  # test-only: the scheduler waits after this many steps until release()
+        self.held = threading.Event()
+        self._release: asyncio.Event | None = None
 
     def generate(
         self,
@@ -189,12 +262,15 @@ class Engine:
         lora_path: list[str | None] | None = None,
         stream: bool = False,
         rid: list[str] | str | None = None,
+        *,
+        cache_salt: list[str] | str | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """The synchronous wrapper, as SGLang's: each chunk by ``self.loop.run_until_complete`` (so it cannot be
         used from two threads at once, nor while the loop runs elsewhere)."""
         kwargs = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         kwargs.update(prompt=prompt, image_data=image_data, lora_path=lora_path, top_logprobs_num=top_logprobs_num)
-        chunks = self.loop.run_until_complete(self.async_generate(**kwargs, stream=True, rid=rid))
+        kwargs.update(rid=rid, cache_salt=cache_salt)
+        chunks = self.loop.run_until_complete(self.async_generate(**kwargs, stream=True))
 
         def wrapper() -> Iterator[dict]:
             while True:
@@ -219,6 +295,8 @@ class Engine:
         lora_path: list[str | None] | None = None,
         stream: bool = False,
         rid: list[str] | str | None = None,
+        *,
+        cache_salt: list[str] | str | None = None,
     ) -> Any:
         """``stream=True``: an async generator of chunks (a non-final chunk when an item is admitted, its final
         chunk when it finishes, items interleaved as the scheduler finishes them); otherwise the final chunks."""
@@ -229,16 +307,24 @@ class Engine:
         count = len(input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * count
         rids = rid if isinstance(rid, list) else [f"fake-{i}" for i in range(count)]
+        salts = cache_salt if isinstance(cache_salt, list) else [cache_salt] * count
         for item in params:
             self._check_sampling(item)
         self.generate_calls.append(
-            {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob, "rid": rids}
+            {
+                "input_ids": input_ids,
+                "sampling_params": params,
+                "return_logprob": return_logprob,
+                "rid": rids,
+                "cache_salt": salts,
+            }
         )
         self._ensure_scheduler()
         outbox: asyncio.Queue = asyncio.Queue()
-        for index, (ids, item, request_id) in enumerate(zip(input_ids, params, rids, strict=True)):
+        for index, (ids, item, request_id, salt) in enumerate(zip(input_ids, params, rids, salts, strict=True)):
             logprob = bool(return_logprob)
-            self.waiting.append(_Item(index, request_id, list(ids), item, logprob, outbox, self._seed(item)))
+            generator = self._seed(item)
+            self.waiting.append(_Item(index, request_id, list(ids), item, logprob, outbox, generator, salt))
         self._wake.set()
         chunks = self._stream(outbox, count)
         if stream:
@@ -271,19 +357,27 @@ class Engine:
         """The scheduler task, started on the running loop by the first request (as ``auto_create_handle_loop``)."""
         if self._scheduler is None or self._scheduler.done():
             self._wake = asyncio.Event()
+            self._release = asyncio.Event()
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
 
     async def _schedule(self) -> None:
         """Continuous batching: every step advances every running item by one token; waiting items (of any
         call) join between steps, up to ``max_running_requests``; aborted items finish with what they have."""
         while True:
-            if not self.waiting and not self.batch:
+            if self.paused or (not self.waiting and not self.batch):
                 self._wake.clear()
                 await self._wake.wait()
+                continue
+            if self.hold_after is not None and len(self.steps) == self.hold_after:
+                self.hold_after = None
+                self.held.set()
+                await self._release.wait()
+                continue
             while self.waiting and len(self.batch) < self.max_running:
                 item = self.waiting.pop(0)
+                self._admit(item)
                 self.batch.append(item)
-                item.outbox.put_nowait(self._chunk(item.index, item.rid, item.prompt, [], [], None))
+                item.outbox.put_nowait(self._chunk(item, None))
             self.steps.append([item.rid for item in self.batch])
             still = []
             for item in self.batch:
@@ -291,11 +385,21 @@ class Engine:
                 if finish is None:
                     still.append(item)
                 else:
-                    logprobs = self._logprobs(item.prompt, item.tokens, item.params) if item.logprob else []
-                    chunk = self._chunk(item.index, item.rid, item.prompt, item.tokens, logprobs, finish)
-                    item.outbox.put_nowait(chunk)
+                    if self.prefix_caching:  # a finished request's sequence stays in the radix tree
+                        self.cache.insert(item.prompt + item.tokens, item.kv_epochs, item.cache_key())
+                    item.outbox.put_nowait(self._chunk(item, finish))
             self.batch = still
             await asyncio.sleep(0)
+
+    def _admit(self, item: _Item) -> None:
+        """Prefill: the radix cache serves what it holds for the prompt (under the item's key), the rest is
+        computed under the current weights and inserted."""
+        served = self.cache.match(item.prompt, item.cache_key()) if self.prefix_caching else []
+        item.cached = len(served)
+        item.kv_epochs = served + [self.epoch] * (len(item.prompt) - len(served))
+        self.admissions[item.rid] = (len(item.prompt), item.cached, any(e != self.epoch for e in served))
+        if self.prefix_caching:
+            self.cache.insert(item.prompt, item.kv_epochs, item.cache_key())
 
     @torch.no_grad()
     def _advance(self, item: _Item) -> dict[str, Any] | None:
@@ -317,7 +421,12 @@ class Engine:
         if len(item.tokens) < relay.min_tokens:
             banned = torch.tensor(sorted(self.hf.eos_token_ids | set(relay.stop_token_ids)))
         token = int(sample_step(logits, relay, item.generator, banned=banned)[0][0])
+        if item.logprob:
+            item.logprobs.append(self._logprob(logits.float(), token, params, len(item.tokens)))
+        if item.tokens:
+            item.kv_epochs.append(self.epoch)  # this step computed the KV of the previous token
         item.tokens.append(token)
+        item.versions.append(self.weight_version)
         if token in stop_token_set(self.hf.eos_token_ids, relay):
             return {"type": "stop", "matched": token}
         if len(item.tokens) >= relay.max_tokens:
@@ -333,54 +442,46 @@ class Engine:
         if bad:
             raise NotImplementedError(f"the fake sglang does not emulate sampling_params {bad}")
 
-    def _chunks(
-        self, input_ids: list[list[int]], params: list[dict], rids: list[str], logprob: bool, stream: bool
-    ) -> Iterator[dict]:
-        manager = self.tokenizer_manager
-        unfinished = len(input_ids)
-        self.running += unfinished
-        try:
-            for index, (prompt, item, rid) in enumerate(zip(input_ids, params, rids, strict=True)):
-                if stream and not manager.is_aborted(rid):
-                    yield self._chunk(index, rid, prompt, [], [], None)
-                self.running -= 1
-                unfinished -= 1
-                if manager.is_aborted(rid):
-                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-                    yield self._chunk(index, rid, prompt, [], [], finish)
-                    continue
-                tokens, finish = self._sample(prompt, item)
-                logprobs = self._logprobs(prompt, tokens, item) if logprob else []
-                yield self._chunk(index, rid, prompt, tokens, logprobs, finish)
-        finally:
-            self.running -= unfinished
-
-    def _logprobs(self, prompt: list[int], tokens: list[int], item: dict[str, Any]) -> list[float]:
-        """As SGLang's sampler: after the min-new-tokens penalizer (EOS and stop tokens at -inf for the first
-        ``min_new_tokens`` positions: sglang/srt/sampling/penaltylib/min_new_tokens.py), before top-p."""
+    def _logprob(self, logits: torch.Tensor, token: int, item: dict[str, Any], position: int) -> float:
+        """As SGLang's sampler, at the step that samples ``token``: after the min-new-tokens penalizer (EOS and
+        stop tokens at -inf for the first ``min_new_tokens`` positions: sglang/srt/sampling/penaltylib/
+        min_new_tokens.py), before top-p. (A request frozen in place through a weight update gets its later
+        logits from a full forward with the new weights: the fake recomputes where SGLang keeps the old KV.)"""
         temperature = item.get("temperature", 1.0)
         effective = 1.0 if temperature < SAMPLING_EPS else temperature
-        logits = teacher_forced_logits(self.hf.model, prompt, tokens)
-        banned = sorted(self.hf.eos_token_ids | set(item.get("stop_token_ids") or ()))
-        logits[: item.get("min_new_tokens") or 0, banned] = float("-inf")
-        return token_logprobs(logits, tokens, effective)
+        if position < (item.get("min_new_tokens") or 0):
+            logits[:, sorted(self.hf.eos_token_ids | set(item.get("stop_token_ids") or ()))] = float("-inf")
+        return token_logprobs(logits, [token], effective)[0]
 
     @staticmethod
-    def _chunk(
-        index: int, rid: str, prompt: list[int], tokens: list[int], logprobs: list[float], finish: dict | None
-    ) -> dict[str, Any]:
-        return {
-            "text": "",
-            "output_ids": list(tokens),
-            "meta_info": {
-                "id": rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(tokens),
-                "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens, strict=True)],
-            },
-            "index": index,
+    def _chunk(item: _Item, finish: dict | None) -> dict[str, Any]:
+        """A chunk of ``item`` (the final one when ``finish``): tokens so far, ``cached_tokens``, and the weight
+        version spans (``add_weight_versions_to_meta_info``, sglang/srt/utils/weight_versions.py)."""
+        tokens = item.tokens if finish is not None else []
+        logprobs = item.logprobs if finish is not None and item.logprob else []
+        spans: list[dict[str, Any]] = []
+        for index, version in enumerate(item.versions if finish is not None else []):
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = index + 1
+            else:
+                spans.append({"version": version, "start": index, "end": index + 1})
+        meta = {
+            "id": item.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(item.prompt),
+            "completion_tokens": len(tokens),
+            "cached_tokens": item.cached,
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens, strict=True)]
+            if item.logprob
+            else [],
         }
+        if spans:
+            meta.update(weight_versions=spans, weight_version=spans[-1]["version"])
+        return {"text": "", "output_ids": list(tokens), "meta_info": meta, "index": item.index}
+
+    def release(self) -> None:
+        """Test-only: let a scheduler held by ``hold_after`` go on (thread-safe)."""
+        self.loop.call_soon_threadsafe(self._release.set)
 
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
         if self._session:
@@ -418,10 +519,12 @@ class Engine:
                 loader(self.model, [(name, t.to("cpu")) for name, t in named_tensors])
 
         run_on_ranks(self.tp_size * self.pp_size, on_rank)
+        self.epoch += 1
         if flush_cache:
             if self.running:
                 return False, FLUSH_REFUSED
             self.cache_flushes += 1
+            self.cache.reset()
         return True, "Success"
 
     def shutdown(self) -> None:

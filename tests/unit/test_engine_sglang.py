@@ -114,6 +114,7 @@ def test_arguments_reach_sglang_as_documented(engine: SGLangEngine, model_dir: P
         "random_seed": 0,
         "max_running_requests": 8,
         "custom_weight_loader": [LOADER],
+        "weight_version": "0",
         "enable_deterministic_inference": True,
     }
     params = SamplingParams(n=2, temperature=0.5, top_p=0.9, max_tokens=4, stop_token_ids=(5, 9), seed=11)
@@ -122,6 +123,7 @@ def test_arguments_reach_sglang_as_documented(engine: SGLangEngine, model_dir: P
     seeded, unseeded = engine.engine.generate_calls
     assert seeded["input_ids"] == [PROMPTS[p] for p in range(2) for _ in range(2)]
     assert seeded["return_logprob"] is True and len(set(seeded["rid"])) == 4
+    assert seeded["cache_salt"] == ["relayrl-v0"] * 4  # the policy version's (test_engine_sglang_turns.py)
     neutral = {
         "max_new_tokens": 4,
         "temperature": 0.5,
