@@ -240,6 +240,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "rollout": "relayrl.bench.rollout",
     "controller": "relayrl.bench.controller",
     "e2e": "relayrl.bench.e2e",
+    "guess": "relayrl.bench.guess",
 }
 
 

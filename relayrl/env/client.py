@@ -1,5 +1,6 @@
 """Clients of an environment: ``EnvironmentClient`` over gRPC, ``LocalEnvironmentClient`` in-process,
-``AsyncEnvironmentClient`` over grpc.aio (the same calls as coroutines: the episode loop's client).
+``AsyncEnvironmentClient`` over grpc.aio and ``AsyncLocalEnvironmentClient`` in-process (the same calls as
+coroutines: what the episode loop awaits).
 
 Both have one thread-safe sync API in chat-template dicts (relayrl/env/messages.py)::
 
@@ -220,3 +221,26 @@ class LocalEnvironmentClient(_EnvironmentCalls):
 
     def __exit__(self, *exc) -> None:
         self.disconnect()
+
+
+class AsyncLocalEnvironmentClient:
+    """A ``LocalEnvironmentClient`` with ``AsyncEnvironmentClient``'s coroutine API: in-process episodes (tests, the
+    tiny chat model's pretraining). Its calls run on the awaiting thread."""
+
+    def __init__(self, local: LocalEnvironmentClient) -> None:
+        self.local = local
+
+    async def reset(self, session_id: str, task: dict, seed: int | None = None) -> Reset:
+        return self.local.reset(session_id, task, seed)
+
+    async def step(self, session_id: str, action: dict) -> Step:
+        return self.local.step(session_id, action)
+
+    async def close(self, session_id: str, reason: str = "") -> float | None:
+        return self.local.close(session_id, reason)
+
+    async def info(self) -> dict:
+        return self.local.info()
+
+    async def disconnect(self) -> None:
+        self.local.disconnect()

@@ -100,13 +100,31 @@ def build_chat_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     return tok
 
 
-def write_tiny_chat_model(path: str | Path, *, seed: int = 0, **sizes: int) -> Path:
-    """Build the chat tokenizer and a Qwen2 sized by ``sizes`` (``build_model``'s arguments); save both as a Hugging
-    Face model directory; returns the path."""
+# builtin:tiny-chat: its size, and the pretraining on the guessing game's format (relayrl/models/chat_pretrain.py)
+CHAT_MODEL_SIZES = {"hidden_size": 64, "layers": 2, "heads": 4, "kv_heads": 2, "max_positions": 512}
+PRETRAIN = {"count": 256, "high": 4, "number_share": 0.1, "max_turns": 4, "steps": 80, "batch_size": 16, "lr": 3e-3}
+
+
+def write_tiny_chat_model(path: str | Path, *, seed: int = 0, pretrain: bool = True) -> Path:
+    """Build the chat tokenizer and a Qwen2 of ``CHAT_MODEL_SIZES``, pretrained (``pretrain``) on the guessing
+    game's format as ``PRETRAIN`` says; save both as a Hugging Face model directory; returns the path."""
+    from relayrl.models.chat_pretrain import guess_transcripts
+    from relayrl.models.chat_pretrain import pretrain as pretrain_model
+
     path = Path(path)
     tokenizer = build_chat_tokenizer()
-    model = build_model(tokenizer, seed=seed, **sizes)
+    model = build_model(tokenizer, seed=seed, **CHAT_MODEL_SIZES)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if pretrain:
+        p = PRETRAIN
+        examples = guess_transcripts(
+            tokenizer, count=p["count"], seed=seed, high=p["high"], number_share=p["number_share"],
+            max_turns=p["max_turns"],
+        )  # fmt: skip
+        pretrain_model(
+            model, examples, pad_id=tokenizer.pad_token_id, steps=p["steps"], batch_size=p["batch_size"],
+            lr=p["lr"], seed=seed,
+        )  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -5,35 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
-from relayrl.env import LocalEnvironmentClient
+from relayrl.env import AsyncLocalEnvironmentClient, LocalEnvironmentClient
 from relayrl.episodes.envpool import EnvironmentPool
 from relayrl.v1 import common_pb2
-
-
-class AsyncLocal:
-    """``LocalEnvironmentClient`` with ``AsyncEnvironmentClient``'s coroutine API."""
-
-    def __init__(self, local: LocalEnvironmentClient) -> None:
-        self.local = local
-
-    async def reset(self, session_id, task, seed=None):
-        return self.local.reset(session_id, task, seed)
-
-    async def step(self, session_id, action):
-        return self.local.step(session_id, action)
-
-    async def close(self, session_id, reason=""):
-        return self.local.close(session_id, reason)
-
-    async def disconnect(self):
-        self.local.disconnect()
 
 
 def local_pool(env_class, *, timeout_s: float = 5.0, max_sessions: int = 8, **env_kwargs) -> EnvironmentPool:
     """A pool of one in-process server running ``env_class`` (create it inside the event loop)."""
     local = LocalEnvironmentClient(env_class, timeout_s=timeout_s, **env_kwargs)
     return EnvironmentPool(
-        ["local"], max_sessions=max_sessions, timeout_s=timeout_s, client_factory=lambda _: AsyncLocal(local)
+        ["local"],
+        max_sessions=max_sessions,
+        timeout_s=timeout_s,
+        client_factory=lambda _: AsyncLocalEnvironmentClient(local),
     )
 
 

@@ -24,7 +24,7 @@ from relayrl.episodes.loop import (
 )
 from relayrl.models.tiny_chat import build_chat_tokenizer
 from relayrl.v1 import common_pb2
-from tests.unit.episode_testing import AsyncLocal, ScriptedPolicy, local_pool
+from tests.unit.episode_testing import ScriptedPolicy, local_pool
 
 PLAIN = {"secret": 5, "tools": False}
 
@@ -181,7 +181,7 @@ def test_the_pool_bounds_sessions_per_server_and_retries_refused_resets():
 
 
 def test_an_environment_sdk_class_runs_through_the_pool(tokenizer):
-    """The pool drives ``Environment`` subclasses through the real session table (``AsyncLocal``)."""
+    """The pool drives ``Environment`` subclasses through the real session table (``AsyncLocalEnvironmentClient``)."""
 
     class Echo(Environment):
         def reset(self, task, seed):
@@ -190,7 +190,6 @@ def test_an_environment_sdk_class_runs_through_the_pool(tokenizer):
         def step(self, action):
             return Step([], reward=0.5, done=True)
 
-    assert AsyncLocal  # the adapter local_pool uses
     episode = run(tokenizer, ["hello"], env=Echo)
     assert (episode.end, episode.reward, episode.turns) == ("done", 0.5, 1)
     assert episode.messages[0]["content"] == "seed 1"

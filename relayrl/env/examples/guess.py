@@ -1,4 +1,5 @@
-"""``GuessNumber``: find a secret number in [1, 8] from "higher" / "lower" answers.
+"""``GuessNumber``: find a secret number in [1, 8] (a task row may set ``high``: [1, high]) from "higher" / "lower"
+answers.
 
 The secret comes from the episode seed (``random.Random(seed)``: a GRPO group's episodes, sharing a seed, share
 the secret); a task row ``{"secret": k}`` overrides it. Each policy turn guesses either with the tool call
@@ -19,6 +20,7 @@ from relayrl.env.types import Reset, Step
 from relayrl.errors import InvalidArgument
 
 LOW, HIGH = 1, 8
+MAX_HIGH, MAX_TURNS = 10**6, 1000  # the largest range and turn limit a task row may ask for
 SYSTEM = "Find the number. Call guess, or just say a number."
 PROMPT = f"Guess my number between {LOW} and {HIGH}."
 GUESS_TOOL = {
@@ -36,9 +38,22 @@ GUESS_TOOL = {
 _INTEGER = re.compile(r"-?\d+")
 
 
-def secret_for(seed: int | None) -> int:
-    """The secret of an episode with ``seed`` (None: drawn from the OS)."""
-    return random.Random(seed).randint(LOW, HIGH)
+def secret_for(seed: int | None, high: int = HIGH) -> int:
+    """The secret of an episode with ``seed`` (None: drawn from the OS) in [LOW, high]."""
+    return random.Random(seed).randint(LOW, high)
+
+
+def guess_tool(high: int) -> dict:
+    """The ``guess`` tool of the range [LOW, high]."""
+    if high == HIGH:
+        return GUESS_TOOL
+    function = dict(GUESS_TOOL["function"], description=f"Guess the number ({LOW}-{high}).")
+    function["parameters"] = {
+        "type": "object",
+        "properties": {"number": {"type": "integer", "minimum": LOW, "maximum": high}},
+        "required": ["number"],
+    }
+    return {"type": "function", "function": function}
 
 
 def answer(secret: int, guess: int) -> str:
@@ -48,8 +63,15 @@ def answer(secret: int, guess: int) -> str:
 def parse_guess(text: str) -> int:
     """An integer's digits as a guess; past 18 digits only its sign matters (int() refuses over 4,300 digits)."""
     if len(text.lstrip("-")) > 18:
-        return LOW - 1 if text.startswith("-") else HIGH + 1
+        return LOW - 1 if text.startswith("-") else 10**18
     return int(text)
+
+
+def _int_field(task: dict, key: str, default: int, low: int, high: int) -> int:
+    value = task.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"task.{key}", f"must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 class GuessNumber(Environment):
@@ -57,19 +79,17 @@ class GuessNumber(Environment):
     max_turns = 6
 
     def reset(self, task: dict, seed: int | None) -> Reset:
-        secret = task.get("secret", secret_for(seed))
-        if not isinstance(secret, int) or isinstance(secret, bool) or not LOW <= secret <= HIGH:
-            raise InvalidArgument("task.secret", f"must be an integer in [{LOW}, {HIGH}], got {secret!r}")
-        limit = task.get("max_turns", self.max_turns)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise InvalidArgument("task.max_turns", f"must be a positive integer, got {limit!r}")
+        high = _int_field(task, "high", HIGH, LOW + 1, MAX_HIGH)
+        secret = _int_field(task, "secret", secret_for(seed, high), LOW, high)
+        limit = _int_field(task, "max_turns", self.max_turns, 1, MAX_TURNS)
         tools = task.get("tools", True)
         if not isinstance(tools, bool):
             raise InvalidArgument("task.tools", f"must be true or false, got {tools!r}")
-        self.secret, self.limit, self.turns = secret, limit, 0
+        self.secret, self.high, self.limit, self.turns = secret, high, limit, 0
+        prompt = PROMPT if high == HIGH else f"Guess my number between {LOW} and {high}."
         return Reset(
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}],
-            tools=[GUESS_TOOL] if tools else [],
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+            tools=[guess_tool(high)] if tools else [],
         )
 
     def step(self, action: dict) -> Step:
@@ -81,7 +101,9 @@ class GuessNumber(Environment):
             observations.append({"role": "tool", "content": reply, "tool_call_id": call["id"], "name": "guess"})
         if not observations:
             found = _INTEGER.search(action["content"])
-            reply = answer(self.secret, parse_guess(found.group())) if found else f"Say a number from {LOW} to {HIGH}."
+            reply = (
+                answer(self.secret, parse_guess(found.group())) if found else f"Say a number from {LOW} to {self.high}."
+            )
             solved = reply == "correct"
             observations.append({"role": "user", "content": reply})
         metrics = {"solved": float(solved)}
@@ -98,7 +120,7 @@ class GuessNumber(Environment):
         if isinstance(number, str) and _INTEGER.fullmatch(number.strip()):
             number = parse_guess(number.strip())
         if not isinstance(number, int) or isinstance(number, bool):
-            return f"number must be an integer from {LOW} to {HIGH}"
+            return f"number must be an integer from {LOW} to {self.high}"
         return answer(self.secret, number)
 
     def close(self, reason: str) -> float | None:
