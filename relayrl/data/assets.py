@@ -1,5 +1,6 @@
 """The demo's built-in assets, named by ``builtin:`` paths: ``model.path: builtin:tiny-qwen2`` (a seeded tiny
-Qwen2 sized by ``model.tiny_hidden_size``/``tiny_layers``) and ``data.path: builtin:digits`` (the digits task).
+Qwen2 sized by ``model.tiny_hidden_size``/``tiny_layers``), ``builtin:tiny-chat`` (the agentic demo's tiny chat
+model, relayrl/models/tiny_chat.py) and ``data.path: builtin:digits`` (the digits task).
 
 Nothing is ever built because a path is missing: only these names build anything, into
 ``<run dir>/assets/`` (``asset_dir``). Every role calls ``prepare_assets`` before loading anything, so a job
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, RelayConfig
 
+TINY_CHAT = "builtin:tiny-chat"
+
 
 def _publish(tmp: Path, final: Path) -> None:
     try:
@@ -31,9 +34,13 @@ def asset_dir(cfg: RelayConfig) -> Path:
 
 
 def builtin_model_path(cfg: RelayConfig) -> Path:
-    """The directory ``builtin:tiny-qwen2`` stands for; its name holds every input of the build."""
+    """The directory a ``builtin:`` model stands for; its name holds every input of the build (builtin:tiny-chat's
+    size is fixed: relayrl/models/tiny_chat.py)."""
     m = cfg.model
-    return asset_dir(cfg) / f"{m.path.removeprefix(BUILTIN)}-h{m.tiny_hidden_size}-l{m.tiny_layers}-seed{cfg.run.seed}"
+    name = m.path.removeprefix(BUILTIN)
+    if m.path == TINY_CHAT:
+        return asset_dir(cfg) / f"{name}-seed{cfg.run.seed}"
+    return asset_dir(cfg) / f"{name}-h{m.tiny_hidden_size}-l{m.tiny_layers}-seed{cfg.run.seed}"
 
 
 def builtin_data_path(cfg: RelayConfig) -> Path:
@@ -48,12 +55,17 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
     if cfg.model.path in BUILTIN_MODELS:
         model_dir = builtin_model_path(cfg)
         if not (model_dir / "config.json").exists():
-            from relayrl.models.tiny import write_tiny_model
-
             model_dir.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
             m = cfg.model
-            write_tiny_model(tmp, seed=cfg.run.seed, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers)
+            if m.path == TINY_CHAT:
+                from relayrl.models.tiny_chat import write_tiny_chat_model
+
+                write_tiny_chat_model(tmp, seed=cfg.run.seed)
+            else:
+                from relayrl.models.tiny import write_tiny_model
+
+                write_tiny_model(tmp, seed=cfg.run.seed, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers)
             _publish(tmp, model_dir)
             built.append(str(model_dir))
         cfg.model.path = str(model_dir)

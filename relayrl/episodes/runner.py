@@ -59,6 +59,7 @@ class EpisodeResult:
     groups: dict[str, list[Episode]] = field(default_factory=dict)  # prompt id -> its n episodes, in order
     failed: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
     episodes: dict[str, list[Episode]] = field(default_factory=dict)  # every group that ended, failed ones included
+    aborted: int = 0  # turns a worker aborted (a weight update, a pause): generated again
     seconds: float = 0.0
 
 
@@ -138,6 +139,7 @@ class EpisodeRunner:
     async def _run(self, records, min_version: int, only, on_group, result: EpisodeResult) -> None:
         self._setup()
         self._turns.route = Route(min_version, only)
+        aborted_before = self._turns.aborted
         loop = EpisodeLoop(self.tokenizer, self._turns.generate, self.limits)
 
         async def group(record: PromptRecord) -> None:
@@ -165,6 +167,8 @@ class EpisodeRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            result.aborted = self._turns.aborted - aborted_before
 
     def close(self) -> None:
         async def shutdown() -> None:

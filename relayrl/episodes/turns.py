@@ -69,6 +69,7 @@ class TurnDispatcher:
         self.max_attempts = max_attempts
         self.no_worker_timeout_s = no_worker_timeout_s
         self.route = Route()
+        self.aborted = 0  # turn rows a worker ended as "abort" (sent again): a counter over the dispatcher's life
         self._pending: list[_Turn] = []
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
@@ -167,6 +168,7 @@ class TurnDispatcher:
                     turn = turns[int(completion.prompt_id)]
                     if completion.finish_reason == common_pb2.FINISH_REASON_ABORT:
                         error = "aborted by the worker"
+                        self.aborted += 1
                     elif not turn.future.done():
                         turn.future.set_result(completion)
             worker.last_seen = time.monotonic()  # answered in full: a heartbeat
