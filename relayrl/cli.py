@@ -241,6 +241,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "controller": "relayrl.bench.controller",
     "e2e": "relayrl.bench.e2e",
     "guess": "relayrl.bench.guess",
+    "padding": "relayrl.bench.padding",
 }
 
 

@@ -249,6 +249,56 @@ def rollout(r: dict) -> str:
     return table(header, rows)
 
 
+def e2e_long_tail(result: dict) -> str:
+    wl = result["workloads"]["long-tail"]
+    baseline = wl["trl_baseline"]
+    rows = []
+    for system, s in wl["systems"].items():
+        ratio = wl["relayrl_vs_trl"].get(f"{system}/trl")
+        by_round = ", ".join(f(r) for r in ratio["samples_per_s_by_round"]) if ratio else ""
+        settings = " ".join(wl["settings"]["variants"].get(system.removeprefix("relayrl-"), []))
+        if system in ("trl", "trl-cb"):
+            settings = "`generate`" if system == "trl" else "`use_transformers_continuous_batching`"
+        rows.append(
+            [
+                f"`{system}`",
+                settings or "(defaults)",
+                f(s["s_per_step"]),
+                f(s["samples_per_s"], 1),
+                f(s["generation_s"]),
+                f(s.get("train_s")),
+                f(s["response_len_mean"], 1),
+                f"**{f(ratio['samples_per_s'])}×** ({by_round})" if ratio else ("1.00" if system == baseline else "–"),
+            ]
+        )
+    header = ["system", "settings", "s/step", "samples/s", "generation s", "training s", "mean response tokens",
+              f"vs `{baseline}`, samples/s (per round)"]  # fmt: skip
+    overlap = [
+        [f"`{system}`", f"`{o['phases_alone_from']}`", f(o["step_vs_phases_alone"]), f(o["speedup_vs_k0"])]
+        for system, o in wl["overlap"].items()
+    ]
+    over = table(["K = 1 system", "phases alone from", "step ÷ longer phase alone", "K = 0 s/step ÷ K = 1 s/step"],
+                 overlap)  # fmt: skip
+    return table(header, rows) + "\n\n" + over + "\n\n" + machine(result)
+
+
+def padding(result: dict) -> str:
+    b, s = result["batch"], result["seconds_per_step"]
+    rows = [
+        ["padded (`trainer.padding_free: off`)", f"{b['padded_positions']:,}", f(s["padded"]), "1.00"],
+        ["padding-free (`on`)", f"{b['real_tokens']:,}", f(s["padding_free"]),
+         f"**{f(result['speedup'])}×** ({', '.join(f(r) for r in result['speedup_by_round'])})"],
+    ]  # fmt: skip
+    u = result["update"]
+    return (
+        table(["trainer step", "positions computed", "s/step", "speed-up (per round)"], rows)
+        + f"\n\n{b['rows']} rows, mean response {f(b['response_len_mean'], 1)} tokens, longest "
+        f"{b['response_len_max']}; padding share {100 * b['padding_share']:.0f} %. Largest weight difference after "
+        f"the step "
+        f"{u['weights_max_diff']:.1e} (the step moved weights by up to {u['moved_max']:.1e})."
+    )
+
+
 TABLES: dict[str, tuple[str, str, Callable]] = {
     "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
     "e2e-overlap": ("e2e.json", "make bench-e2e", e2e_overlap),
@@ -261,4 +311,10 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     ),
     "controller": ("controller.json", "make bench-controller", controller),
     "rollout": ("rollout.json", "make bench-rollout", rollout),
+    "e2e-long-tail": (
+        "e2e-long-tail.json",
+        "relayrl bench e2e --workloads long-tail --json > bench/results/e2e-long-tail.json",
+        e2e_long_tail,
+    ),
+    "padding": ("padding.json", "relayrl bench padding > bench/results/padding.json", padding),
 }

@@ -16,6 +16,13 @@ Workloads:
   ``k1-rollout-split``), as on two machines. Same number of steps for every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
+- ``long-tail`` (not run by default): a model whose responses have geometric lengths with mean ~48 tokens,
+  capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
+  tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
+  with its defaults (K = 0, whole batches, ``trainer.padding_free`` auto) and at K = 1 with in-flight
+  weight updates (``rollout.partial=keep_kv``, the engine's old logprobs); TRL in both of its generation modes,
+  ``generate`` (system ``trl``) and ``use_transformers_continuous_batching`` (``trl-cb``). Ratios are against
+  the faster TRL mode (``trl_baseline``); each system's measured mean response length is reported.
 
 Per run (s/step and rates over the steady steps, after ``--warmup``): s/step = wall time between the
 ends of the last warm-up step and the last step over the steady steps; samples/s, tokens/s (samples x
@@ -55,7 +62,9 @@ from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
-WORKLOADS = ("gen-heavy", "demo")
+WORKLOADS = ("gen-heavy", "demo", "long-tail")
+DEFAULT_WORKLOADS = ("gen-heavy", "demo")
+TRL_MODES = {"trl": False, "trl-cb": True}  # system -> use_transformers_continuous_batching
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Workload:
     overrides: list[str]  # applied to DEMO_CONFIG for every system
     variants: dict[str, list[str]]  # relayrl variant name -> its extra overrides
     samples_budget: bool  # TRL gets the samples the round's relayrl run generated (else the same steps)
+    trl_systems: tuple[str, ...] = ("trl",)  # TRL_MODES run each round
 
 
 @dataclass
@@ -85,7 +95,7 @@ class Run:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(prog="relayrl bench e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once, alternating")
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of the gen-heavy workload")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of s/step and rates")
@@ -113,10 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def workload(name: str, args: argparse.Namespace) -> Workload:
+def workload(name: str, args: argparse.Namespace, workdir: Path) -> Workload:
     if name == "demo":
         quick = [f"trainer.steps={args.steps}", "rollout.workers=1", "trainer.nproc=1"] if args.quick else []
         return Workload("demo", [*quick, *args.set], {"default": []}, samples_budget=True)
+    if name == "long-tail":
+        return long_tail_workload(args, workdir)
     hidden, layers, tokens, prompts, n = (32, 2, 8, 4, 4) if args.quick else (256, 4, 48, 16, 16)
     overrides = [
         f"model.tiny_hidden_size={hidden}", f"model.tiny_layers={layers}",
@@ -140,6 +152,35 @@ def workload(name: str, args: argparse.Namespace) -> Workload:
         variants["k0-split"] = ["controller.max_staleness=0", "trainer.stream=off", *pinned]
         variants["k1-rollout-split"] = ["controller.max_staleness=1", "algorithm.old_logprobs=rollout", *pinned]
     return Workload("gen-heavy", overrides, variants, samples_budget=False)
+
+
+def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
+    """The long-tail workload (module docstring); its model is built by ``prepare_workload``."""
+    hidden, layers, tokens, prompts, n = (32, 2, 32, 4, 4) if args.quick else (256, 4, 256, 16, 16)
+    overrides = [
+        f"model.path={workdir / 'assets' / f'long-tail-model-h{hidden}-l{layers}'}",
+        f"model.tiny_hidden_size={hidden}", f"model.tiny_layers={layers}",
+        "rollout.workers=1", f"rollout.n={n}", f"rollout.max_tokens={tokens}", "rollout.ignore_eos=false",
+        f"controller.prompts_per_gen_batch={prompts}", f"controller.train_batch_groups={prompts}",
+        "controller.dynamic_sampling=false",
+        "trainer.nproc=1", "trainer.lr=1e-7", "trainer.mini_batches=2", f"trainer.steps={args.steps}",
+        "trainer.checkpoint_every=0",
+        "algorithm.loss_agg=token-mean", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
+        *args.set,
+    ]  # fmt: skip
+    variants = {
+        "default": [],  # K = 0, whole batches, trainer.padding_free auto
+        "k1-keep-kv": ["controller.max_staleness=1", "rollout.partial=keep_kv", "algorithm.old_logprobs=rollout"],
+    }
+    return Workload("long-tail", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES))
+
+
+def prepare_workload(wl: Workload, cfg: RelayConfig) -> None:
+    """Build what the workload's config names and relayrl would not build itself (the long-tail model)."""
+    if wl.name == "long-tail" and not (Path(cfg.model.path) / "config.json").exists():
+        from relayrl.models.tiny import write_long_tail_model
+
+        write_long_tail_model(cfg.model.path, hidden_size=cfg.model.tiny_hidden_size, layers=cfg.model.tiny_layers)
 
 
 def split_cpus(cpus: list[int]) -> tuple[str, str] | None:
@@ -176,9 +217,11 @@ def equal_work(cfg: RelayConfig) -> bool:
     return cfg.rollout.ignore_eos or cfg.rollout.min_tokens >= cfg.rollout.max_tokens
 
 
-def trl_spec(cfg: RelayConfig, steps: int, threads: int, run_dir: Path) -> dict:
-    """The trl_runner spec: the same model, data, batch shape, sampling and loss settings as ``cfg``."""
+def trl_spec(cfg: RelayConfig, steps: int, threads: int, run_dir: Path, *, continuous_batching: bool = False) -> dict:
+    """The trl_runner spec: the same model, data, batch shape, sampling and loss settings as ``cfg``; TRL generates
+    with ``model.generate`` or (``continuous_batching``) transformers' continuous batching."""
     return {
+        "continuous_batching": continuous_batching,
         "model_path": cfg.model.path,
         "data_path": cfg.data.path,
         "prompt_key": cfg.data.prompt_key,
@@ -237,17 +280,20 @@ def run_relayrl(wl: Workload, variant: str, rnd: int, workdir: Path, args: argpa
     return Run(wl.name, f"relayrl-{variant}", rnd, launched, wall_s, code, records, log, cpu)
 
 
-def run_trl(wl: Workload, cfg: RelayConfig, steps: int, rnd: int, workdir: Path, args: argparse.Namespace) -> Run:
-    name = f"{wl.name}-trl-r{rnd}"
+def run_trl(
+    wl: Workload, cfg: RelayConfig, steps: int, rnd: int, workdir: Path, args: argparse.Namespace, system: str = "trl"
+) -> Run:
+    name = f"{wl.name}-{system}-r{rnd}"
     run_dir = workdir / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(trl_spec(cfg, steps, args.trl_threads, run_dir), indent=1))
+    spec = trl_spec(cfg, steps, args.trl_threads, run_dir, continuous_batching=TRL_MODES[system])
+    spec_path.write_text(json.dumps(spec, indent=1))
     argv = [sys.executable, "-m", "relayrl.bench.trl_runner", str(spec_path)]
     env = {"OMP_NUM_THREADS": str(args.trl_threads), "TOKENIZERS_PARALLELISM": "false"}
     log = workdir / "logs" / f"{name}.log"
     launched, wall_s, code, cpu = launch(argv, log, env, args.timeout_s, sample_cpu=True)
-    return Run(wl.name, "trl", rnd, launched, wall_s, code, read_metrics(run_dir / "metrics.jsonl"), log, cpu)
+    return Run(wl.name, system, rnd, launched, wall_s, code, read_metrics(run_dir / "metrics.jsonl"), log, cpu)
 
 
 def trailing_means(rewards: list[float], window: int) -> list[float]:
@@ -323,7 +369,8 @@ def median_of(rows: list[dict], key: str) -> float | None:
 
 
 def aggregate(rows: list[dict]) -> dict:
-    """Medians over rounds per system, time/samples to target, and each relayrl variant against TRL."""
+    """Medians over rounds per system, time/samples to target, and each relayrl variant against TRL (with several
+    TRL modes, the fastest by median samples/s: ``trl_baseline``; the keys still read ``<system>/trl``)."""
     systems: dict[str, dict] = {}
     for system in dict.fromkeys(r["system"] for r in rows):
         ok = [r for r in rows if r["system"] == system and "error" not in r]
@@ -340,25 +387,29 @@ def aggregate(rows: list[dict]) -> dict:
         }
         systems[system] = entry
     ratios = {}
-    trl = systems.get("trl", {})
+    trl_systems = [name for name in systems if name in TRL_MODES]
+    baseline = max(trl_systems, key=lambda name: systems[name].get("samples_per_s") or 0.0, default="trl")
+    trl = systems.get(baseline, {})
     for system, entry in systems.items():
-        if system == "trl" or not trl:
+        if system in TRL_MODES or not trl:
             continue
         ratios[f"{system}/trl"] = {
             "samples_per_s": _ratio(entry.get("samples_per_s"), trl.get("samples_per_s")),
-            "samples_per_s_by_round": paired_ratios(rows, system, "samples_per_s"),
+            "samples_per_s_by_round": paired_ratios(rows, system, "samples_per_s", baseline),
+            "response_len_vs_trl": _ratio(entry.get("response_len_mean"), trl.get("response_len_mean")),
             "tokens_per_s": _ratio(entry.get("tokens_per_s"), trl.get("tokens_per_s")),
             "step_speedup": _ratio(trl.get("s_per_step"), entry.get("s_per_step"))
             if entry.get("samples_per_step") == trl.get("samples_per_step")
             else None,  # a step is comparable only when both generate the same samples per step
             "wall_to_target_speedup": _ratio(trl.get("wall_s_to_target"), entry.get("wall_s_to_target")),
         }
-    return {"systems": systems, "relayrl_vs_trl": ratios, "overlap": overlap(rows)}
+    return {"systems": systems, "trl_baseline": baseline, "relayrl_vs_trl": ratios, "overlap": overlap(rows)}
 
 
 OVERLAP_PAIRS = {  # K = 1 variant -> the K = 0 variant whose phases ran alone on the same cores, same work
     "relayrl-k1-rollout": "relayrl-k0-whole",
     "relayrl-k1-rollout-split": "relayrl-k0-split",
+    "relayrl-k1-keep-kv": "relayrl-default",  # long-tail: in-flight updates against K = 0's phases
 }
 
 
@@ -382,10 +433,12 @@ def overlap(rows: list[dict]) -> dict:
     return out
 
 
-def paired_ratios(rows: list[dict], system: str, key: str) -> list[float]:
-    """``system``'s ``key`` over TRL's in each round both ran. A round's runs are the nearest in time, so these
-    ratios drift less than the ratio of medians, which may pair one system's fast minutes with the other's slow."""
-    return [run[key] / trl[key] for run, trl in same_round_pairs(rows, system, "trl") if run.get(key) and trl.get(key)]
+def paired_ratios(rows: list[dict], system: str, key: str, trl_system: str = "trl") -> list[float]:
+    """``system``'s ``key`` over ``trl_system``'s in each round both ran. A round's runs are the nearest in time, so
+    these ratios drift less than the ratio of medians, which may pair one system's fast minutes with the other's
+    slow."""
+    pairs = same_round_pairs(rows, system, trl_system)
+    return [run[key] / trl[key] for run, trl in pairs if run.get(key) and trl.get(key)]
 
 
 def same_round_pairs(rows: list[dict], system: str, partner: str) -> list[tuple[dict, dict]]:
@@ -457,11 +510,12 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
 def run_bench(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    loads = [workload(name, args) for name in args.workloads]
+    loads = [workload(name, args, workdir) for name in args.workloads]
     assets = [f"run.dir={workdir / 'assets'}"]
     cfgs = {wl.name: load_config(DEMO_CONFIG, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
     for wl in loads:
         check_mirrorable(cfgs[wl.name])
+        prepare_workload(wl, cfgs[wl.name])
         prepare_assets(cfgs[wl.name])  # built once here, before any system runs, which all name the built paths
         wl.overrides.extend([f"model.path={cfgs[wl.name].model.path}", f"data.path={cfgs[wl.name].data.path}"])
     result = {"bench": "e2e", "workdir": str(workdir), "machine": machine(args, cfgs), "workloads": {}}
@@ -479,9 +533,10 @@ def run_bench(args: argparse.Namespace) -> dict:
             steps = cfg.trainer.steps
             if wl.samples_budget and max(relayrl_samples) > 0:
                 steps = math.ceil(max(relayrl_samples) / per_step)
-            progress(f"{wl.name} round {rnd}/{args.rounds}: TRL ({steps} steps)")
-            run = run_trl(wl, cfg, steps, rnd, workdir, args)
-            rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
+            for system in wl.trl_systems:
+                progress(f"{wl.name} round {rnd}/{args.rounds}: {system} ({steps} steps)")
+                run = run_trl(wl, cfg, steps, rnd, workdir, args, system)
+                rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
         result["workloads"][wl.name] = {"settings": settings(wl, cfg, args), "runs": rows, **aggregate(rows)}
     result["machine"]["loadavg_at_end"] = list(os.getloadavg())
     return result

@@ -148,6 +148,7 @@ def grpo_config(spec: dict) -> GRPOConfig:
         epsilon_high=spec["clip_high"],
         beta=0.0,
         num_iterations=1,
+        use_transformers_continuous_batching=spec.get("continuous_batching", False),
         scale_rewards="group",
         report_to="none",
         save_strategy="no",

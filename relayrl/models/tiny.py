@@ -16,9 +16,10 @@ PAD, EOS, UNK = "<pad>", "<|endoftext|>", "<unk>"
 WORDS = [str(d) for d in range(10)] + ["+", "-", "*", "=", "?", "max", "min", "sum", "of", "is"]
 
 
-def build_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over digits, a few operators and words; whitespace splits words."""
-    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *WORDS])}
+def build_tokenizer(chat_template: str | None = None, *, filler_words: int = 0) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over digits, a few operators and words (and ``filler_words`` more: w0, w1, ...);
+    whitespace splits words."""
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *WORDS, *(f"w{i}" for i in range(filler_words))])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
@@ -62,6 +63,26 @@ def write_tiny_model(path: str | Path, *, seed: int = 0, chat_template: str | No
     path = Path(path)
     tokenizer = build_tokenizer(chat_template)
     model = build_model(tokenizer, seed=seed, **sizes)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_long_tail_model(
+    path: str | Path, *, mean_length: int = 48, hidden_size: int = 256, layers: int = 4, seed: int = 0
+) -> Path:
+    """A model whose sampled responses have geometric lengths with mean ~``mean_length`` tokens (EOS included).
+
+    The vocabulary is padded with filler words to ``mean_length`` tokens and the final norm's weight scaled by
+    1e-2, so the next-token distribution is near uniform: EOS comes with probability ~1 / ``mean_length`` at every
+    step, whatever the context, and a small learning rate leaves it so. RoPE positions reach 512 (prompt + 256).
+    """
+    tokenizer = build_tokenizer(filler_words=mean_length - 3 - len(WORDS))
+    model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, max_positions=512, seed=seed)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e-2)
+    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -93,11 +93,11 @@ class PaddingFree:
 
     ``mode`` "on" packs every forward, "off" none, "auto" those whose padding share (1 - tokens / positions of
     the padded layout) reaches ``AUTO_MIN_PADDING_SHARE``; ``available`` False (with its ``reason``): never.
-    Each change of decision is logged with the padding share that made it."""
+    The first decision of each kind (packed, padded) is logged with the padding share that made it."""
 
     def __init__(self, mode: str, token_budget: int, *, available: bool = True, reason: str = "") -> None:
         self.mode, self.token_budget, self.available, self.reason = mode, token_budget, available, reason
-        self._last: bool | None = None
+        self._logged: set[bool] = set()
         # since the last take(): positions computed, real tokens, forwards, packed forwards
         self.counts = torch.zeros(4, dtype=torch.float64)
 
@@ -105,12 +105,12 @@ class PaddingFree:
         """Whether a forward of ``tokens`` real tokens in a padded layout of ``positions`` packs."""
         share = 1.0 - tokens / max(positions, 1)
         pack = self.available and (self.mode == "on" or (self.mode == "auto" and share >= AUTO_MIN_PADDING_SHARE))
-        if pack != self._last:
+        if pack not in self._logged:
             why = self.reason if not self.available else f"padding share {share:.2f}"
             if self.mode == "auto" and self.available:
                 why += f", auto packs from {AUTO_MIN_PADDING_SHARE:.2f}"
             log.info("trainer.padding_free=%s: %s (%s)", self.mode, "packed rows" if pack else "padded rows", why)
-            self._last = pack
+            self._logged.add(pack)
         return pack
 
     def record(self, tokens: int, positions: int, packed: bool) -> None:

@@ -18,6 +18,7 @@ from relayrl.bench.e2e import (
     split_cpus,
     summarize,
     trl_spec,
+    workload,
 )
 from relayrl.config import load_config
 
@@ -128,3 +129,27 @@ def test_cpu_of_a_process_tree_by_role() -> None:
     sampler = CpuSampler(0, samples=samples)
     assert sampler.usage(0.5, 2.5) == (1.0, {"controller": 0.5})
     assert sampler.usage(2.5, 2.9) == (0.0, {})
+
+
+def test_with_two_trl_modes_ratios_are_against_the_faster() -> None:
+    rows = [
+        summarize(Run("w", system, 1, 90.0, 60.0, 0, records([0.0] * 5, step_s=s, length=length), Path("log")),
+                  ARGS, 8, False)
+        for system, s, length in [("relayrl-default", 1.0, 47.0), ("trl", 6.0, 50.0), ("trl-cb", 3.0, 49.0)]
+    ]  # fmt: skip
+    out = aggregate(rows)
+    assert out["trl_baseline"] == "trl-cb"
+    ratios = out["relayrl_vs_trl"]["relayrl-default/trl"]
+    assert ratios["samples_per_s"] == pytest.approx(3.0) and ratios["samples_per_s_by_round"] == pytest.approx([3.0])
+    assert ratios["response_len_vs_trl"] == pytest.approx(47.0 / 49.0)
+    assert set(out["relayrl_vs_trl"]) == {"relayrl-default/trl"}
+
+
+def test_the_long_tail_workload_runs_trl_in_both_generation_modes(tmp_path: Path) -> None:
+    args = argparse.Namespace(quick=False, steps=6, set=[])
+    wl = workload("long-tail", args, tmp_path)
+    assert wl.trl_systems == ("trl", "trl-cb") and "default" in wl.variants
+    cfg = load_config(DEMO_CONFIG, wl.overrides)
+    assert cfg.rollout.max_tokens == 256 and not cfg.rollout.ignore_eos and cfg.trainer.lr <= 1e-6
+    specs = [trl_spec(cfg, 6, 2, tmp_path, continuous_batching=cb)["continuous_batching"] for cb in (False, True)]
+    assert specs == [False, True]
