@@ -199,6 +199,33 @@ def weightsync_verify(rows: list[dict]) -> str:
     )
 
 
+def weightsync_lora(rows: list[dict]) -> str:
+    header = [
+        "MiB",
+        "receivers",
+        "adapter MiB (rank)",
+        "adapter ÷ full bytes",
+        "full update s (sampled)",
+        "adapter update s",
+        "adapter s ÷ full s",
+    ]
+    return table(
+        header,
+        [
+            [
+                f(r["size_mib"], 0),
+                r["receivers"],
+                f"{f(r['adapter_mib'])} ({r['lora_rank']})",
+                f(r["adapter_bytes_share"], 4),
+                f(r["sampled_s"], 3),
+                f(r["adapter_s"], 4),
+                f"**{f(r['adapter_over_sampled'], 3)}**",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def controller(r: dict) -> str:
     rows = [
         ["simulated workers (registered)", f"{r['workers']:,} ({r['registered_workers']:,})"],
@@ -308,6 +335,11 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "weightsync_verify.json",
         "relayrl bench weightsync --json --sizes 1024 --receivers 1 > bench/results/weightsync_verify.json",
         weightsync_verify,
+    ),
+    "weightsync-lora": (
+        "weightsync_lora.json",
+        "relayrl bench weightsync --json --sizes 64,256 --receivers 1,2 --repeat 3 > bench/results/weightsync_lora.json",
+        weightsync_lora,
     ),
     "controller": ("controller.json", "make bench-controller", controller),
     "rollout": ("rollout.json", "make bench-rollout", rollout),

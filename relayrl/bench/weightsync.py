@@ -25,6 +25,11 @@ end to end from the sender, the median of ``--repeat`` runs, and verified by che
 - ``per_tensor``: what TRL / OpenRLHF do: per tensor a control round trip to every receiver (name,
   dtype, shape; each acknowledges), then one broadcast of that tensor, which the receiver allocates,
   receives and copies into its parameter.
+- ``adapter``: a LoRA run's per-step update at the same model size (``--lora-rank``, on q/k/v/o: the default
+  ``model.lora``): the adapter's tensors alone, under PEFT's names, from the sender's adapter arena, verified as
+  relayrl verifies by default (``sampled``); the receivers take them as a rollout worker does, into staging
+  copies (``receive_weights``). ``adapter_over_sampled`` (seconds of an adapter update / seconds of the same
+  run's full ``sampled`` update) and ``adapter_bytes_share`` (adapter bytes / full bytes) compare the two.
 - ``disk``: the filesystem fallback: ``write_weights`` by the sender, then ``read_weights`` by every
   receiver at once (the files were just written, so reads mostly come from the page cache).
 
@@ -68,6 +73,7 @@ import torch
 
 from relayrl.config import WeightSyncConfig
 from relayrl.ops.args import OneLineParser, existing_dir
+from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
@@ -90,6 +96,7 @@ from relayrl.weightsync.packing import transfer_chunks
 
 MIB = 1 << 20
 PER_LAYER = 12  # q/k/v/o weights, q/k/v biases, gate/up/down, two norms
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # model.lora's default target_modules
 
 
 # ---------------------------------------------------------------- the model
@@ -128,6 +135,21 @@ def model_specs(size_mib: int, n_tensors: int = 1000) -> list[Spec]:
         specs += [(f"model.layers.{i}.{name}", shape, dtype) for name, shape, dtype in layer]
     specs += [("model.norm.weight", (h,), f32), ("lm_head.weight", (vocab, h), bf16)]
     return specs
+
+
+def adapter_specs(specs: Sequence[Spec], rank: int) -> list[Spec]:
+    """The rank-``rank`` LoRA adapter of ``specs``' LORA_TARGETS weights under PEFT's saved names: A [rank, in],
+    B [out, rank] in the weight's dtype."""
+    out: list[Spec] = []
+    for name, shape, dtype in specs:
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in LORA_TARGETS and len(shape) == 2:
+            prefix = f"base_model.model.{module}"
+            out += [
+                (f"{prefix}.lora_A.weight", (rank, shape[1]), dtype),
+                (f"{prefix}.lora_B.weight", (shape[0], rank), dtype),
+            ]
+    return out
 
 
 def random_tensors(specs: Sequence[Spec], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -281,6 +303,7 @@ class _Receiver:
         self.arena: WeightArena | None = None
         self.layouts = LayoutCache()
         self.raw: torch.Tensor | None = None
+        self.adapter: dict[str, torch.Tensor] = {}
         self.group: WeightBroadcastGroup | None = None
         self.last: dict[str, dict[str, Any]] = {}
 
@@ -308,7 +331,8 @@ class _Receiver:
         self.reply({"ok": True})
 
     def on_checksum(self, h: dict[str, Any], _: bytes) -> None:
-        checksum = _sha256(self.raw) if h["of"] == "raw" else weights_checksum(self.params.items())
+        of = {"params": self.params, "adapter": self.adapter}
+        checksum = _sha256(self.raw) if h["of"] == "raw" else weights_checksum(of[h["of"]].items())
         self.reply({"ok": True, "checksum": checksum})
 
     def on_packed(self, h: dict[str, Any], payload: bytes) -> None:
@@ -331,6 +355,16 @@ class _Receiver:
         rss_before = _rss_bytes()
         stats = receive_weights(self.group, manifest, self.load, device="cpu", buffers=self.buffers)
         self._remember("copying", stats.peak_extra_bytes, rss_before)
+
+    def on_adapter(self, _h: dict[str, Any], payload: bytes) -> None:
+        """An adapter update as the rollout worker takes it: into staging copies (RolloutWorker._update_adapter)."""
+        manifest = self.layouts.resolve(pb.WeightManifest.FromString(payload))
+        rss_before, received = _rss_bytes(), {}
+        stats = receive_weights(
+            self.group, manifest, lambda views: received.update((n, t.clone()) for n, t in views), buffers=self.buffers
+        )
+        self.adapter = received
+        self._remember("adapter", stats.peak_extra_bytes, rss_before, stats.checksum)
 
     def _manifest(self, payload: bytes) -> WeightManifest:
         manifest = self.layouts.resolve(pb.WeightManifest.FromString(payload))
@@ -463,8 +497,11 @@ class _Cell:
     sender: WeightSender
     tmp_dir: str
     sample_stride: int
+    adapter: WeightArena  # a LoRA run's adapter at this model size (the ``adapter`` method)
+    lora: LoraAdapterSpec
     version: int = 0
     layout_sent: bool = False  # receivers hold the layout: later manifests travel compact
+    adapter_sent: bool = False  # the same for the adapter's layout
 
 
 def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
@@ -504,6 +541,27 @@ def _run_packed(cell: _Cell, method: str) -> dict[str, Any]:
     }
 
 
+def _run_adapter(cell: _Cell) -> dict[str, Any]:
+    """A LoRA step's update: the adapter manifest (kind "adapter", verify sampled) and the adapter arena's send;
+    done when every receiver has answered with the sender's fingerprint (``agreed``)."""
+    cell.version += 1
+    start = time.perf_counter()
+    stride = cell.sample_stride
+    manifest = cell.adapter.manifest.with_header(
+        version=cell.version,
+        verify="sampled",
+        sample_stride=stride,
+        sample_phase=phase_for(cell.version, stride),
+        kind="adapter",
+        lora=cell.lora,
+    )
+    cell.fleet.start({"op": "adapter"}, manifest.to_proto(compact=cell.adapter_sent).SerializeToString())
+    cell.adapter_sent = True
+    sent = cell.sender.send(cell.group, manifest, cell.adapter)
+    answers = cell.fleet.results()
+    return {"seconds": time.perf_counter() - start, "agreed": all(a["checksum"] == sent.checksum for a in answers)}
+
+
 def _run_raw(cell: _Cell, flat: torch.Tensor) -> dict[str, Any]:
     cell.fleet.call({"op": "raw", "nbytes": flat.numel()})
     start = time.perf_counter()
@@ -536,7 +594,11 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
     last round every method starts from zeroed receiver parameters and ends in a checksum on every
     receiver (raw: of its flat buffer)."""
     flat = torch.randint(0, 256, (cell.manifest.total_bytes,), dtype=torch.uint8)
-    expected = {"params": weights_checksum(cell.tensors.items()), "raw": _sha256(flat)}
+    expected = {
+        "params": weights_checksum(cell.tensors.items()),
+        "raw": _sha256(flat),
+        "adapter": weights_checksum(cell.adapter.views()),
+    }
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "packed": lambda: _run_packed(cell, "packed"),
         "verified": lambda: _run_packed(cell, "verified"),
@@ -546,6 +608,7 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
         "raw": lambda: _run_raw(cell, flat),
         "per_tensor": lambda: _run_per_tensor(cell),
         "disk": lambda: _run_disk(cell),
+        "adapter": lambda: _run_adapter(cell),
     }
     runs: dict[str, list[dict[str, Any]]] = {method: [] for method in runners}
     verified: dict[str, bool] = {}
@@ -556,7 +619,7 @@ def _measure_cell(cell: _Cell, repeat: int, log: Callable[[str], None]) -> dict[
                 cell.fleet.call({"op": "zero"})
             runs[method].append(run())
             if last:
-                kind = "raw" if method == "raw" else "params"
+                kind = method if method in ("raw", "adapter") else "params"
                 replies = cell.fleet.call({"op": "checksum", "of": kind})
                 verified[method] = all(r["checksum"] == expected[kind] for r in replies)
                 verified[method] &= runs[method][-1].get("agreed", True)
@@ -617,7 +680,8 @@ def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str,
         "control": cell.fleet.control,
     }
     row |= {f"{m}_s": round(s, 4) for m, s in seconds.items()}
-    row |= {f"{m}_gbps": round(nbytes / s / 1e9, 3) for m, s in seconds.items()}
+    moved = {m: cell.adapter.manifest.total_bytes if m == "adapter" else nbytes for m in seconds}
+    row |= {f"{m}_gbps": round(moved[m] / s / 1e9, 3) for m, s in seconds.items()}
     row |= {
         "packed_vs_raw": round(seconds["raw"] / seconds["packed"], 3),
         "verified_over_raw": round(seconds["verified"] / seconds["raw"], 3),
@@ -632,6 +696,10 @@ def _row(cell: _Cell, runs: dict[str, list[dict[str, Any]]], verified: dict[str,
         "receiver_rss_growth_mib": round(runs["packed"][0]["rss_growth"] / MIB, 1),
         "copying_peak_extra_mib": round(runs["copying"][0]["peak_extra"] / MIB, 1),
         "copying_rss_growth_mib": round(runs["copying"][0]["rss_growth"] / MIB, 1),
+        "adapter_mib": round(cell.adapter.manifest.total_bytes / MIB, 2),
+        "lora_rank": cell.lora.rank,
+        "adapter_bytes_share": round(cell.adapter.manifest.total_bytes / nbytes, 4),
+        "adapter_over_sampled": round(seconds["adapter"] / seconds["sampled"], 3),
         "verified": all(verified.values()),
     }
     return row
@@ -668,6 +736,9 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                     manifest = builder.build(specs, version=0)
                     arena = WeightArena(manifest)
                     arena.load(tensors.items())  # the trainer's per-step gather writes here (untimed)
+                    lora = adapter_specs(specs, args.lora_rank)
+                    adapter = WeightArena(ManifestBuilder(bucket_bytes=args.bucket_mib * MIB).build(lora, version=0))
+                    adapter.load(random_tensors(lora, seed=size + 1).items())
                     cell = _Cell(
                         fleet=fleet,
                         group=group,
@@ -679,6 +750,8 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
                         sender=WeightSender("cpu"),
                         tmp_dir=tmp_dir,
                         sample_stride=args.sample_stride,
+                        adapter=adapter,
+                        lora=LoraAdapterSpec(args.lora_rank, 2.0 * args.lora_rank, LORA_TARGETS),
                     )
                     rows.append(_measure_cell(cell, args.repeat, log))
     return rows
@@ -711,6 +784,8 @@ COLUMNS = [
     ("speedup_vs_disk", "x disk", "{:.1f}"),
     ("receiver_peak_extra_mib", "extra MiB", "{:.0f}"),
     ("copying_peak_extra_mib", "copying extra MiB", "{:.0f}"),
+    ("adapter_s", "adapter s", "{:.4f}"),
+    ("adapter_over_sampled", "adapter s/sampled s", "{:.3f}"),
     ("verified", "ok", "{}"),
 ]
 
@@ -741,6 +816,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tmp-dir", type=existing_dir, default=None, help="where the disk method writes (default: system tmp)"
     )
+    parser.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter method's LoRA (q/k/v/o)")
     parser.add_argument(
         "--sample-stride",
         type=int,
@@ -750,6 +826,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.tensors < 1 or args.bucket_mib < 1 or not args.sizes or not args.receivers:
         parser.error("--repeat, --tensors, --bucket-mib, --sizes and --receivers must be positive")
+    if args.lora_rank < 1:
+        parser.error("--lora-rank must be positive")
     if args.sample_stride < 1 or args.sample_stride & (args.sample_stride - 1):
         parser.error("--sample-stride must be a power of two")
     return args

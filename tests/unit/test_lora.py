@@ -171,3 +171,19 @@ def test_a_failed_adapter_load_leaves_the_previous_version_serving(model_dir) ->
             assert result.synced == [] and (worker.reported_version, worker.state) == (2, "serving")
             after = list(engine.generate(PROMPTS, greedy))
             assert [c.logprobs for c in after] == [c.logprobs for c in serving]
+
+
+def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_resumes_them(model_dir, tmp_path) -> None:
+    backend = lora_backend(model_dir)
+    for p in backend.trainable:  # one optimizer step, so that the AdamW moments exist
+        p.grad = torch.ones_like(p)
+    backend.step(1.0)
+    backend.save_checkpoint(tmp_path / "step_1", {"step": 1})
+    resumed = FSDPBackend(
+        ModelConfig(path=str(model_dir), lora=LoraConfig()), TrainerConfig(lr=0.01), with_reference=False
+    )
+    assert resumed.load_checkpoint(tmp_path / "step_1") == {"step": 1}
+    for name, tensor in adapter_of(backend).items():
+        torch.testing.assert_close(adapter_of(resumed)[name], tensor, atol=0, rtol=0, msg=name)
+    moments = [s["exp_avg"] for s in resumed.optimizer.state.values()]
+    assert len(moments) == len(backend.trainable) and all(bool(m.abs().sum() > 0) for m in moments)
