@@ -338,7 +338,8 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     ),
     "weightsync-lora": (
         "weightsync_lora.json",
-        "relayrl bench weightsync --json --sizes 64,256 --receivers 1,2 --repeat 3 > bench/results/weightsync_lora.json",
+        "relayrl bench weightsync --json --sizes 64,256 --receivers 1,2 --repeat 3"
+        " > bench/results/weightsync_lora.json",
         weightsync_lora,
     ),
     "controller": ("controller.json", "make bench-controller", controller),
