@@ -5,7 +5,6 @@ fall back to the start); the exported adapter loads with PEFT."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import peft
@@ -35,16 +34,11 @@ def test_lora_demo_learns_syncs_only_the_adapter_and_resumes_after_a_kill(tmp_pa
     config.write_text(yaml.safe_dump(raw))
     cfg = load_config(config)
     steps, every = cfg.trainer.steps, cfg.trainer.checkpoint_every
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with running_up(config) as up:
-            wait_steps(cfg, every + 2, timeout_s=900)
-            kill_tree(supervised_roles(cfg)["trainer"]["pid"])
-            wait_until(lambda: supervised_roles(cfg)["trainer"]["restarts"] == 1, what="the trainer's restart")
-            code, err = finish(up, timeout_s=1200)
-    finally:
-        os.chdir(cwd)
+    with running_up(config) as up:
+        wait_steps(cfg, every + 2, timeout_s=900)
+        kill_tree(supervised_roles(cfg)["trainer"]["pid"])
+        wait_until(lambda: supervised_roles(cfg)["trainer"]["restarts"] == 1, what="the trainer's restart")
+        code, err = finish(up, timeout_s=1200)
     assert code == 0, err
     records = contiguous_records(cfg, steps)
     trainer = supervised_roles(cfg)["trainer"]
