@@ -191,6 +191,30 @@ def check_weights(
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the parameter's {shapes[name]}")
 
 
+def adapter_module_count(
+    tensors: dict[str, torch.Tensor], specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], engine: str
+) -> int:
+    """How many modules an adapter sent under PEFT's names adapts; ValueError naming the first tensor that is not
+    an unfused Hugging Face Linear's ``lora_A``/``lora_B`` of the model (vLLM expects the unfused names and
+    refuses ``qkv_proj``/``gate_up_proj``; an adapter whose names match no module would serve the base model:
+    vLLM #55193), a module without both, or an empty adapter."""
+    from relayrl.rollout.lora import adapted_modules
+
+    modules = adapted_modules(tensors)
+    if not modules:
+        raise ValueError(f"the {engine} engine got an adapter without tensors (it would serve the base model)")
+    weights = {name for name, _, _ in specs}
+    for module, parts in modules.items():
+        fused = next((f for f in DEFAULT_PACKED if module.endswith(f".{f}")), None)
+        if fused is not None:
+            raise ValueError(f"{module}: a fused name; send the unfused ones ({', '.join(DEFAULT_PACKED[fused])})")
+        if f"{module}.weight" not in weights:
+            raise ValueError(f"{module}: no such module in the model (the adapter would serve the base model)")
+        if set(parts) != {"a", "b"}:
+            raise ValueError(f"{module}: lora_A and lora_B must both be sent")
+    return len(modules)
+
+
 # vLLM's and SGLang's Llama-family models fuse these (``packed_modules_mapping``; each piece split over TP ranks).
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

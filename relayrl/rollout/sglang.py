@@ -110,9 +110,10 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
 class SGLangEngine(InferenceEngine):
     """SGLang backend (pause mode, and rows kept in flight through an update). ``options`` go to ``sglang.Engine``
     as they are (``tp_size``, ``mem_fraction_static``, ``context_length``, ``enable_deterministic_inference``,
-    ...), except those this adapter sets. ``seed`` per request takes effect only with ``enable_deterministic_inference: true``.
-    Speculative decoding is refused: SGLang runs a custom weight loader once per model runner (target and
-    draft), so relayrl's receive would run twice per update and wait for a broadcast that never comes."""
+    ...), except those this adapter sets. ``seed`` per request takes effect only with
+    ``enable_deterministic_inference: true``. Speculative decoding is refused: SGLang runs a custom weight loader
+    once per model runner (target and draft), so relayrl's receive would run twice per update and wait for a
+    broadcast that never comes."""
 
     name = "sglang"
     receives_weights_itself: ClassVar[bool] = True

@@ -18,8 +18,12 @@ buckets with ``model.load_weights`` (Hugging Face names; vLLM shards and fuses t
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -27,11 +31,12 @@ from typing import Any, ClassVar
 import torch
 
 from relayrl.errors import InvalidArgument
-from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
+from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine, LoraAdapterSpec
 from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
     GroupArgs,
+    adapter_module_count,
     check_weights,
     collect_receipts,
     hf_model_info,
@@ -82,6 +87,21 @@ class RelayRLWorkerExtension:
         """Load ``tensors_to_wire`` data (tensors do not survive vLLM's msgpack RPC; plain bytes do)."""
         model = self.model_runner.get_model()
         model.load_weights(weights=[(name, t.to(self.device)) for name, t in tensors_from_wire(wire)])
+
+    def relayrl_lora_modules(self, lora_id: int) -> int:
+        """How many modules of this worker's model adapter ``lora_id`` applies to: its layers that are among the
+        LoRA manager's modules, each piece of a packed layer (``qkv_proj`` holds q, k, v) counted
+        (vllm/lora/model_manager.py: ``modules``, ``get_adapter``; vllm/lora/lora_weights.py)."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        lora = manager.get_adapter(lora_id)
+        if lora is None:
+            return 0
+        count = 0
+        for module, layer in lora.loras.items():
+            if module in manager.modules:
+                pieces = layer.lora_a
+                count += sum(piece is not None for piece in pieces) if isinstance(pieces, list) else 1
+        return count
 
     def relayrl_named_weights(self) -> list[list[Any]]:
         """This worker's parameters under vLLM's own names (fused, this rank's shard), as ``tensors_to_wire``."""
@@ -134,6 +154,9 @@ class VLLMEngine(InferenceEngine):
         self._version = 0  # the policy version of the weights loaded: the label of the tokens sampled now
         self._paused = False
         self.llm.update_weight_version("0")
+        self._lora_ids = itertools.count(1)
+        self._adapters: list[Any] = []  # LoRARequests of the versions loaded, oldest first (the last one serves)
+        self._staging = ""  # where adapters are staged as PEFT directories (shared memory when there is one)
 
     def generate(
         self,
@@ -155,7 +178,8 @@ class VLLMEngine(InferenceEngine):
             for s in range(params.n):
                 request_id = f"relayrl-{call}-{p}-{s}"
                 prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=list(prompt), cache_salt=_salt(version))
-                requests.append((request_id, prompt_ids, self._sampling_params(params, s)))
+                lora = self._adapters[-1] if self._adapters else None
+                requests.append((request_id, prompt_ids, self._sampling_params(params, s), lora))
                 pending[request_id] = (p, s)
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stepper.submit(requests, outbox)
@@ -223,6 +247,73 @@ class VLLMEngine(InferenceEngine):
             self._set_version(manifest.version)
         return stats
 
+    # -- LoRA adapters (model.lora; see docs/engines.md) -------------------------------------------------------
+    supports_lora: ClassVar[bool] = True
+
+    def load_adapter(self, name: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
+        """vLLM has no public way to load an adapter from tensors: ``tensors`` are written as a PEFT directory
+        (``adapter_model.safetensors``, ``adapter_config.json``) under shared memory and added with
+        ``LLMEngine.add_lora(LoRARequest(name, new id, path))``. Every version gets its own name, id and path: vLLM
+        keys its prefix cache by adapter name and path, keeps an id it has without ``load_inplace`` (which, left
+        on a request, reloads at every step), and folds alpha / r into ``lora_B`` in place (files are read afresh,
+        so nothing is scaled twice). Requests in flight keep the version they started with; versions older than
+        the previous one are removed. ValueError (the previous adapter serving on) for names that are not the
+        model's unfused Linears, or when vLLM applies the adapter to fewer modules than were sent."""
+        from vllm.lora.request import LoRARequest
+
+        sent = adapter_module_count(tensors, self._specs, "vllm")
+        lora_id = next(self._lora_ids)
+        path = self._stage(f"{name}-{lora_id}", spec, tensors)
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        try:
+            if not self.llm.llm_engine.add_lora(request):
+                raise ValueError(f"adapter {name}: vLLM did not add it")
+            applied = self.llm.collective_rpc("relayrl_lora_modules", args=(lora_id,))
+            if any(count != sent for count in applied):
+                raise ValueError(f"adapter {name}: vLLM adapted {min(applied)} modules, {sent} were sent")
+        except Exception as exc:
+            self._drop(request)
+            if "LoRA is not enabled" in str(exc):
+                raise ValueError("rollout.engine_options.enable_lora: start the vllm engine with it true") from exc
+            raise
+        self._adapters.append(request)
+        while len(self._adapters) > 2:
+            self._drop(self._adapters.pop(0))
+        return sent
+
+    def _stage(self, directory: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> str:
+        """``tensors`` as a PEFT adapter directory (what ``PEFTHelper.from_local_dir`` and
+        ``LoRAModel.from_local_checkpoint`` read); its path."""
+        from safetensors.torch import save_file
+
+        if not self._staging:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._staging = tempfile.mkdtemp(prefix="relayrl-lora-", dir=shm)
+        path = os.path.join(self._staging, directory)
+        os.makedirs(path)
+        save_file(
+            {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, f"{path}/adapter_model.safetensors"
+        )
+        config = {
+            "peft_type": "LORA",
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "target_modules": list(spec.target_modules),
+            "use_rslora": spec.use_rslora,
+            "bias": "none",
+        }
+        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        return path
+
+    def _drop(self, request: Any) -> None:
+        """``remove_lora`` a version and delete its files."""
+        try:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+        except Exception as exc:  # not added, or LoRA disabled: nothing to remove
+            log.debug("vllm engine: remove_lora(%d): %s", request.lora_int_id, exc)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
     # -- in-flight weight updates (rollout.partial; see docs/engines.md) -------------------------------------
     supports_in_flight_update: ClassVar[bool] = True
 
@@ -255,6 +346,8 @@ class VLLMEngine(InferenceEngine):
         self._stepper.close()
         self.llm.collective_rpc("relayrl_close_weight_sync")
         self.llm.llm_engine.engine_core.shutdown()
+        if self._staging:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
 
 class _Stepper:
@@ -270,9 +363,9 @@ class _Stepper:
         self._thread = threading.Thread(target=self._run, name="relayrl-vllm-stepper", daemon=True)
         self._thread.start()
 
-    def submit(self, requests: list[tuple[str, Any, Any]], outbox: queue.SimpleQueue) -> None:
-        """Queue ``requests`` (request id, prompt, vLLM SamplingParams); each finished output, or the error that
-        stopped it, is put on ``outbox`` as (request id, output or exception)."""
+    def submit(self, requests: list[tuple[str, Any, Any, Any]], outbox: queue.SimpleQueue) -> None:
+        """Queue ``requests`` (request id, prompt, vLLM SamplingParams, LoRARequest or None); each finished output,
+        or the error that stopped it, is put on ``outbox`` as (request id, output or exception)."""
         self._inbox.put(("add", requests, outbox))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -318,9 +411,9 @@ class _Stepper:
             finally:
                 reply.set()
             return True
-        for request_id, prompt, params in payload:
+        for request_id, prompt, params, lora in payload:
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 self._routes[request_id] = reply
             except Exception as exc:
                 reply.put((request_id, exc))

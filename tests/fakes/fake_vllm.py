@@ -45,7 +45,7 @@ from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
 
 __version__ = "0.33.0+fake"
 # What a test puts into sys.modules to stand in for vLLM.
-MODULES = ("vllm", "vllm.sampling_params")
+MODULES = ("vllm", "vllm.sampling_params", "vllm.lora", "vllm.lora.request")
 SAMPLING_EPS = 1e-5  # vllm/sampling_params.py: _SAMPLING_EPS, temperatures below are greedy
 MAX_TEMP = 1e-2  # vllm/sampling_params.py: _MAX_TEMP, smaller positive temperatures are raised to it
 ZERO_COPY_THRESHOLD = 256  # vllm/envs.py: VLLM_MSGPACK_ZERO_COPY_THRESHOLD
@@ -221,15 +221,156 @@ class RequestOutput:
         self.num_cached_tokens = kwargs.get("num_cached_tokens")
 
 
+@dataclass
+class LoRARequest:
+    """vllm/lora/request.py (a msgspec Struct there): ``load_inplace`` forces a reload from ``lora_path`` whenever
+    a request carrying it is scheduled (``LRUCacheWorkerLoRAManager.add_adapter``)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    load_inplace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        assert self.lora_path, "lora_path cannot be empty"
+
+
+# vllm/lora/worker_manager.py: _load_adapter's expected modules, Qwen2's supported_lora_modules expanded by
+# packed_modules_mapping (qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj): the fused names are not in it
+EXPECTED_LORA_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+@dataclass
+class LoRALayerWeights:
+    """vllm/lora/lora_weights.py: ``optimize`` folds ``scaling`` into ``lora_b`` in place."""
+
+    module_name: str
+    rank: int
+    scaling: float
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    def optimize(self) -> None:
+        if self.scaling != 1:
+            self.lora_b *= self.scaling
+            self.scaling = 1
+
+
+@dataclass
+class LoRAModel:
+    id: int
+    rank: int
+    loras: dict[str, LoRALayerWeights]
+
+    @classmethod
+    def from_lora_tensors(cls, lora_model_id: int, tensors: dict[str, torch.Tensor], config: dict) -> LoRAModel:
+        """vllm/lora/lora_model.py: the tensors are kept as given (``.to`` a device and dtype they already have
+        does not copy), module names without PEFT's ``base_model.model.`` prefix; scaling alpha / r, or
+        alpha / sqrt(r) with rsLoRA (vllm/lora/peft_helper.py)."""
+        rank, alpha = config["r"], config["lora_alpha"]
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        loras: dict[str, LoRALayerWeights] = {}
+        for name, tensor in tensors.items():
+            module, _, part = name.removeprefix("base_model.model.").rpartition(".lora_")
+            layer = loras.setdefault(module, LoRALayerWeights(module, rank, scaling))
+            if part == "A.weight":
+                layer.lora_a = tensor.to(dtype=torch.float32)
+            else:
+                layer.lora_b = tensor.to(dtype=torch.float32)
+        return cls(lora_model_id, rank, loras)
+
+    @classmethod
+    def from_local_checkpoint(cls, lora_dir: str, lora_model_id: int) -> LoRAModel:
+        """vllm/lora/lora_model.py: reads ``adapter_model.safetensors`` and ``adapter_config.json``; a module whose
+        last name is not an expected LoRA module raises (``check_unexpected_modules``); one whose path is not in
+        the model is accepted, and later matches nothing (vLLM #55193)."""
+        import json
+        import os
+
+        from safetensors.torch import load_file
+
+        with open(os.path.join(lora_dir, "adapter_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        tensors = load_file(os.path.join(lora_dir, "adapter_model.safetensors"))
+        unexpected = sorted(
+            {
+                module
+                for module in (n.removeprefix("base_model.model.").rpartition(".lora_")[0] for n in tensors)
+                if module.rsplit(".", 1)[-1] not in EXPECTED_LORA_MODULES
+            }
+        )
+        if unexpected:
+            raise ValueError(
+                f"While loading {lora_dir}, expected target modules in {sorted(EXPECTED_LORA_MODULES)} but "
+                f"received {unexpected}. Please verify that the loaded LoRA module is correct"
+            )
+        return cls.from_lora_tensors(lora_model_id, tensors, config)
+
+
+class LoRAModelManager:
+    """The worker's adapter manager (vllm/lora/model_manager.py): ``modules`` are the model's LoRA-capable layers
+    (Hugging Face names here; vLLM keys them by its fused names), adapters by id; ``add_adapter`` runs
+    ``optimize`` on every layer (``_create_merged_loras_inplace``)."""
+
+    def __init__(self, module_names: list[str]) -> None:
+        self.modules = dict.fromkeys(module_names)
+        self._adapters: dict[int, LoRAModel] = {}
+
+    def add_adapter(self, lora: LoRAModel) -> bool:
+        for layer in lora.loras.values():
+            layer.optimize()
+        self._adapters[lora.id] = lora
+        return True
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        return self._adapters.pop(adapter_id, None) is not None
+
+    def get_adapter(self, adapter_id: int) -> LoRAModel | None:
+        return self._adapters.get(adapter_id)
+
+    def list_adapters(self) -> dict[int, LoRAModel]:
+        return dict(self._adapters)
+
+
+class LRUCacheWorkerLoRAManager:
+    """vllm/lora/worker_manager.py: ``add_adapter`` loads from ``lora_path`` when the id is new or the request
+    says ``load_inplace`` (then at every scheduling of a request carrying it); otherwise it keeps what it has.
+    ``loads`` counts the loads from disk (test-only)."""
+
+    def __init__(self, module_names: list[str]) -> None:
+        self._adapter_manager = LoRAModelManager(module_names)
+        self.loads = 0
+        self.generation: dict[int, int] = {}  # adapter id -> how many times it was loaded (its weights' epoch)
+
+    def add_adapter(self, lora_request: LoRARequest) -> bool:
+        if lora_request.lora_int_id not in self._adapter_manager.list_adapters() or lora_request.load_inplace:
+            lora = LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request.lora_int_id)
+            self.loads += 1
+            self.generation[lora.id] = self.loads
+            self._adapter_manager.remove_adapter(lora.id)
+            return self._adapter_manager.add_adapter(lora)
+        return True
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        return self._adapter_manager.remove_adapter(adapter_id)
+
+    def list_adapters(self) -> set[int]:
+        return set(self._adapter_manager.list_adapters())
+
+
 class FakeWorker:
     """What a vLLM GPU worker offers an extension: ``rank`` (in the engine), ``local_rank``, ``device``,
     ``model_runner.get_model()`` (a ``FusedShardModel``: vLLM's fused names, this rank's shard)."""
 
-    def __init__(self, rank: int, model: FusedShardModel) -> None:
+    def __init__(self, rank: int, model: FusedShardModel, lora_modules: list[str] | None = None) -> None:
         self.rank = rank
         self.local_rank = rank
         self.device = torch.device("cpu")
-        self.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        manager = LRUCacheWorkerLoRAManager(lora_modules) if lora_modules is not None else None
+        self.model_runner = types.SimpleNamespace(get_model=lambda: model, lora_manager=manager)
 
 
 def resolve_obj_by_qualname(qualname: str) -> Any:
@@ -296,6 +437,7 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
     output: list[int] = dataclasses.field(default_factory=list)
     versions: list[str] = dataclasses.field(default_factory=list)  # the weight label that sampled each token
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each token's, when sampled
@@ -304,7 +446,8 @@ class _Request:
 
     def cache_key(self) -> Any:
         """What a block hash mixes in beside the tokens (``generate_block_hash_extra_keys``)."""
-        return ("salt", self.cache_salt)
+        lora = (self.lora.lora_name, self.lora.lora_path) if self.lora is not None else None
+        return ("salt", self.cache_salt, "lora", lora)
 
 
 class EngineCore:
@@ -328,7 +471,13 @@ class EngineCore:
         hf_params = {name: p.detach().clone() for name, p in self.hf.named_parameters()}
         tied = bool(self.hf.config.tie_word_embeddings)
         cls = worker_class(kwargs.get("worker_extension_cls", ""))
-        self.workers = [cls(rank, FusedShardModel(hf_params, rank, tp_size, tied=tied)) for rank in range(tp_size)]
+        self.max_lora_rank = kwargs.get("max_lora_rank") or 16
+        lora_modules = None
+        if kwargs.get("enable_lora"):
+            lora_modules = [n for n, m in self.hf.named_modules() if n.rsplit(".", 1)[-1] in EXPECTED_LORA_MODULES]
+        self.workers = [
+            cls(rank, FusedShardModel(hf_params, rank, tp_size, tied=tied), lora_modules) for rank in range(tp_size)
+        ]
         self._synced = 0
         self._seeds = torch.Generator().manual_seed(seed)
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -392,6 +541,48 @@ class EngineCore:
     def set_weight_version(self, weight_version: str) -> None:
         self.weight_version = weight_version
 
+    # LoRA (vllm/v1/engine/core.py: add_lora, remove_lora, list_loras -> every worker's lora manager)
+    def _lora_managers(self) -> list[LRUCacheWorkerLoRAManager]:
+        managers = [w.model_runner.lora_manager for w in self.workers]
+        if managers[0] is None:
+            raise RuntimeError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return managers
+
+    def add_lora(self, request: list) -> bool:
+        lora_request = LoRARequest(*request)  # a msgspec array_like Struct arrives as a list
+        return all(m.add_adapter(lora_request) for m in self._lora_managers())
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all(m.remove_adapter(lora_id) for m in self._lora_managers())
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._lora_managers()[0].list_adapters())
+
+    def _epoch(self, r: _Request) -> Any:
+        """The weights a request's KV is computed under now: the base weights' epoch, and its adapter's load."""
+        if r.lora is None:
+            return self.epoch
+        manager = self._lora_managers()[0]
+        manager.add_adapter(r.lora)
+        return (self.epoch, r.lora.lora_int_id, manager.generation[r.lora.lora_int_id])
+
+    def _lora_params(self, r: _Request) -> dict[str, torch.Tensor] | None:
+        """The weights a LoRA request is served with: W + B A for each layer of the adapter that is one of the
+        model's modules (others match nothing); None for no adapter. Schedules the adapter first, as
+        ``_apply_adapters`` does every step (a ``load_inplace`` request reloads it)."""
+        if r.lora is None:
+            return None
+        manager = self._lora_managers()[0]
+        manager.add_adapter(r.lora)
+        lora = manager._adapter_manager.get_adapter(r.lora.lora_int_id)
+        params = dict(self.hf.named_parameters())
+        out = {}
+        for module, layer in lora.loras.items():
+            if module in manager._adapter_manager.modules:
+                weight = params[f"{module}.weight"]
+                out[f"{module}.weight"] = weight + layer.scaling * layer.lora_b @ layer.lora_a
+        return out
+
     def get_weight_version(self) -> str:
         return self.weight_version
 
@@ -401,16 +592,20 @@ class EngineCore:
             return [list(w.model_runner.get_model().loaded_names) for w in self.workers]
         if what == "group_ranks":
             return [w.relayrl_receiver.group.rank for w in self.workers]
+        if what == "lora_loads":
+            return [w.model_runner.lora_manager.loads for w in self.workers]
         if what == "admissions":
             return {rid: list(a) for rid, a in self.admissions.items()}
         raise ValueError(what)
 
     # requests
-    def add_request(self, request_id: str, prompt: list[int], fields: dict[str, Any], salt: str | None) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], fields: dict[str, Any], salt: str | None, lora: LoRARequest | None
+    ) -> None:
         params = SamplingParams(**fields)
         seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (1,), generator=self._seeds))
         generator = torch.Generator().manual_seed(seed)
-        self.waiting[request_id] = _Request(request_id, prompt, params, generator, cache_salt=salt)
+        self.waiting[request_id] = _Request(request_id, prompt, params, generator, cache_salt=salt, lora=lora)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -422,8 +617,9 @@ class EngineCore:
         computed now, under the current weights, and cached."""
         served = self.cache.match(r.prompt, r.cache_key()) if self.prefix_caching else []
         r.cached = len(served)
-        r.kv_epochs = served + [self.epoch] * (len(r.prompt) - len(served))
-        self.admissions[r.request_id] = (len(r.prompt), r.cached, any(e != self.epoch for e in served))
+        epoch = self._epoch(r)
+        r.kv_epochs = served + [epoch] * (len(r.prompt) - len(served))
+        self.admissions[r.request_id] = (len(r.prompt), r.cached, any(e != epoch for e in served))
         if self.prefix_caching:
             self.cache.insert(r.prompt, r.kv_epochs, r.cache_key())
 
@@ -449,14 +645,20 @@ class EngineCore:
                 min_tokens=r.params.min_tokens,
                 ignore_eos=r.params.ignore_eos,
             )
-            logits = self.hf(input_ids=torch.tensor([r.prompt + r.output])).logits[:, -1]
+            ids = torch.tensor([r.prompt + r.output])
+            adapted = self._lora_params(r)
+            if adapted is None:
+                logits = self.hf(input_ids=ids).logits[:, -1]
+            else:
+                out = torch.func.functional_call(self.hf, adapted, (), {"input_ids": ids}, strict=False)
+                logits = out.logits[:, -1]
             banned = None
             if len(r.output) < relay.min_tokens:
                 banned = torch.tensor(sorted(self.eos | set(relay.stop_token_ids)))
             token = int(sample_step(logits, relay, r.generator, banned=banned)[0][0])
             r.logprob_rows.append(self._process(logits.float(), r.params, len(r.output))[0])
             if r.output:
-                r.kv_epochs.append(self.epoch)  # this step computed the KV of the previous token
+                r.kv_epochs.append(self._epoch(r))  # this step computed the KV of the previous token
             r.output.append(token)
             r.versions.append(self.weight_version)
             if token in stop_token_set(frozenset(self.eos), relay):
@@ -632,7 +834,8 @@ class LLMEngine:
             raise NotImplementedError(f"the fake vllm does not emulate SamplingParams {unsupported}")
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}  # a msgspec Struct's fields
         salt = prompt.get("cache_salt")
-        self.client.call("request", "add_request", request_id, list(prompt["prompt_token_ids"]), fields, salt)
+        ids = list(prompt["prompt_token_ids"])
+        self.client.call("request", "add_request", request_id, ids, fields, salt, lora_request)
         self.added.append((request_id, prompt, params))
         self._unfinished.add(request_id)
         return request_id
@@ -665,6 +868,17 @@ class LLMEngine:
 
     def set_weight_version(self, weight_version: str) -> None:
         self.client.call_utility("set_weight_version", weight_version)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vllm/v1/engine/llm_engine.py -> the engine core -> every worker's ``add_lora`` (loads it now)."""
+        fields = [getattr(lora_request, f.name) for f in dataclasses.fields(lora_request)]
+        return self.client.call_utility("add_lora", fields)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.client.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.client.call_utility("list_loras"))
 
     def get_weight_version(self) -> str:
         return self.client.call_utility("get_weight_version")
