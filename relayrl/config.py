@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
-from relayrl.runtime.address import AddressError, parse_address
+from relayrl.runtime.address import AddressError, parse_address, parse_host
 from relayrl.runtime.cpus import parse_cpu_list
 
 
@@ -216,6 +216,13 @@ class RewardConfig(Section):
     overlong_penalty: float = Field(1.0, ge=0.0)
 
 
+def _host(value: str) -> str:
+    try:
+        return parse_host(value, "host")
+    except AddressError as err:
+        raise ValueError(err.reason) from None
+
+
 class ControllerConfig(Section):
     host: str = "127.0.0.1"  # the address the controller binds (0.0.0.0: every interface)
     # its port; 0: a free one, which `relayrl up` records in the run's config.yaml and controller.address
@@ -245,6 +252,11 @@ class ControllerConfig(Section):
     max_workers: int = Field(1024, ge=1)  # registered rollout workers; RegisterWorker beyond: RESOURCE_EXHAUSTED
     max_pull_timeout_s: float = Field(3600.0, gt=0)  # longest PullBatch.timeout_s accepted
     reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @field_validator("host")
+    @classmethod
+    def _a_host(cls, value: str) -> str:
+        return _host(value)
 
 
 class WandbConfig(Section):
@@ -389,6 +401,11 @@ class WeightSyncConfig(Section):
     path: str | None = None  # filesystem transport directory (default <run dir>/weights)
     # How often trainer rank 0 looks for operator SyncWeights requests and newly joined workers.
     on_demand_interval_s: float = Field(1.0, gt=0)
+
+    @field_validator("master_address")
+    @classmethod
+    def _a_host(cls, value: str) -> str:
+        return _host(value)
 
     @field_validator("sample_stride")
     @classmethod

@@ -44,6 +44,16 @@ def parse_port(text: str | int, field: str, *, any_port: bool = False) -> int:
     return port
 
 
+def parse_host(text: str, field: str) -> str:
+    """A host alone (a name, an IPv4 or IPv6 literal): AddressError naming ``field`` for a scheme or a port."""
+    value = text.strip()
+    if "://" in value:
+        raise AddressError(field, f"{text!r} has a scheme ({value.split('://', 1)[0]}://); give the host alone")
+    if _HOST.match(value) or (value.count(":") >= 2 and _V6.match(value.strip("[]"))):
+        return value
+    raise AddressError(field, f"{text!r} is not a host name or IP address (the port is a key of its own)")
+
+
 def parse_address(text: str, field: str) -> Address:
     """``host:port`` -> Address; AddressError naming ``field`` for a scheme, a missing host or port, a bad port."""
     value = text.strip()

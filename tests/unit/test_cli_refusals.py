@@ -4,6 +4,7 @@ names the key or flag; no run directory and nothing built left behind."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -329,3 +330,39 @@ def test_a_busy_port_is_one_line_before_anything_is_built(tmp_path: Path, busy_p
     ]:
         assert f"{flag}: 127.0.0.1:{busy_port} is in use" in relayrl(*argv, cwd=tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("localhost", "'localhost' has no port"),
+        ("127.0.0.1:99999", "port 99999 is out of range 1..65535"),
+        ("127.0.0.1:0", "port 0 is out of range 1..65535"),
+        ("http://127.0.0.1:50051", "has a scheme (http://)"),
+        ("grpc://h:1", "has a scheme (grpc://)"),
+        (":50051", "has no valid host"),
+        ("h:x", "port 'x' is not a number"),
+        ("[::1", "is not [ipv6]:port"),
+    ],
+)
+def test_an_address_is_host_and_port_strictly(text: str, reason: str) -> None:
+    from relayrl.runtime.address import AddressError, parse_address
+
+    with pytest.raises(AddressError, match=re.escape(f"--controller: {text!r}" if "port" not in reason else reason)):
+        parse_address(text, "--controller")
+    assert (
+        str(parse_address(" h.example:443 ", "x")) == "h.example:443"
+        and str(parse_address("[::1]:5", "x")) == "[::1]:5"
+    )
+
+
+def test_config_keys_holding_a_host_or_address_are_checked_at_load() -> None:
+    from relayrl.config import ConfigError
+
+    for assignment, message in [
+        ("controller.host=http://h", "controller.host: 'http://h' has a scheme"),
+        ("weight_sync.master_address=h:29500", "weight_sync.master_address: 'h:29500' is not a host name"),
+        ("environment.servers=[a:1, localhost]", "environment.servers: [1]: 'localhost' has no port"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(DEMO, [assignment])
