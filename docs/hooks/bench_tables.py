@@ -310,19 +310,28 @@ def e2e_long_tail(result: dict) -> str:
 
 
 def padding(result: dict) -> str:
-    b, s = result["batch"], result["seconds_per_step"]
+    b, s, c = result["batch"], result["seconds_per_step"], result["cpu_seconds_per_step"]
+
+    def rounds(key: str) -> str:
+        return ", ".join(f(r) for r in result[key])
+
     rows = [
-        ["padded (`trainer.padding_free: off`)", f"{b['padded_positions']:,}", f(s["padded"]), "1.00"],
-        ["padding-free (`on`)", f"{b['real_tokens']:,}", f(s["padding_free"]),
-         f"**{f(result['speedup'])}×** ({', '.join(f(r) for r in result['speedup_by_round'])})"],
+        ["padded (`trainer.padding_free: off`)", f"{b['padded_positions']:,}", f(s["padded"]), f(c["padded"]), "1.00",
+         "1.00"],
+        ["padding-free (`on`)", f"{b['real_tokens']:,}", f(s["padding_free"]), f(c["padding_free"]),
+         f"{f(result['speedup'])}× ({rounds('speedup_by_round')})",
+         f"**{f(result['cpu_speedup'])}×** ({rounds('cpu_speedup_by_round')})"],
     ]  # fmt: skip
     u = result["update"]
+    header = ["trainer step", "positions computed", "wall s", "CPU s", "wall speed-up (rounds)",
+              "CPU speed-up (rounds)"]  # fmt: skip
+    load = result["machine"]
     return (
-        table(["trainer step", "positions computed", "s/step", "speed-up (per round)"], rows)
-        + f"\n\n{b['rows']} rows, mean response {f(b['response_len_mean'], 1)} tokens, longest "
+        table(header, rows) + f"\n\n{b['rows']} rows, mean response {f(b['response_len_mean'], 1)} tokens, longest "
         f"{b['response_len_max']}; padding share {100 * b['padding_share']:.0f} %. Largest weight difference after "
-        f"the step "
-        f"{u['weights_max_diff']:.1e} (the step moved weights by up to {u['moved_max']:.1e})."
+        f"the step {u['weights_max_diff']:.1e} (the step moved weights by up to {u['moved_max']:.1e}). "
+        f"{load['cpus_usable']} usable CPUs, load average {load['loadavg_at_start'][0]:.1f} at the start, "
+        f"{load['loadavg_at_end'][0]:.1f} at the end."
     )
 
 
@@ -349,5 +358,5 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "relayrl bench e2e --workloads long-tail --json > bench/results/e2e-long-tail.json",
         e2e_long_tail,
     ),
-    "padding": ("padding.json", "relayrl bench padding > bench/results/padding.json", padding),
+    "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
 }

@@ -7,8 +7,10 @@ Each round trains the step from the same starting weights with ``trainer.padding
 alternates between rounds), in a trainer world of one rank on this process: FSDP backend, ``--mini-batches``
 optimizer steps, old logprobs the engine's (the K = 0 path). Prints one JSON object: the batch's shape (rows,
 real tokens, padded positions, padding share), seconds per step of each mode (median over rounds, and every
-round), ``speedup`` (padded / padding-free, per round and the median), and the update's agreement: the largest
-|padded - padding-free| weight difference after the step against the largest change the step made.
+round), ``speedup`` (padded / padding-free, per round and the median), the same for the process's CPU seconds
+(``cpu_seconds_per_step``, ``cpu_speedup``: on a shared machine, where the step waits for a core, steadier than
+wall seconds; exact with ``--threads 1``), and the update's agreement: the largest |padded - padding-free|
+weight difference after the step against the largest change the step made.
 """
 
 from __future__ import annotations
@@ -89,19 +91,21 @@ def geometric(mean: float, generator: torch.Generator) -> int:
     return max(1, math.ceil(math.log(u) / math.log(1 - 1 / mean))) if mean > 1 else 1
 
 
-def train_once(model_dir: Path, batch: TrainBatch, mode: str, args: argparse.Namespace) -> tuple[float, dict]:
-    """One step from the model's saved weights with ``trainer.padding_free`` ``mode``: (seconds, weights after)."""
+def train_once(model_dir: Path, batch: TrainBatch, mode: str, args: argparse.Namespace) -> tuple[float, float, dict]:
+    """One step from the model's saved weights with ``trainer.padding_free`` ``mode``: (wall seconds, CPU seconds
+    of this process, weights after)."""
     tcfg = TrainerConfig(lr=1e-3, mini_batches=args.mini_batches, padding_free=mode)
     torch.manual_seed(args.seed)
     backend = FSDPBackend(ModelConfig(path=str(model_dir)), tcfg, with_reference=False)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     train_on_batch(backend, batch, AlgorithmConfig(), tcfg, temperature=1.0, norm_len=args.max_tokens)
-    seconds = time.perf_counter() - began
-    return seconds, {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    return seconds, cpu, {name: p.detach().clone() for name, p in backend.model.named_parameters()}
 
 
 def run_bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    load_at_start = list(os.getloadavg())
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="relayrl-bench-padding-"))
     model_dir = write_long_tail_model(
         workdir / "long-tail-model", mean_length=args.mean_length, hidden_size=args.hidden, layers=args.layers
@@ -111,14 +115,17 @@ def run_bench(args: argparse.Namespace) -> dict:
     start = {name: p.clone() for name, p in FSDPBackend(
         ModelConfig(path=str(model_dir)), TrainerConfig(), with_reference=False).model.named_parameters()}  # fmt: skip
     seconds: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     weights: dict[str, dict] = {}
     for rnd in range(args.rounds):
         for mode in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-            took, weights[mode] = train_once(model_dir, batch, mode, args)
+            took, used, weights[mode] = train_once(model_dir, batch, mode, args)
             seconds[mode].append(took)
+            cpu[mode].append(used)
     tokens = int(batch.attention_mask.sum())
     positions = batch.attention_mask.numel()
     speedups = [off / on for off, on in zip(seconds["off"], seconds["on"])]
+    cpu_speedups = [off / on for off, on in zip(cpu["off"], cpu["on"])]
     shape = {
         "rows": len(batch),
         "width": batch.input_ids.shape[1],
@@ -140,11 +147,19 @@ def run_bench(args: argparse.Namespace) -> dict:
         "seconds_by_round": {"padded": seconds["off"], "padding_free": seconds["on"]},
         "speedup": statistics.median(speedups),
         "speedup_by_round": speedups,
+        "cpu_seconds_per_step": {"padded": statistics.median(cpu["off"]), "padding_free": statistics.median(cpu["on"])},
+        "cpu_seconds_by_round": {"padded": cpu["off"], "padding_free": cpu["on"]},
+        "cpu_speedup": statistics.median(cpu_speedups),
+        "cpu_speedup_by_round": cpu_speedups,
         "update": {
             "weights_max_diff": max(float((weights["off"][k] - weights["on"][k]).abs().max()) for k in start),
             "moved_max": max(float((weights["off"][k] - start[k]).abs().max()) for k in start),
         },
-        "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())},
+        "machine": {
+            "cpus_usable": len(os.sched_getaffinity(0)),
+            "loadavg_at_start": load_at_start,
+            "loadavg_at_end": list(os.getloadavg()),
+        },
     }
 
 
