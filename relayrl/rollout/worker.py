@@ -376,11 +376,12 @@ class RolloutWorker:
     def _update_adapter(self, manifest: WeightManifest) -> ReceiveStats:
         """An adapter update (module docstring). In-process engines: the tensors are received into copies while
         calls run (a WeightSyncError or a fingerprint mismatch raises here, nothing loaded), then loaded with no
-        call in flight (``pause``: aborted; ``shadow``: finished) under a name never used before; the engine's
+        call running (``pause``: aborted; ``shadow``: finished; in-flight updates: frozen, then continued on the
+        new adapter) under a name never used before; the engine's
         count of adapted modules must be the count sent. Engines that receive weights themselves load it in
         ``receive_update`` (pause)."""
         if self.engine_receives:
-            with self._held(abort=True):
+            with self._held(abort=True, freeze=self.in_flight):
                 stats = self._receive(manifest, None)
                 self.version = manifest.version
             return stats
@@ -394,7 +395,7 @@ class RolloutWorker:
         sent = len(adapted_modules(tensors))
         self._adapter_loads += 1
         name = f"policy-v{manifest.version}.{self._adapter_loads}"
-        with self._held(abort=self.mode == "pause"):
+        with self._held(abort=self.mode == "pause", freeze=self.in_flight):
             try:
                 loaded = self.engine.load_adapter(name, manifest.lora, tensors)
             except ValueError as err:

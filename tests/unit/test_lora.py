@@ -6,6 +6,8 @@ and version when a new one fails to load."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import peft
@@ -20,9 +22,12 @@ from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.check import _served_worker
 from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.rollout.hf import HFEngine
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams
+from relayrl.rollout.worker import RolloutWorker
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.v1 import common_pb2, rollout_pb2
+from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.manifest import LayoutCache, WeightManifest, build_manifest
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -187,3 +192,51 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_resumes_them
         torch.testing.assert_close(adapter_of(resumed)[name], tensor, atol=0, rtol=0, msg=name)
     moments = [s["exp_avg"] for s in resumed.optimizer.state.values()]
     assert len(moments) == len(backend.trainable) and all(bool(m.abs().sum() > 0) for m in moments)
+
+
+def test_an_adapter_update_in_flight_continues_the_rows_on_the_new_adapter(model_dir, tmp_path) -> None:
+    """rollout.partial: a long request is frozen at a step boundary, the adapter of version 7 is loaded under it
+    (through UpdateWeights, filesystem transport), and its rows go on: none aborted, every token stamped with the
+    version that sampled it, the later tokens' logprobs the trainer's for the new adapter."""
+    backend = lora_backend(model_dir)
+    tensors = adapter_of(backend)
+    layout = build_manifest([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], version=7)
+    manifest = layout.with_header(
+        version=7, transport="filesystem", path=str(tmp_path), kind="adapter", lora=backend.lora
+    )
+    write_weights(tmp_path, manifest, tensors)
+    engine = HFEngine(str(model_dir), partial="recompute")
+    worker = RolloutWorker(engine, "w", mode="pause", limits=GenerationLimits(), partial="recompute")
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, ignore_eos=True, seed=3)
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.PromptInput(prompt_id="p", token_ids=PROMPTS[1])], params=params.to_proto()
+    )
+    steps, release, out = 0, threading.Event(), []
+
+    def is_active() -> bool:  # the scheduler asks once a step: held at step 4 until the update asks for the pause
+        nonlocal steps
+        steps += 1
+        if steps == 4:
+            release.wait()
+        return True
+
+    generating = threading.Thread(target=lambda: out.extend(worker.generate(request, is_active)))
+    generating.start()
+    updating = threading.Thread(
+        target=lambda: worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    )
+    updating.start()
+    deadline = time.monotonic() + 60
+    while not engine._batcher._pausing and time.monotonic() < deadline:  # (a worker that aborts never pauses)
+        time.sleep(0.001)
+    release.set()
+    updating.join()
+    generating.join()
+    engine.close()
+    completions = [c for response in out for c in response.completions]
+    assert worker.version == 7 and len(completions) == 2
+    for c in completions:
+        assert c.finish_reason == common_pb2.FINISH_REASON_LENGTH and set(c.token_versions) == {0, 7}, c
+        new = [i for i, v in enumerate(c.token_versions) if v == 7]
+        expected = trainer_logprobs(backend, PROMPTS[1], list(c.token_ids))[new]
+        torch.testing.assert_close(torch.tensor(c.logprobs)[new], expected, atol=1e-5, rtol=0)
