@@ -304,6 +304,35 @@ def run_check(
     return report
 
 
+# What vLLM and SGLang need set to serve relayrl's adapters: LoRA on, the rank, and two adapters at once (the
+# version serving and the previous one, which requests in flight finish on). vllm/config/lora.py: LoRAConfig;
+# sglang/srt/arg_groups/fields/: enable_lora, max_lora_rank, max_loras_per_batch.
+LORA_OPTIONS = {
+    "vllm": {"enable_lora": True, "max_lora_rank": "rank", "max_loras": 2},
+    "sglang": {"enable_lora": True, "max_lora_rank": "rank", "max_loras_per_batch": 2},
+}
+
+
+def lora_engine_options(engine: str, options: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
+    """``options`` with what ``engine`` needs to load relayrl's adapters of ``rank`` (``model.lora.rank``'s
+    default when None) filled in; ValueError naming an option set against it (LoRA off, a rank below ``rank``,
+    room for fewer than two adapters). The hf engine needs none."""
+    if rank is None:
+        from relayrl.config import LoraConfig
+
+        rank = LoraConfig().rank
+    out = dict(options)
+    for key, needed in LORA_OPTIONS.get(engine, {}).items():
+        needed = rank if needed == "rank" else needed
+        if key not in out:
+            out[key] = needed
+        elif needed is True and out[key] is not True:
+            raise ValueError(f"--option {key}: the {engine} engine serves adapters only with {key}=true")
+        elif needed is not True and not (isinstance(out[key], int) and out[key] >= needed):
+            raise ValueError(f"--option {key}: must be at least {needed} for relayrl's adapters, got {out[key]!r}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="relayrl check-engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", required=True, choices=["hf", "vllm", "sglang"])
@@ -339,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tolerance: must be >= 0")
     try:
         options = parse_options(args.option)
+        if args.lora:
+            options = lora_engine_options(args.engine, options)
         engine = start_engine(args.engine, args.model, device=args.device, dtype=args.dtype, options=options)
     except (ImportError, ValueError, OSError) as err:  # not installed, unsupported version, bad option or path
         print(f"relayrl check-engine: cannot start the {args.engine} engine: {err}", file=sys.stderr)

@@ -41,11 +41,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
+from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine, LoraAdapterSpec
 from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
     GroupArgs,
+    adapter_module_count,
     check_weights,
     collect_receipts,
     hf_model_info,
@@ -159,6 +160,7 @@ class SGLangEngine(InferenceEngine):
         self._runner = _LoopRunner(self.engine.loop)
         self._version = 0  # the policy version of the weights loaded: the label of the tokens sampled now
         self._paused = False
+        self._adapters: list[str] = []  # adapter names loaded, oldest first (the last one serves)
 
     def generate(
         self,
@@ -184,6 +186,8 @@ class SGLangEngine(InferenceEngine):
             "rid": rids,
             "cache_salt": [_salt(version)] * len(items),
         }
+        if self._adapters:
+            request["lora_path"] = [self._adapters[-1]] * len(items)
         with self._runner.streaming():
             chunks = self._runner.stream(self.engine.async_generate, request)
             aborting = False
@@ -286,6 +290,35 @@ class SGLangEngine(InferenceEngine):
             with self._runner.exclusive():
                 self._set_version(manifest.version)
         return stats
+
+    # -- LoRA adapters (model.lora; see docs/engines.md) -------------------------------------------------------
+    supports_lora: ClassVar[bool] = True
+
+    def load_adapter(self, name: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
+        """``Engine.load_lora_adapter_from_tensors(name, tensors, config_dict)`` (SGLang's tensor path; PEFT's
+        config), under a new name per version (SGLang refuses a name already loaded; its radix cache is keyed by
+        the adapter's load id, so no version reuses another's KV); versions older than the previous one are
+        unloaded. The module count is checked before loading against the checkpoint's unfused Linears (SGLang
+        reports none). ValueError, the previous adapter serving on, when the names or the load fail."""
+        sent = adapter_module_count(tensors, self._specs, "sglang")
+        config = {
+            "peft_type": "LORA",
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "target_modules": list(spec.target_modules),
+            "use_rslora": spec.use_rslora,
+            "bias": "none",
+        }
+        staged = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        with self._runner.halted() if self._paused else self._runner.exclusive():
+            result = self.engine.load_lora_adapter_from_tensors(lora_name=name, tensors=staged, config_dict=config)
+            if not result.success:
+                hint = " (rollout.engine_options.enable_lora)" if "not enabled" in str(result.error_message) else ""
+                raise ValueError(f"adapter {name}: sglang refused it: {result.error_message}{hint}")
+            self._adapters.append(name)
+            while len(self._adapters) > 2:
+                self.engine.unload_lora_adapter(self._adapters.pop(0))
+        return sent
 
     # -- in-flight weight updates (rollout.partial; see docs/engines.md) -------------------------------------
     supports_in_flight_update: ClassVar[bool] = True

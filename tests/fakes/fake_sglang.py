@@ -69,6 +69,10 @@ SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/
         "speculative_algorithm",
         "log_level",
         "weight_version",
+        "enable_lora",
+        "max_lora_rank",
+        "lora_target_modules",
+        "max_loras_per_batch",
         "page_size",
         "disable_radix_cache",
     }
@@ -128,6 +132,15 @@ class UpdateWeightVersionReqInput:
 
     new_version: str
     abort_all_requests: bool = True
+
+
+@dataclass(kw_only=True)
+class LoRAUpdateOutput:
+    """sglang/srt/managers/io_struct.py: what (un)loading an adapter returns."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
 
 
 _rank = threading.local()  # the calling fake scheduler's tp_rank, tp_size, pp_rank
@@ -194,6 +207,7 @@ class _Item:
     outbox: asyncio.Queue
     generator: torch.Generator
     cache_salt: str | None = None
+    lora_id: str | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # each token's, taken when it is sampled
     versions: list[str] = field(default_factory=list)  # the weight version that sampled each token
@@ -202,7 +216,7 @@ class _Item:
 
     def cache_key(self) -> Any:
         """``RadixKey``'s namespace: ``extra_key`` (+ LoRA id) and ``cache_salt`` (schedule_batch.py)."""
-        return ("salt", self.cache_salt)
+        return ("salt", self.cache_salt, "lora", self.lora_id)
 
 
 class Engine:
@@ -246,6 +260,9 @@ class Engine:
         self.prefix_caching = not kwargs.get("disable_radix_cache", False)
         self.epoch = 0  # bumped by every weight load: which weights computed a KV position
         self.admissions: dict[str, tuple[int, int, bool]] = {}  # rid -> (prompt, cached, stale KV reused)
+        self.lora_enabled = bool(kwargs.get("enable_lora"))
+        self.loras: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # name -> (LoRA id, W + scale B A)
+        self.lora_loads = 0
         self.hold_after: int | None = None  # test-only: the scheduler waits after this many steps until release()
         self.held = threading.Event()
         self._release: asyncio.Event | None = None
@@ -300,7 +317,7 @@ class Engine:
     ) -> Any:
         """``stream=True``: an async generator of chunks (a non-final chunk when an item is admitted, its final
         chunk when it finishes, items interleaved as the scheduler finishes them); otherwise the final chunks."""
-        if prompt is not None or image_data is not None or lora_path is not None or top_logprobs_num:
+        if prompt is not None or image_data is not None or top_logprobs_num:
             raise NotImplementedError("the fake sglang generates from input_ids only, without top logprobs")
         if not input_ids or not isinstance(input_ids[0], list):
             raise NotImplementedError("the fake sglang takes a batch: input_ids as a list of token-id lists")
@@ -308,6 +325,10 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * count
         rids = rid if isinstance(rid, list) else [f"fake-{i}" for i in range(count)]
         salts = cache_salt if isinstance(cache_salt, list) else [cache_salt] * count
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        unknown = sorted({a for a in adapters if a is not None and a not in self.loras})
+        if unknown:  # tokenizer_manager._validate_and_resolve_lora
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {unknown}")
         for item in params:
             self._check_sampling(item)
         self.generate_calls.append(
@@ -317,6 +338,7 @@ class Engine:
                 "return_logprob": return_logprob,
                 "rid": rids,
                 "cache_salt": salts,
+                "lora_path": adapters,
             }
         )
         self._ensure_scheduler()
@@ -324,7 +346,9 @@ class Engine:
         for index, (ids, item, request_id, salt) in enumerate(zip(input_ids, params, rids, salts, strict=True)):
             logprob = bool(return_logprob)
             generator = self._seed(item)
-            self.waiting.append(_Item(index, request_id, list(ids), item, logprob, outbox, generator, salt))
+            new = _Item(index, request_id, list(ids), item, logprob, outbox, generator, salt)
+            new.lora_id = self.loras[adapters[index]][0] if adapters[index] is not None else None
+            self.waiting.append(new)
         self._wake.set()
         chunks = self._stream(outbox, count)
         if stream:
@@ -416,7 +440,13 @@ class Engine:
             min_tokens=params.get("min_new_tokens") or 0,
             ignore_eos=bool(params.get("ignore_eos")),
         )
-        logits = self.hf.model(input_ids=torch.tensor([item.prompt + item.tokens])).logits[:, -1]
+        ids = torch.tensor([item.prompt + item.tokens])
+        adapted = next((w for lora_id, w in self.loras.values() if lora_id == item.lora_id), None)
+        if adapted is None:
+            logits = self.hf.model(input_ids=ids).logits[:, -1]
+        else:
+            out = torch.func.functional_call(self.hf.model, adapted, (), {"input_ids": ids}, strict=False)
+            logits = out.logits[:, -1]
         banned = None
         if len(item.tokens) < relay.min_tokens:
             banned = torch.tensor(sorted(self.hf.eos_token_ids | set(relay.stop_token_ids)))
@@ -478,6 +508,37 @@ class Engine:
         if spans:
             meta.update(weight_versions=spans, weight_version=spans[-1]["version"])
         return {"text": "", "output_ids": list(tokens), "meta_info": meta, "index": item.index}
+
+    def load_lora_adapter_from_tensors(
+        self, lora_name: str, tensors: dict[str, torch.Tensor], config_dict: dict, load_format: str | None = None
+    ) -> LoRAUpdateOutput:
+        """sglang/srt/entrypoints/engine.py -> tokenizer_control_mixin.py: ``load_lora_adapter_from_tensors`` (the
+        tensors are serialized to the schedulers: copies); a new ``LoRARef`` id per load (the radix key), a name
+        already loaded refused (lora_manager.py: ``validate_new_adapter``). Served as W + scale B A on the modules
+        the names match (unfused Hugging Face names here; SGLang also takes fused ones)."""
+        if not self.lora_enabled:
+            return LoRAUpdateOutput(success=False, error_message="LoRA is not enabled. Please set `--enable-lora`.")
+        if lora_name in self.loras:
+            message = f"Failed to load LoRA adapter {lora_name} because it is already loaded"
+            return LoRAUpdateOutput(success=False, error_message=message)
+        rank, alpha = config_dict["r"], config_dict["lora_alpha"]
+        scale = alpha / rank**0.5 if config_dict.get("use_rslora") else alpha / rank
+        params = dict(self.hf.model.named_parameters())
+        weights = {}
+        for name, a in tensors.items():
+            if ".lora_A." in name:
+                module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[name.replace(".lora_A.", ".lora_B.")]
+                if f"{module}.weight" in params:
+                    weights[f"{module}.weight"] = params[f"{module}.weight"].detach() + scale * b.float() @ a.float()
+        self.lora_loads += 1
+        self.loras[lora_name] = (f"lora-{self.lora_loads}", weights)
+        return LoRAUpdateOutput(success=True, loaded_adapters={n: n for n in self.loras})
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        if self.loras.pop(lora_name, None) is None:
+            return LoRAUpdateOutput(success=False, error_message=f"LoRA adapter {lora_name} is not loaded")
+        return LoRAUpdateOutput(success=True, loaded_adapters={n: n for n in self.loras})
 
     def release(self) -> None:
         """Test-only: let a scheduler held by ``hold_after`` go on (thread-safe)."""

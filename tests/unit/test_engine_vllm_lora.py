@@ -154,3 +154,22 @@ def test_adapters_the_engine_would_not_apply_are_refused_and_the_previous_serves
         engine.load_adapter("policy-v2", SPEC, outside)
     assert engine.llm.llm_engine.list_loras() == {1}
     assert_served(engine, adapted_model(model_dir, good))
+
+
+def test_check_engine_lora_sets_what_each_engine_needs_and_refuses_conflicts() -> None:
+    """``relayrl check-engine --lora``: LoRA on, the rank, room for two adapters (serving + previous); the fakes
+    take every key as vLLM's EngineArgs and SGLang's ServerArgs do."""
+    from fakes import fake_sglang
+
+    from relayrl.rollout.check import lora_engine_options
+
+    vllm_options = lora_engine_options("vllm", {"enforce_eager": True}, rank=8)
+    assert vllm_options == {"enforce_eager": True, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    assert set(vllm_options) <= fake_vllm.ENGINE_ARGS
+    sglang_options = lora_engine_options("sglang", {}, rank=8)
+    assert set(sglang_options) <= fake_sglang.SERVER_ARGS and sglang_options["max_loras_per_batch"] == 2
+    assert lora_engine_options("hf", {"device": "cpu"}, rank=8) == {"device": "cpu"}
+    with pytest.raises(ValueError, match=r"^--option enable_lora: the vllm engine serves adapters only with"):
+        lora_engine_options("vllm", {"enable_lora": False}, rank=8)
+    with pytest.raises(ValueError, match=r"^--option max_lora_rank: must be at least 16 for relayrl's adapters"):
+        lora_engine_options("sglang", {"max_lora_rank": 8}, rank=16)
