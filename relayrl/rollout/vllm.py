@@ -47,7 +47,10 @@ from relayrl.rollout.external import (
     tensors_to_wire,
 )
 from relayrl.rollout.sampling import SamplingParams
+from relayrl.weightsync.errors import WeightSyncError
+from relayrl.weightsync.filesystem import read_weights
 from relayrl.weightsync.manifest import WeightManifest
+from relayrl.weightsync.receiver import receive_weights
 from relayrl.weightsync.stats import ReceiveStats
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,37 @@ class RelayRLWorkerExtension:
         """Load ``tensors_to_wire`` data (tensors do not survive vLLM's msgpack RPC; plain bytes do)."""
         model = self.model_runner.get_model()
         model.load_weights(weights=[(name, t.to(self.device)) for name, t in tensors_from_wire(wire)])
+
+    def relayrl_receive_adapter(self, manifest_json: str, path: str) -> dict[str, Any]:
+        """Receive (or read) an adapter manifest's tensors, kept aside (not loaded into the model); worker 0 writes
+        them to ``path`` as a PEFT directory for ``add_lora``. A receipt as ``EngineReceiver.receive``'s."""
+        receiver = self.relayrl_get_receiver()
+        manifest = WeightManifest.from_json(manifest_json)
+        tensors: dict[str, torch.Tensor] = {}
+
+        def keep(views: list[tuple[str, torch.Tensor]]) -> None:
+            tensors.update((name, view.detach().to("cpu").clone()) for name, view in views)
+
+        try:
+            if manifest.transport == "filesystem":
+                stats = read_weights(manifest.path, manifest, keep)
+            elif receiver.group is None:
+                raise WeightSyncError(f"engine rank {self.rank} has joined no weight group")
+            else:
+                stats = receive_weights(
+                    receiver.group, manifest, keep, device=receiver.device, buffers=receiver.buffers
+                )
+            if self.rank == 0:
+                write_peft_dir(path, manifest.lora, tensors)
+        except Exception as exc:
+            return {"error": f"engine rank {self.rank}: {exc}", "error_type": type(exc).__name__}
+        return {
+            "checksum": "",
+            "seconds": stats.seconds,
+            "nbytes": stats.nbytes,
+            "buckets": stats.buckets,
+            "peak_extra_bytes": stats.peak_extra_bytes,
+        }
 
     def relayrl_lora_modules(self, lora_id: int) -> int:
         """How many modules of this worker's model adapter ``lora_id`` applies to: its layers that are among the
@@ -240,6 +274,8 @@ class VLLMEngine(InferenceEngine):
         ``resume_in_flight`` the frozen requests hold KV blocks, so vLLM cannot reset the cache (``BlockPool.
         reset_prefix_cache`` returns False): ``resume_in_flight`` changes the requests' ``cache_salt`` instead."""
         self._checksum = ""  # a failed update leaves no checksum behind
+        if manifest.kind == "adapter":
+            return self._receive_adapter(manifest)
         results = self.llm.collective_rpc("relayrl_receive", args=(manifest.to_json(), self._tp_size))
         stats, self._checksum = collect_receipts(results)
         if not self._paused:
@@ -259,11 +295,23 @@ class VLLMEngine(InferenceEngine):
         so nothing is scaled twice). Requests in flight keep the version they started with; versions older than
         the previous one are removed. ValueError (the previous adapter serving on) for names that are not the
         model's unfused Linears, or when vLLM applies the adapter to fewer modules than were sent."""
+        sent = adapter_module_count(tensors, self._specs, "vllm")
+        lora_id, path = self._new_path(name)
+        write_peft_dir(path, spec, tensors)
+        return self._add_adapter(name, lora_id, path, sent)
+
+    def _new_path(self, name: str) -> tuple[int, str]:
+        """A new adapter id, and a directory for it under shared memory (when there is one)."""
+        if not self._staging:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._staging = tempfile.mkdtemp(prefix="relayrl-lora-", dir=shm)
+        lora_id = next(self._lora_ids)
+        return lora_id, os.path.join(self._staging, f"{name}-{lora_id}")
+
+    def _add_adapter(self, name: str, lora_id: int, path: str, sent: int) -> int:
+        """``add_lora`` the PEFT directory at ``path``; check that every worker applies it to ``sent`` modules."""
         from vllm.lora.request import LoRARequest
 
-        sent = adapter_module_count(tensors, self._specs, "vllm")
-        lora_id = next(self._lora_ids)
-        path = self._stage(f"{name}-{lora_id}", spec, tensors)
         request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
         try:
             if not self.llm.llm_engine.add_lora(request):
@@ -281,31 +329,6 @@ class VLLMEngine(InferenceEngine):
             self._drop(self._adapters.pop(0))
         return sent
 
-    def _stage(self, directory: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> str:
-        """``tensors`` as a PEFT adapter directory (what ``PEFTHelper.from_local_dir`` and
-        ``LoRAModel.from_local_checkpoint`` read); its path."""
-        from safetensors.torch import save_file
-
-        if not self._staging:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._staging = tempfile.mkdtemp(prefix="relayrl-lora-", dir=shm)
-        path = os.path.join(self._staging, directory)
-        os.makedirs(path)
-        save_file(
-            {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, f"{path}/adapter_model.safetensors"
-        )
-        config = {
-            "peft_type": "LORA",
-            "r": spec.rank,
-            "lora_alpha": spec.alpha,
-            "target_modules": list(spec.target_modules),
-            "use_rslora": spec.use_rslora,
-            "bias": "none",
-        }
-        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f)
-        return path
-
     def _drop(self, request: Any) -> None:
         """``remove_lora`` a version and delete its files."""
         try:
@@ -313,6 +336,17 @@ class VLLMEngine(InferenceEngine):
         except Exception as exc:  # not added, or LoRA disabled: nothing to remove
             log.debug("vllm engine: remove_lora(%d): %s", request.lora_int_id, exc)
         shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _receive_adapter(self, manifest: WeightManifest) -> ReceiveStats:
+        """An adapter manifest (``kind == "adapter"``): the workers receive its tensors, worker 0 writes the PEFT
+        directory, and it is added as version ``policy-v<version>`` (``load_adapter``'s checks)."""
+        name = f"policy-v{manifest.version}"
+        sent = adapter_module_count(dict.fromkeys(t.name for t in manifest.tensors), self._specs, "vllm")
+        lora_id, path = self._new_path(name)
+        results = self.llm.collective_rpc("relayrl_receive_adapter", args=(manifest.to_json(), path))
+        stats, _ = collect_receipts(results)
+        self._add_adapter(name, lora_id, path, sent)
+        return stats
 
     # -- in-flight weight updates (rollout.partial; see docs/engines.md) -------------------------------------
     supports_in_flight_update: ClassVar[bool] = True
@@ -434,6 +468,26 @@ class _Stepper:
                 outbox = self._routes.pop(output.request_id, None)
                 if outbox is not None:
                     outbox.put((output.request_id, output))
+
+
+def write_peft_dir(path: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` (PEFT's saved names) as a PEFT adapter directory: what vLLM's ``PEFTHelper.from_local_dir`` and
+    ``LoRAModel.from_local_checkpoint`` read (vllm/lora/peft_helper.py, vllm/lora/lora_model.py)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    staged = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    save_file(staged, os.path.join(path, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.target_modules),
+        "use_rslora": spec.use_rslora,
+        "bias": "none",
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
 
 
 def _salt(version: int) -> str:

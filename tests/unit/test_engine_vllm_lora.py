@@ -18,8 +18,12 @@ from safetensors.torch import save_file
 
 from relayrl.rollout import vllm as adapter
 from relayrl.rollout.engine import LoraAdapterSpec
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import VLLMEngine
+from relayrl.rollout.worker import RolloutWorker
+from relayrl.v1 import rollout_pb2
+from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.manifest import build_manifest
 
 SPEC = LoraAdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=4, ignore_eos=True)
@@ -173,3 +177,20 @@ def test_check_engine_lora_sets_what_each_engine_needs_and_refuses_conflicts() -
         lora_engine_options("vllm", {"enable_lora": False}, rank=8)
     with pytest.raises(ValueError, match=r"^--option max_lora_rank: must be at least 16 for relayrl's adapters"):
         lora_engine_options("sglang", {"max_lora_rank": 8}, rank=16)
+
+
+def test_an_adapter_update_through_the_rollout_worker(engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA run's adapter manifest (``kind="adapter"``) handed to the engine by the rollout worker: the vLLM
+    workers read its tensors, worker 0 writes the PEFT directory, and it is added as ``policy-v1``."""
+    tensors = adapter_tensors(model_dir, seed=5)
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    layout = build_manifest(specs, version=1, bucket_bytes=4096)
+    manifest = layout.with_header(version=1, transport="filesystem", kind="adapter", lora=SPEC)
+    write_weights(tmp_path, manifest, tensors)
+    manifest = manifest.with_header(
+        version=1, transport="filesystem", path=str(tmp_path.resolve()), kind="adapter", lora=SPEC
+    )
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    response = worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    assert response.policy_version == 1 and engine._adapters[-1].lora_name == "policy-v1"
+    assert_served(engine, adapted_model(model_dir, tensors))
