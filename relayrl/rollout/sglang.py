@@ -94,7 +94,8 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
     """SGLang custom weight loader: run one relayrl update inside this scheduler (see the module docstring).
 
     ``named_tensors`` is ``[(request JSON, empty tensor on the scheduler's device)]``; the request holds
-    ``group`` (GroupArgs fields), ``manifest`` (its JSON) and ``result`` (the receipt file prefix).
+    ``group`` (GroupArgs fields), ``manifest`` (its JSON), ``result`` (the receipt file prefix) and, for an
+    adapter manifest, ``adapter``: the file where scheduler 0 writes the received tensors (the model is untouched).
     """
     ((request_json, anchor),) = named_tensors
     request = json.loads(request_json)
@@ -104,8 +105,28 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
         receiver = _RECEIVERS[rank] = EngineReceiver(anchor.device, rank)
     group = GroupArgs(**request["group"]) if request["group"] is not None else None
     manifest = WeightManifest.from_json(request["manifest"])
-    receipt = receiver.receive(manifest, model, tp_size=request["tp_size"], group=group)
+    target = _Collector() if request.get("adapter") else model
+    receipt = receiver.receive(manifest, target, tp_size=request["tp_size"], group=group)
+    if request.get("adapter") and rank == 0 and "error" not in receipt:
+        from safetensors.torch import save_file
+
+        save_file(target.tensors, request["adapter"])
     atomic_write_text(Path(f"{request['result']}.rank{rank}.json"), json.dumps(receipt))
+
+
+class _Collector:
+    """A stand-in model that keeps what ``load_weights`` gets (an adapter's tensors) and has no parameters."""
+
+    packed_modules_mapping = None
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.tensors.update((name, t.detach().to("cpu").clone().contiguous()) for name, t in weights)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())
 
 
 class SGLangEngine(InferenceEngine):
@@ -269,13 +290,14 @@ class SGLangEngine(InferenceEngine):
             "manifest": manifest.to_json(),
             "tp_size": self._tp_size,
             "result": prefix,
+            "adapter": f"{prefix}.adapter.safetensors" if manifest.kind == "adapter" else "",
         }
         carrier = [(json.dumps(request), torch.empty(0))]
         paused = self._paused
         with self._runner.halted() if paused else self._runner.exclusive():
             self._in_session(
                 lambda: self.engine.update_weights_from_tensor(
-                    named_tensors=carrier, load_format=LOADER, flush_cache=not paused
+                    named_tensors=carrier, load_format=LOADER, flush_cache=not paused and not request["adapter"]
                 )
             )
         results = []
@@ -286,6 +308,12 @@ class SGLangEngine(InferenceEngine):
             results.append(json.loads(path.read_text(encoding="utf-8")))
             path.unlink()
         stats, self._checksum = collect_receipts(results)
+        if request["adapter"]:  # the adapter's tensors, kept aside by scheduler 0, loaded as policy-v<version>
+            from safetensors.torch import load_file
+
+            tensors = load_file(request["adapter"])
+            os.unlink(request["adapter"])
+            self.load_adapter(f"policy-v{manifest.version}", manifest.lora, tensors)
         if not paused:
             with self._runner.exclusive():
                 self._set_version(manifest.version)

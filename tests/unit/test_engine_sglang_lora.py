@@ -14,7 +14,12 @@ from engine_testing import PROMPTS, sharp_tiny_model
 from fakes import fake_sglang
 from test_engine_vllm_lora import PARAMS, SPEC, adapted_model, adapter_tensors, assert_served
 
+from relayrl.rollout.sampling import GenerationLimits
 from relayrl.rollout.sglang import SGLangEngine
+from relayrl.rollout.worker import RolloutWorker
+from relayrl.v1 import rollout_pb2
+from relayrl.weightsync.filesystem import write_weights
+from relayrl.weightsync.manifest import build_manifest
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +75,20 @@ def test_adapters_the_engine_would_not_apply_are_refused(engine: SGLangEngine, m
         engine.load_adapter("policy-v2", SPEC, outside)
     assert set(engine.engine.loras) == {"policy-v1"}
     assert_served(engine, adapted_model(model_dir, good))
+
+
+def test_an_adapter_update_through_the_rollout_worker(engine: SGLangEngine, model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA run's adapter manifest (``kind="adapter"``) handed to the engine by the rollout worker: the
+    schedulers receive its tensors through relayrl's loader without touching the model, scheduler 0 keeps them
+    aside, and they are loaded as ``policy-v1``."""
+    tensors = adapter_tensors(model_dir, seed=5)
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    layout = build_manifest(specs, version=1, bucket_bytes=4096)
+    manifest = layout.with_header(version=1, transport="filesystem", kind="adapter", lora=SPEC)
+    write_weights(tmp_path, manifest, tensors)
+    path = str(tmp_path.resolve())
+    manifest = manifest.with_header(version=1, transport="filesystem", path=path, kind="adapter", lora=SPEC)
+    worker = RolloutWorker(engine, "w0", mode="pause", limits=GenerationLimits())
+    response = worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
+    assert response.policy_version == 1 and set(engine.engine.loras) == {"policy-v1"}
+    assert_served(engine, adapted_model(model_dir, tensors))
