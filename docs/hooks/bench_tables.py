@@ -335,6 +335,23 @@ def padding(result: dict) -> str:
     )
 
 
+def guess(result: dict) -> str:
+    """The agentic example's run (relayrl/bench/guess.py): reward gain and turns per episode."""
+    ends = ", ".join(f"{end} {count}" for end, count in sorted(result["episode_ends"].items()))
+    rows = [
+        ["steps", result["steps"]],
+        ["wall time (build and start included)", f"{f(result['wall_s'], 0)} s"],
+        ["training wall time (first step to last)", f"{f(result['train_wall_s'], 0)} s"],
+        ["mean reward, first 10 steps", f(result["reward_first10"], 3)],
+        ["mean reward, last 10 steps", f(result["reward_last10"], 3)],
+        ["gain", f"**{f(result['reward_gain'], 3)}**"],
+        ["policy turns per episode (median of the steps' medians)", f(result["turns_median"], 1)],
+        ["episodes", f"{result['episodes']} ({ends})"],
+        ["load average at start (2 CPUs)", f(result["machine"]["loadavg_at_start"][0], 1)],
+    ]
+    return table(["figure", "value"], rows)
+
+
 TABLES: dict[str, tuple[str, str, Callable]] = {
     "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
     "e2e-overlap": ("e2e.json", "make bench-e2e", e2e_overlap),
@@ -359,4 +376,9 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         e2e_long_tail,
     ),
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
+    "guess": (
+        "guess.json",
+        "relayrl bench guess --out bench/results/guess.json --png docs/guess-reward.png",
+        guess,
+    ),
 }

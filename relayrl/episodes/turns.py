@@ -27,7 +27,7 @@ from relayrl.controller.workers import WorkerHandle, WorkerRegistry
 from relayrl.episodes.loop import GenerationFailed
 from relayrl.errors import rpc_error_text
 from relayrl.rollout.sampling import SamplingParams
-from relayrl.services.channels import open_aio_channel
+from relayrl.services.channels import FAST_RECONNECT, open_aio_channel
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -147,7 +147,7 @@ class TurnDispatcher:
     def _stub(self, worker: WorkerHandle) -> tuple[rollout_pb2_grpc.RolloutServiceStub, tuple]:
         key = (worker.worker_id, worker.address)
         if key not in self._stubs:
-            channel, metadata = open_aio_channel(worker.address)
+            channel, metadata = open_aio_channel(worker.address, FAST_RECONNECT)
             self._stubs[key] = (channel, rollout_pb2_grpc.RolloutServiceStub(channel), metadata)
         _, stub, metadata = self._stubs[key]
         return stub, metadata

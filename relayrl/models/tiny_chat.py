@@ -102,7 +102,7 @@ def build_chat_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 # builtin:tiny-chat: its size, and the pretraining on the guessing game's format (relayrl/models/chat_pretrain.py)
 CHAT_MODEL_SIZES = {"hidden_size": 64, "layers": 2, "heads": 4, "kv_heads": 2, "max_positions": 512}
-PRETRAIN = {"count": 256, "high": 4, "number_share": 0.1, "max_turns": 4, "steps": 80, "batch_size": 16, "lr": 3e-3}
+PRETRAIN = {"count": 256, "high": 4, "number_share": 0.25, "max_turns": 4, "steps": 80, "batch_size": 16, "lr": 3e-3}
 
 
 def write_tiny_chat_model(path: str | Path, *, seed: int = 0, pretrain: bool = True) -> Path:

@@ -54,6 +54,11 @@ def open_channel(address: str, options: list | None = None, security: ClientSecu
     return grpc.intercept_channel(channel, BearerToken(security.token)) if security.token else channel
 
 
+# A server that restarts (a supervised environment server or worker) is reached again within ~2 s, not after gRPC's
+# default reconnect backoff, which grows to two minutes while it is down.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 def open_aio_channel(
     address: str, options: list | None = None, security: ClientSecurity | None = None
 ) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
