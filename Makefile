@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e clean
+.PHONY: demo test docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e bench-episodes clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -49,6 +49,10 @@ bench-controller: $(STAMP)
 bench-e2e: $(STAMP)
 	mkdir -p bench/results
 	$(VENV)/bin/relayrl bench e2e --json > bench/results/e2e.json
+
+bench-episodes: $(STAMP)
+	mkdir -p bench/results
+	$(VENV)/bin/relayrl bench episodes --json --out bench/results/episodes.json > /dev/null
 
 clean:
 	rm -rf $(VENV) runs examples/assets site

@@ -242,6 +242,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "e2e": "relayrl.bench.e2e",
     "guess": "relayrl.bench.guess",
     "padding": "relayrl.bench.padding",
+    "episodes": "relayrl.bench.episodes",
 }
 
 

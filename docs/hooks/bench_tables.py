@@ -352,6 +352,32 @@ def guess(result: dict) -> str:
     return table(["figure", "value"], rows)
 
 
+def episodes(r: dict) -> str:
+    s = r["settings"]
+    rows = [
+        [
+            f"`{mode}`",
+            ", ".join(f(x["tokens_per_s"], 0) for x in r["rounds"][mode]),
+            f"**{f(r['median_tokens_per_s'][mode], 0)}**",
+        ]
+        for mode in ("all_fast", "one_slow")
+    ]
+    calls = r["env_call_seconds"]
+    return "\n\n".join(
+        [
+            table(["servers", "generation tokens/s, each round", "median"], rows),
+            f"one_slow ÷ all_fast, median of the rounds' pairs: **{f(r['ratio'])}** "
+            f"(pairs: {', '.join(f(x) for x in r['pair_ratios'])}; ratio of the medians {f(r['ratio_of_medians'])}; "
+            f"the bar: ≥ {r['target_ratio']}).",
+            f"{s['servers']} servers; a fast one answers a Reset + Step in {f(calls['fast'] * 1000, 0)} ms, "
+            f"the slow one in {f(calls['slow'] * 1000, 0)} ms; {s['prompts']} groups × {s['n']} episodes per round, "
+            f"at most {s['max_turns']} turns of {s['max_tokens']} tokens, `max_sessions` {s['max_sessions']}. Machine: "
+            f"{r['machine']['cpus']} CPUs, load average {f(r['machine']['loadavg_start'][0], 1)} at the start "
+            "(other processes share them: the pairs ran back to back).",
+        ]
+    )
+
+
 TABLES: dict[str, tuple[str, str, Callable]] = {
     "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
     "e2e-overlap": ("e2e.json", "make bench-e2e", e2e_overlap),
@@ -381,4 +407,5 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "relayrl bench guess --out bench/results/guess.json --png docs/guess-reward.png",
         guess,
     ),
+    "episodes": ("episodes.json", "make bench-episodes", episodes),
 }

@@ -1,7 +1,12 @@
 """The environment servers of a run, and at most ``max_sessions`` episodes in flight on each (asyncio).
 
-``EnvironmentPool.session()`` waits for a free slot on the server holding the fewest episodes (servers marked
-down are skipped while they are down) and yields its client; the slot is freed when the episode is over. A
+``EnvironmentPool.session()`` waits for a free slot and yields the client of the server where one call of each of
+its episodes, and one more, would be answered soonest: the least (sessions + 1) x its mean call seconds (a moving
+average of its Reset/Step/Close answers; a server not heard yet counts the median of the others). Equal servers
+share the episodes evenly; a server 20x slower than the rest gets a new episode only once each of the others
+holds about 20x as many, so a slow environment holds few episodes (and few of the rows the engine could be
+decoding) instead of an equal share. Servers marked down are skipped while they are down; the slot is freed
+when the episode is over. A
 server that refuses a Reset as UNAVAILABLE (down, restarting) or RESOURCE_EXHAUSTED (full: it serves other
 callers too) is marked down for ``down_s`` and the Reset is tried on another server, up to ``reset_attempts``
 times: a Reset starts nothing, so it is safe to repeat. Every later call of an episode stays on its server (the
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -21,13 +27,46 @@ from relayrl.env.client import AsyncEnvironmentClient
 from relayrl.env.types import EnvError, Reset
 
 RETRY_RESET = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+TIMED = frozenset({"reset", "step", "close"})
+EWMA = 0.2  # weight of a call's duration in its server's moving average
 
 
 class _Server:
+    """A server's client, its sessions and ``seconds``: the moving average of its successful calls' durations
+    (None until one answered)."""
+
     def __init__(self, client) -> None:
-        self.client = client
+        self.client = _TimedClient(client, self)
         self.sessions = 0
         self.down_until = 0.0
+        self.seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else (1 - EWMA) * self.seconds + EWMA * seconds
+
+    def load(self, default_seconds: float) -> float:
+        """The time to answer one call of each of its episodes and one more: (sessions + 1) x mean call seconds."""
+        return (self.sessions + 1) * (self.seconds if self.seconds is not None else default_seconds)
+
+
+class _TimedClient:
+    """A server's client whose Reset, Step and Close calls, when they succeed, update the server's mean call time."""
+
+    def __init__(self, client, server: _Server) -> None:
+        self._client, self._server = client, server
+
+    def __getattr__(self, name: str):
+        method = getattr(self._client, name)
+        if name not in TIMED:
+            return method
+
+        async def timed(*args, **kwargs):
+            start = time.monotonic()
+            answer = await method(*args, **kwargs)
+            self._server.observe(time.monotonic() - start)
+            return answer
+
+        return timed
 
 
 class EnvironmentPool:
@@ -58,7 +97,9 @@ class EnvironmentPool:
         free = [s for s in self.servers.values() if s.sessions < self.max_sessions and s.down_until <= now]
         if not free:
             return None
-        return min(free, key=lambda s: s.sessions)
+        known = [s.seconds for s in self.servers.values() if s.seconds is not None]
+        default = statistics.median(known) if known else 1.0
+        return min(free, key=lambda s: s.load(default))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[object]:

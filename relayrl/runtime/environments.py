@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relayrl.config import RelayConfig, load_config
+from relayrl.env.client import EnvironmentClient
+from relayrl.env.types import EnvError
 from relayrl.runtime.ports import free_port
-from relayrl.services.channels import open_channel
-
-SERVICE = "relayrl.v1.EnvironmentService"
 
 
 def environment_roles(cfg: RelayConfig) -> list[str]:
@@ -53,17 +50,14 @@ def start_environment_servers(job) -> list[str]:
 
 
 def environments_serving(cfg: RelayConfig) -> bool:
-    """Every address of ``environment.servers`` answers its health check SERVING."""
+    """Every address of ``environment.servers`` answers ``Info``: the readiness every EnvironmentService gives, written
+    in any language from the .proto alone (which has no health service; relayrl's own servers serve one too)."""
     for address in cfg.environment.servers if cfg.environment is not None else []:
-        channel = open_channel(address)
+        client = EnvironmentClient(address, timeout_s=2)
         try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE), timeout=2
-            )
-        except grpc.RpcError:
+            client.info()
+        except EnvError:
             return False
         finally:
-            channel.close()
-        if answer.status != health_pb2.HealthCheckResponse.SERVING:
-            return False
+            client.disconnect()
     return True

@@ -79,6 +79,8 @@ def ledger_fates(cfg) -> dict[str, list[str]]:
     fates: dict[str, list[str]] = {}
     for line in (cfg.run_dir / "controller" / "ledger.jsonl").read_text().splitlines():
         event = json.loads(line)
+        if "state" not in event:  # a note (how a group's episodes ended), not a state change
+            continue
         if event["state"] == "rewound":
             fates.pop(event["id"], None)
         else:

@@ -3,7 +3,8 @@
 // mapping, not Python's random) or by the task's "secret"; a guess is a guess({"number": k}) tool call (answered
 // by a tool result) or plain text whose first integer is the guess (answered by a user message); "correct" ends
 // the episode with reward 1, MAX_TURNS turns without it truncate it with reward 0; Close answers 0.
-// Usage: node guess_env.js [PORT] [MAX_SESSIONS]  -> prints "listening on 127.0.0.1:PORT"
+// Usage: node guess_env.js [PORT] [MAX_SESSIONS]  -> prints "listening on 127.0.0.1:PORT", then "closed <session id>"
+// for each episode it ends
 "use strict";
 const { grpc, load } = require("./proto");
 
@@ -100,6 +101,7 @@ function step(call, callback) {
 
 function close(call, callback) {
   const known = sessions.delete(call.request.session_id);
+  if (known) console.log(`closed ${call.request.session_id}`); // one line per episode served (test_env_faults.py)
   callback(null, known ? { reward: 0.0 } : {}); // an unknown session: OK, no reward (Close is idempotent)
 }
 
