@@ -55,6 +55,18 @@ class LoraAdapterSpec:
     def scale(self) -> float:
         return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
 
+    def peft_config(self) -> dict:
+        """The adapter's ``adapter_config.json`` as PEFT writes it (the fields vLLM's ``PEFTHelper`` and SGLang's
+        ``LoRAConfig`` read)."""
+        return {
+            "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": list(self.target_modules),
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+        }
+
 
 class InferenceEngine(ABC):
     """A backend that samples completions and owns the policy weights.

@@ -329,14 +329,7 @@ class SGLangEngine(InferenceEngine):
         unloaded. The module count is checked before loading against the checkpoint's unfused Linears (SGLang
         reports none). ValueError, the previous adapter serving on, when the names or the load fail."""
         sent = adapter_module_count(tensors, self._specs, "sglang")
-        config = {
-            "peft_type": "LORA",
-            "r": spec.rank,
-            "lora_alpha": spec.alpha,
-            "target_modules": list(spec.target_modules),
-            "use_rslora": spec.use_rslora,
-            "bias": "none",
-        }
+        config = spec.peft_config()
         staged = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
         with self._runner.halted() if self._paused else self._runner.exclusive():
             result = self.engine.load_lora_adapter_from_tensors(lora_name=name, tensors=staged, config_dict=config)

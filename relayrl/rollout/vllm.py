@@ -478,14 +478,7 @@ def write_peft_dir(path: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Te
     os.makedirs(path)
     staged = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     save_file(staged, os.path.join(path, "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "target_modules": list(spec.target_modules),
-        "use_rslora": spec.use_rslora,
-        "bias": "none",
-    }
+    config = spec.peft_config()
     with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
 

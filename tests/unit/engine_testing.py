@@ -163,3 +163,18 @@ def assert_concurrent_calls_exact(engine: Any, model_dir: Path, calls: int = 4) 
         assert set(keyed) == {(p, s) for p in range(len(PROMPTS)) for s in range(params.n)}
         assert all(len(c.token_ids) == params.max_tokens for c in completions)
         assert_trainer_logprobs(reference, PROMPTS, keyed, 1.0)
+
+
+def assert_continued_across_update(
+    results: list[EngineCompletion], model_dir: Path, trained: Path, frozen_at: int
+) -> None:
+    """Rows frozen after ``frozen_at`` tokens and resumed on ``trained``: none restarted, the first ``frozen_at``
+    tokens carry version 0 and the old model's logprobs, the rest version 1 and the new model's."""
+    old = load(model_dir)
+    for c in results:
+        tail = len(c.token_ids) - frozen_at
+        assert c.finish_reason == "length" and c.token_versions == [0] * frozen_at + [1] * tail
+        prompt = PROMPTS[c.prompt_index]
+        before, after = slice(None, frozen_at), slice(frozen_at, None)
+        assert c.logprobs[before] == pytest.approx(recompute(old, prompt, c.token_ids, 1.0)[before], abs=1e-4)
+        assert c.logprobs[after] == pytest.approx(recompute(trained, prompt, c.token_ids, 1.0)[after], abs=1e-4)

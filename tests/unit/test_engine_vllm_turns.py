@@ -13,7 +13,15 @@ import threading
 from pathlib import Path
 
 import pytest
-from engine_testing import PROMPTS, load, new_weights, recompute, sharp_tiny_model, sync_manifest
+from engine_testing import (
+    PROMPTS,
+    assert_continued_across_update,
+    load,
+    new_weights,
+    recompute,
+    sharp_tiny_model,
+    sync_manifest,
+)
 from fakes import fake_vllm
 
 from relayrl.rollout.sampling import SamplingParams
@@ -106,12 +114,7 @@ def test_an_update_in_flight_keeps_the_rows_and_stamps_each_tokens_version(
     engine.resume_in_flight(1)
     thread.join(timeout=120)
     assert len(results) == 6 and len(llm_engine.added) == 6
-    old = load(model_dir)
-    for c in results:
-        assert c.finish_reason == "length" and c.token_versions == [0] * 4 + [1] * 16
-        prompt = PROMPTS[c.prompt_index]
-        assert c.logprobs[:4] == pytest.approx(recompute(old, prompt, c.token_ids, 1.0)[:4], abs=1e-4)
-        assert c.logprobs[4:] == pytest.approx(recompute(trained, prompt, c.token_ids, 1.0)[4:], abs=1e-4)
+    assert_continued_across_update(results, model_dir, trained, frozen_at=4)
 
 
 def test_after_an_update_in_flight_no_new_request_reuses_the_old_weights_kv(
