@@ -118,10 +118,7 @@ def check_engine(engine: str) -> None:
     whose ``__version__`` the engine checks at start) at a version in SUPPORTED_VERSIONS."""
     if engine == "hf":
         return
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    from relayrl.rollout.external import SUPPORTED_VERSIONS, install_hint
+    from relayrl.rollout.external import SUPPORTED_VERSIONS, install_hint, version_supported
 
     try:
         found = importlib.metadata.version(engine)
@@ -129,11 +126,7 @@ def check_engine(engine: str) -> None:
         if importlib.util.find_spec(engine) is None:
             raise ConfigError(f"rollout.engine: {engine} is not installed: {install_hint(engine)}") from None
         return
-    try:
-        supported = Version(found) in SpecifierSet(SUPPORTED_VERSIONS[engine])
-    except InvalidVersion:
-        supported = False
-    if not supported:
+    if not version_supported(engine, found):
         wanted = f"{engine}{SUPPORTED_VERSIONS[engine]}"
         raise ConfigError(
             f"rollout.engine: {engine} {found} is installed, relayrl supports {wanted}: {install_hint(engine)}"

@@ -58,6 +58,14 @@ def install_hint(package: str) -> str:
     return f"pip install 'relayrl[{package}]' (that is {package}{SUPPORTED_VERSIONS[package]})"
 
 
+def version_supported(package: str, found: str) -> bool:
+    """``found`` (a version string, maybe unparsable) lies in SUPPORTED_VERSIONS[package]."""
+    try:
+        return Version(found) in SpecifierSet(SUPPORTED_VERSIONS[package])
+    except InvalidVersion:
+        return False
+
+
 def import_engine(package: str) -> ModuleType:
     """Import ``package`` (vllm, sglang) and check its ``__version__`` against SUPPORTED_VERSIONS.
 
@@ -68,11 +76,7 @@ def import_engine(package: str) -> ModuleType:
     except ImportError as err:
         raise ImportError(f"the {package} engine needs {package}: {install_hint(package)} ({err})") from err
     found = str(getattr(module, "__version__", "unknown"))
-    try:
-        supported = Version(found) in SpecifierSet(SUPPORTED_VERSIONS[package])
-    except InvalidVersion:
-        supported = False
-    if not supported:
+    if not version_supported(package, found):
         wanted = f"{package}{SUPPORTED_VERSIONS[package]}"
         raise ImportError(f"the {package} engine supports {wanted}, found {found}: {install_hint(package)}")
     return module
