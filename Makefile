@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/relayrl up examples/digits.yaml
 
 # Two xdist workers: most tests wait on subprocesses and gRPC, so two share a 2-core machine well; one Slurm
-# cluster at a time (tests/conftest.py groups the slurm slice). TEST_WORKERS=0 runs everything in one process.
+# cluster at a time (the slurm tests carry xdist_group("slurm")). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup

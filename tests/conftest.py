@@ -23,8 +23,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         parts = item.path.resolve().relative_to(TESTS).parts
         if len(parts) > 1 and parts[0] in SLICES:
             item.add_marker(parts[0])
-        if parts[0] == "slurm":  # one Slurm cluster on this host: its tests share one xdist worker
-            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ TERMINAL = {
     "PREEMPTED",
 }
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster on this host: one xdist worker
 
 
 def _install_skip_reason() -> str | None:

@@ -22,7 +22,7 @@ from test_slurm_hetjob import (  # noqa: F401  (cluster: the module-scoped fixtu
     cluster,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster on this host: one xdist worker
 
 EXTRA = "relayrl-rollout-2"
 
