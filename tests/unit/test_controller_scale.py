@@ -32,12 +32,12 @@ def test_batched_draws_equal_single_draws_across_an_epoch(tiny_model_dir, digits
 
 def test_decode_all_is_the_tokenizers_decode(tiny_model_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    scorer = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8)
+    scorer = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8, row_of=lambda prompt_id: {})
     sequences = [[4, 5, tokenizer.eos_token_id], [tokenizer.pad_token_id, 7, 2], []]
     completions = [common_pb2.Completion(token_ids=ids) for ids in sequences]
     assert scorer.decode_all(completions) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
     tokenizer.clean_up_tokenization_spaces = True  # a clean-up pass: decoded by transformers itself
-    slow = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8)
+    slow = Scorer(RewardConfig(fn="prefix_match"), tokenizer, max_tokens=8, row_of=lambda prompt_id: {})
     assert slow.decode_all(completions) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
 
 

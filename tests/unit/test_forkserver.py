@@ -74,7 +74,7 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # an error of the role is its exit code and its log, as for `python -m relayrl.cli`
-    assert out["bad_code"] == 2 and "config error" in (logs / "bad.log").read_text()
+    assert out["bad_code"] == 2 and "--config" in (logs / "bad.log").read_text()  # the one-line refusal
     # an environment a library reads when it loads is not forked: the launcher starts that role fresh
     assert out["refused"] is None and out["refused_why"] == ["OMP_WAIT_POLICY"]
     assert out["other"] is None and out["other_why"] == ["not a relayrl.cli command"]  # forks run relayrl.cli only
