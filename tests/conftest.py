@@ -18,21 +18,11 @@ TESTS = Path(__file__).resolve().parent
 SLICES = {"unit", "integration", "e2e", "security", "fuzz", "deploy", "slurm", "docs"}
 
 
-# Longest slices first (stable within a slice): with `make test`'s two xdist workers, which take tests in this
-# order, the many short unit tests fill in at the end instead of one long e2e run starting last.
-SLICE_ORDER = ("e2e", "integration", "slurm", "security", "fuzz", "unit", "deploy", "docs")
-
-
-def slice_of(item: pytest.Item) -> str:
-    """The tests/ directory an item lives in (``unit`` for a test outside the slices)."""
-    parts = item.path.resolve().relative_to(TESTS).parts
-    return parts[0] if len(parts) > 1 and parts[0] in SLICES else "unit"
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        item.add_marker(slice_of(item))
-    items.sort(key=lambda item: SLICE_ORDER.index(slice_of(item)))
+        parts = item.path.resolve().relative_to(TESTS).parts
+        if len(parts) > 1 and parts[0] in SLICES:
+            item.add_marker(parts[0])
 
 
 @pytest.fixture(scope="session")
