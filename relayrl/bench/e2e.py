@@ -20,7 +20,8 @@ Workloads:
   capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
   tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
   with its defaults (K = 0, whole batches, ``trainer.padding_free`` auto) and at K = 1 with in-flight
-  weight updates (``rollout.partial=keep_kv``, the engine's old logprobs); TRL in both of its generation modes,
+  weight updates (``rollout.partial=keep_kv``, the engine's old logprobs), each also pinned to disjoint halves of
+  the cores (``k0-split``, ``k1-keep-kv-split``) as gen-heavy's split variants are; TRL in both of its generation modes,
   ``generate`` (system ``trl``) and ``use_transformers_continuous_batching`` (``trl-cb``). Ratios are against
   the faster TRL mode (``trl_baseline``); each system's measured mean response length is reported.
 
@@ -146,9 +147,7 @@ def workload(name: str, args: argparse.Namespace, workdir: Path) -> Workload:
         "k1": ["controller.max_staleness=1"],  # stale batches' old logprobs: the trainer's (decoupled PPO)
         "k1-rollout": ["controller.max_staleness=1", "algorithm.old_logprobs=rollout"],  # the engine's (bypass)
     }
-    halves = split_cpus(sorted(os.sched_getaffinity(0)))
-    if halves is not None:  # trainer and worker on disjoint cores, as on two machines: what overlap hides there
-        pinned = [f"trainer.cpus={halves[0]}", f"rollout.cpus={halves[1]}"]
+    if (pinned := pinned_halves()) is not None:  # trainer and worker on disjoint cores: what overlap hides there
         variants["k0-split"] = ["controller.max_staleness=0", "trainer.stream=off", *pinned]
         variants["k1-rollout-split"] = ["controller.max_staleness=1", "algorithm.old_logprobs=rollout", *pinned]
     return Workload("gen-heavy", overrides, variants, samples_budget=False)
@@ -168,10 +167,11 @@ def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
         "algorithm.loss_agg=token-mean", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         *args.set,
     ]  # fmt: skip
-    variants = {
-        "default": [],  # K = 0, whole batches, trainer.padding_free auto
-        "k1-keep-kv": ["controller.max_staleness=1", "rollout.partial=keep_kv", "algorithm.old_logprobs=rollout"],
-    }
+    in_flight = ["controller.max_staleness=1", "rollout.partial=keep_kv", "algorithm.old_logprobs=rollout"]
+    variants = {"default": [], "k1-keep-kv": in_flight}  # default: K = 0, whole batches, trainer.padding_free auto
+    if (pinned := pinned_halves()) is not None:  # the phases alone and overlapped on disjoint cores
+        variants["k0-split"] = ["trainer.stream=off", *pinned]
+        variants["k1-keep-kv-split"] = [*in_flight, *pinned]
     return Workload("long-tail", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES))
 
 
@@ -181,6 +181,13 @@ def prepare_workload(wl: Workload, cfg: RelayConfig) -> None:
         from relayrl.models.tiny import write_long_tail_model
 
         write_long_tail_model(cfg.model.path, hidden_size=cfg.model.tiny_hidden_size, layers=cfg.model.tiny_layers)
+
+
+def pinned_halves() -> list[str] | None:
+    """Overrides that pin the trainer and the rollout worker to disjoint halves of this process's CPUs, as on two
+    machines; None on one CPU."""
+    halves = split_cpus(sorted(os.sched_getaffinity(0)))
+    return None if halves is None else [f"trainer.cpus={halves[0]}", f"rollout.cpus={halves[1]}"]
 
 
 def split_cpus(cpus: list[int]) -> tuple[str, str] | None:
@@ -410,6 +417,7 @@ OVERLAP_PAIRS = {  # K = 1 variant -> the K = 0 variant whose phases ran alone o
     "relayrl-k1-rollout": "relayrl-k0-whole",
     "relayrl-k1-rollout-split": "relayrl-k0-split",
     "relayrl-k1-keep-kv": "relayrl-default",  # long-tail: in-flight updates against K = 0's phases
+    "relayrl-k1-keep-kv-split": "relayrl-k0-split",
 }
 
 
