@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.trainer.partition import minibatch_groups
+from relayrl.trainer.version_mix import sampled_versions
 from relayrl.v1 import controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -606,7 +608,10 @@ class Controller:
         if finished:  # a finished run is never paused: clients keep being served
             self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
-        self.ledger.mark(sorted({s.prompt_id for s in batch.samples}), TRAINED, step=request.step)
+        versions: dict[str, Counter[int]] = {}
+        for sample in batch.samples:
+            versions.setdefault(sample.prompt_id, Counter()).update(sampled_versions(sample))
+        self.ledger.mark(sorted(versions), TRAINED, step=request.step, token_versions=versions)
         self.pace.record(request.step_seconds, batch.stats.samples_generated, batch.stats.reward_mean)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(

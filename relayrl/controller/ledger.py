@@ -53,9 +53,12 @@ class Ledger:
         step: int = -1,
         *,
         refilter: bool = False,
+        token_versions: dict[str, dict[int, int]] | None = None,
     ) -> None:
         """Move prompts to ``state``. Moving a prompt out of a terminal state raises LedgerError, except
-        ``refilter``: filtered prompts taken back into a batch (an exhausted batch's zero-advantage top-up)."""
+        ``refilter``: filtered prompts taken back into a batch (an exhausted batch's zero-advantage top-up).
+        ``token_versions``: prompt id -> {policy version: sampled tokens of its group}, written with its event
+        (``"token_versions"``, a trained group's accounting of which weights sampled it)."""
         with self._lock:
             for pid in prompt_ids:
                 current = self._entries.get(pid)
@@ -63,7 +66,11 @@ class Ledger:
                     raise LedgerError(f"prompt {pid} is already {current[0]}; refusing {state}")
             for pid in prompt_ids:
                 self._entries[pid] = (state, reason, step)
-            self._append([{"id": pid, "state": state, "reason": reason, "step": step} for pid in prompt_ids])
+            events = [{"id": pid, "state": state, "reason": reason, "step": step} for pid in prompt_ids]
+            for event in events if token_versions else ():
+                if (counts := token_versions.get(event["id"])) is not None:
+                    event["token_versions"] = {str(v): n for v, n in sorted(counts.items())}
+            self._append(events)
 
     def record_episodes(self, ends: dict[str, list[str]], step: int = -1) -> None:
         """How each episode of each prompt's group ended (``{"id", "episodes": ["done", "failed: <why>", ...]}``

@@ -48,5 +48,10 @@ def test_k1_in_flight_updates_restart_no_row_and_keep_versions_in_bound(make_con
     fates = ledger_fates(cfg)
     left = [pid for pid, f in fates.items() if f[-1] not in {"trained", "filtered", "failed"}]
     assert len(left) <= groups and all(fates[pid][-1] in {"pending", "queued"} for pid in left)  # step 7's batch (K=1)
+    per_token = [json.loads(line) for line in (cfg.run_dir / "controller" / "ledger.jsonl").read_text().splitlines()]
+    per_token = [e for e in per_token if e.get("state") == "trained"]
+    assert all(e["token_versions"] for e in per_token)  # which weights sampled each trained group's tokens
+    assert all(e["step"] - 1 - int(v) <= cfg.controller.max_staleness for e in per_token for v in e["token_versions"])
+    assert any(len(e["token_versions"]) > 1 for e in per_token)  # groups whose rows lived through an update
     worker_log = (cfg.run_dir / "logs" / "rollout-0.log").read_text()
     assert "aborted" not in worker_log.lower()
