@@ -157,6 +157,9 @@ class RolloutConfig(Section):
     # run on over the update on the new weights, re-prefilled first (AReaL) or on their kept KV (PipelineRL);
     # every token carries the version that sampled it
     partial: Literal["off", "recompute", "keep_kv"] = "off"
+    # the hf engine's prefix KV cache, in tokens (0: off): a prompt that extends a finished row's tokens (an
+    # episode's next turn) prefills only its new ones; flushed at every weight change. vLLM and SGLang keep their own
+    prefix_cache_tokens: int = Field(32768, ge=0)
 
     @field_validator("threads")
     @classmethod

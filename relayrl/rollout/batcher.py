@@ -6,10 +6,11 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
 1. answers aborts: every unfinished row of a request whose ``should_abort`` turned true (or whose caller
    went away) leaves the batch and is emitted with finish_reason "abort";
 2. admits waiting rows, oldest request first, up to ``max_rows`` running rows: their distinct prompts are
-   prefilled once and join the running batch (``DecodeState.merge``);
+   prefilled once and join the running batch (``DecodeState.merge``); a prompt that extends a sequence the
+   prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only its tokens after it, on its KV;
 3. samples one token for every running row (each with its request's temperature, top-p, stop tokens,
    ``min_tokens``, generator; rows sampled alike share one call, whatever their request) and emits the rows
-   that finished;
+   that finished, their KV stored in the prefix cache first;
 4. feeds the survivors' tokens through one decode step.
 
 So rows join and leave between steps and no request waits for another to finish. A seeded request draws
@@ -40,6 +41,7 @@ import torch
 
 from relayrl.rollout.engine import EngineCompletion, FinishReason
 from relayrl.rollout.intra_op import start_intra_op_owner
+from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from relayrl.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,12 +56,21 @@ class DecodeState(Protocol):
 
 
 class ModelRunner(Protocol):
-    """What the batcher needs from a model: prefill new rows, decode one token for running rows, sample."""
+    """What the batcher needs from a model: prefill new rows (from scratch, or on a cached prefix's KV), decode one
+    token for running rows, sample, and hand out a row's KV for the prefix cache."""
 
     device: torch.device
 
     def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
         """Forward ``prompts`` once each; row i continues prompt ``expand[i]``. (logits [R, V], state)."""
+
+    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, DecodeState]:
+        """Forward ``suffix`` at positions after ``prefix`` (attending to its KV, causal among its own tokens):
+        the logits [1, V] and the one row's state, holding the prefix's KV and the suffix's."""
+
+    def row_kv(self, state: DecodeState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s keys and values of its last ``length`` columns, per layer
+        [kv_heads, length, head_dim]."""
 
     def decode(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; returns the next logits [B, V]."""
@@ -91,6 +102,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the version that sampled each token
     logits_version: int = 0  # the version of the weights that computed the row's next logits
+    kv_epoch: int = -1  # the prefix cache's epoch when the row's KV was computed (-1: none, never stored)
+    prefix: tuple[int, ...] | None = None  # the cached prefix the row was prefilled on (replaced when it is stored)
 
     def finish(self, reason: FinishReason) -> None:
         versions = self.versions if self.request.updated else None
@@ -189,11 +202,21 @@ class ContinuousBatcher:
     """The scheduler described in the module docstring, around one ``ModelRunner``."""
 
     def __init__(
-        self, runner: ModelRunner, *, max_rows: int, generator: torch.Generator, threads: int | None = None
+        self,
+        runner: ModelRunner,
+        *,
+        max_rows: int,
+        generator: torch.Generator,
+        threads: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """``threads``: the scheduler thread's torch intra-op threads, every other thread of the process then
-        running its torch ops on one (``relayrl.rollout.intra_op``); None leaves torch's counts alone."""
+        running its torch ops on one (``relayrl.rollout.intra_op``); None leaves torch's counts alone.
+        ``prefix_cache``: where finished rows' KV is kept and joining prompts find their prefix's (None: off)."""
         self.runner, self.max_rows, self.generator, self.threads = runner, max_rows, generator, threads
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        self.prefill_tokens = 0  # prompt tokens forwarded by prefills (observability: the prefix cache's savings)
+        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()  # admitted or waiting, oldest first
         self._closed = False
@@ -301,9 +324,11 @@ class ContinuousBatcher:
     def _prefill_again(self, rows: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
         """Each running row's prompt and tokens so far, prefilled on the current weights (one row each)."""
         prompts = [[*row.request.prompts[row.prompt_index], *row.token_ids] for row in rows]
+        epoch = self._epoch()
         logits, state = self.runner.prefill(prompts, torch.arange(len(rows), device=self.runner.device))
+        self.prefill_tokens += sum(len(p) for p in prompts)
         for row in rows:
-            row.logits_version = self.version
+            row.logits_version, row.kv_epoch = self.version, epoch
         self.recomputed_rows += len(rows)
         return logits, state
 
@@ -338,11 +363,14 @@ class ContinuousBatcher:
         keep = []
         for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
             if token in row.request.stop_ids:
-                row.finish("stop")
+                reason = "stop"
             elif len(row.token_ids) == row.request.params.max_tokens:
-                row.finish("length")
+                reason = "length"
             else:
                 keep.append(i)
+                continue
+            self._keep_prefix(row, state, i)  # before the caller hears of it: its next turn finds it stored
+            row.finish(reason)
         rows, _, state = self._select(rows, None, state, keep)
         if not rows:
             return [], None, None
@@ -359,7 +387,8 @@ class ContinuousBatcher:
         return joining
 
     def _prefill(self, joining: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
-        """Each distinct (request, prompt) of the joining rows is forwarded once."""
+        """Each distinct (request, prompt) of the joining rows is forwarded once: in one batch those with no
+        cached prefix, then each of the others alone, only its tokens after the prefix, on the prefix's KV."""
         slots: dict[tuple[int, int], int] = {}
         prompts: list[Sequence[int]] = []
         for row in joining:
@@ -367,8 +396,51 @@ class ContinuousBatcher:
             if key not in slots:
                 slots[key] = len(prompts)
                 prompts.append(row.request.prompts[row.prompt_index])
-        expand = torch.tensor([slots[(id(r.request), r.prompt_index)] for r in joining], device=self.runner.device)
-        return self.runner.prefill(prompts, expand)
+        epoch = self._epoch()
+        cache = self.prefix_cache
+        hits = [cache.lookup(p) for p in prompts] if cache is not None else [None] * len(prompts)
+        for row in joining:
+            hit = hits[slots[(id(row.request), row.prompt_index)]]
+            row.kv_epoch, row.prefix = epoch, None if hit is None else hit.tokens
+        plain = [i for i, hit in enumerate(hits) if hit is None]
+        self.prefill_tokens += sum(len(prompts[i]) for i in plain)
+        if len(plain) == len(prompts):
+            expand = [slots[(id(r.request), r.prompt_index)] for r in joining]
+            return self.runner.prefill(prompts, torch.tensor(expand, device=self.runner.device))
+        parts = []
+        if plain:
+            parts.append(
+                self.runner.prefill([prompts[i] for i in plain], torch.arange(len(plain), device=self.runner.device))
+            )
+        order = plain + [i for i, hit in enumerate(hits) if hit is not None]
+        for i in order[len(plain) :]:
+            hit = hits[i]
+            parts.append(self.runner.prefill_cached(hit, prompts[i][len(hit.tokens) :]))
+            self.prefill_tokens += len(prompts[i]) - len(hit.tokens)
+            self.reused_tokens += len(hit.tokens)
+        logits, state = torch.cat([part[0] for part in parts]), parts[0][1]
+        for _, other in parts[1:]:
+            state.merge(other)
+        at = {slot: position for position, slot in enumerate(order)}
+        expand = torch.tensor([at[slots[(id(r.request), r.prompt_index)]] for r in joining], device=self.runner.device)
+        state.select(expand)
+        return logits[expand], state
+
+    def _epoch(self) -> int:
+        """The prefix cache's epoch (0 without one): stamped on rows whose KV is computed now."""
+        return self.prefix_cache.epoch if self.prefix_cache is not None else 0
+
+    def _keep_prefix(self, row: _Row, state: DecodeState, index: int) -> None:
+        """Store a finished row's KV in the prefix cache: its prompt and every sampled token but the last (never
+        fed), when computed under the cache's current epoch and within its budget."""
+        cache = self.prefix_cache
+        if cache is None or row.kv_epoch != cache.epoch:
+            return
+        tokens = (*row.request.prompts[row.prompt_index], *row.token_ids[:-1])
+        if len(tokens) > cache.budget:
+            return
+        keys, values = self.runner.row_kv(state, index, len(tokens))
+        cache.store(CachedPrefix(tokens, keys, values), row.kv_epoch, replaces=row.prefix)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """One token per row (appended with its logprob); returns them as a tensor and a list.

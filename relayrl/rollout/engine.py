@@ -42,6 +42,15 @@ class EngineCompletion:
 
 
 @dataclass(frozen=True)
+class PrefillCounts:
+    """Prompt tokens an engine has prefilled (forwarded) and taken from its prefix cache instead, since it started:
+    reused / (computed + reused) is the cache's hit rate."""
+
+    computed: int
+    reused: int
+
+
+@dataclass(frozen=True)
 class LoraAdapterSpec:
     """A LoRA adapter's shape (``common_pb2.LoraSpec``): delta W = scale * B @ A with scale alpha / rank, or
     alpha / sqrt(rank) with rsLoRA (PEFT's LoraConfig)."""
@@ -149,6 +158,16 @@ class InferenceEngine(ABC):
         modules it applies to, which the caller checks against what was sent. On any failure it raises and the
         previous adapter keeps serving."""
         raise NotImplementedError(f"engine {self.name!r} cannot load LoRA adapters")
+
+    def weights_changed(self) -> None:  # noqa: B027 - optional hook, for engines with caches derived from weights
+        """The live weights were changed in place or re-pointed (a weight update through ``named_weights``, not
+        ``load_weights``): whatever the engine derived from the old ones (a prefix KV cache) must go. The worker
+        calls it after every update, with no row running on the change (aborted, finished or frozen)."""
+
+    def prefill_counts(self) -> PrefillCounts | None:
+        """Prompt tokens prefilled and reused from a prefix cache (``PrefillCounts``); None: the engine does not
+        count them."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing to release
         """Release the engine's resources (processes, device memory); the default does nothing."""

@@ -10,6 +10,10 @@ samples and merged into the running batch (left-padded to a common width); then 
 with the cache, the attention mask grown by one column and the positions by one. Finished rows leave the
 batch (and the cache) at once; columns that only pads still use are trimmed.
 
+A turn of an agentic episode (the conversation so far as its prompt) prefills only its new tokens: finished rows'
+KV is kept in a prefix cache (``relayrl.rollout.prefix_cache``, ``rollout.prefix_cache_tokens``) that every weight
+change flushes (``load_weights``, ``load_adapter``, ``weights_changed``, ``resume_in_flight``).
+
 In-flight weight updates (``rollout.partial``): ``pause_in_flight`` parks the decode loop between two steps
 with every row's tokens and KV cache kept; the weights are loaded in place (or re-pointed) under it; and
 ``resume_in_flight(version)`` continues the same rows, re-prefilled on the new weights (``partial="recompute"``,
@@ -28,14 +32,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from relayrl.rollout.batcher import ContinuousBatcher
-from relayrl.rollout.engine import EngineCompletion, InferenceEngine, LoraAdapterSpec
+from relayrl.rollout.engine import EngineCompletion, InferenceEngine, LoraAdapterSpec, PrefillCounts
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.lora import AdapterSlots
 from relayrl.rollout.padding import left_pad, position_ids
+from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 
@@ -53,7 +58,8 @@ class HFEngine(InferenceEngine):
     (refused at start, with the reason, when ``llama_decode.unsupported_reason`` finds the model unsupported),
     "transformers" the model's own forward, "auto" the fast one whenever it is supported. ``threads``: torch
     intra-op threads of the decoding (scheduler) thread; the process's other threads then use one
-    (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are.
+    (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are. ``prefix_cache_tokens``:
+    the prefix cache's budget in tokens (0: off).
     """
 
     name = "hf"
@@ -72,6 +78,7 @@ class HFEngine(InferenceEngine):
         decode: str = "auto",
         threads: int | None = None,
         partial: str = "off",
+        prefix_cache_tokens: int = 32768,
     ) -> None:
         if partial not in PARTIAL:
             raise ValueError(f"partial (rollout.partial): expected one of {', '.join(PARTIAL)}, got {partial!r}")
@@ -98,7 +105,11 @@ class HFEngine(InferenceEngine):
         self._adapter = AdapterSlots(self.model)
         runner = self._runner(decode)
         self.decoder = "fast" if isinstance(runner, LlamaDecodeRunner) else "transformers"  # the one chosen
-        self._batcher = ContinuousBatcher(runner, max_rows=max_batch_size, generator=self._generator, threads=threads)
+        self._prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._logged_counts = PrefillCounts(0, 0)
+        self._batcher = ContinuousBatcher(
+            runner, max_rows=max_batch_size, generator=self._generator, threads=threads, prefix_cache=self._prefix_cache
+        )
 
     def _runner(self, decode: str) -> _HFRunner | LlamaDecodeRunner:
         """The runner ``decode`` asks for (class docstring); logs the choice and, for "auto", why."""
@@ -142,8 +153,26 @@ class HFEngine(InferenceEngine):
 
     def resume_in_flight(self, version: int) -> None:
         """See ``InferenceEngine.resume_in_flight``: the rows continue, re-prefilled first under
-        ``partial="recompute"``, on their kept KV otherwise."""
+        ``partial="recompute"``, on their kept KV otherwise; the prefix cache is flushed first."""
+        self.weights_changed()
         self._batcher.resume(version, recompute=self.partial == "recompute")
+
+    def weights_changed(self) -> None:
+        """See ``InferenceEngine.weights_changed``: the prefix cache is flushed (its KV came from the old weights)."""
+        dropped, counts = self._prefix_cache.flush(), self.prefill_counts()
+        if counts != self._logged_counts:  # once per update, however many buckets it loads
+            self._logged_counts = counts
+            log.info(
+                "weights changed: prefix cache flushed (%d entries); prompt tokens so far: %d prefilled, "
+                "%d from the prefix cache",
+                dropped,
+                counts.computed,
+                counts.reused,
+            )
+
+    def prefill_counts(self) -> PrefillCounts:
+        """See ``InferenceEngine.prefill_counts``."""
+        return PrefillCounts(self._batcher.prefill_tokens, self._batcher.reused_tokens)
 
     def close(self) -> None:
         self._batcher.close()
@@ -153,11 +182,16 @@ class HFEngine(InferenceEngine):
         yield from self.model.named_parameters()
 
     def load_adapter(self, name: str, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
-        """See ``InferenceEngine.load_adapter`` (``relayrl.rollout.lora.AdapterSlots.load``)."""
-        return self._adapter.load(name, spec, tensors)
+        """See ``InferenceEngine.load_adapter`` (``relayrl.rollout.lora.AdapterSlots.load``); flushes the prefix
+        cache."""
+        try:
+            return self._adapter.load(name, spec, tensors)
+        finally:
+            self.weights_changed()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """See ``InferenceEngine.load_weights``; tensors are cast to the parameter's dtype and device."""
+        """See ``InferenceEngine.load_weights``; tensors are cast to the parameter's dtype and device; flushes the
+        prefix cache."""
         pairs = list(weights)
         for name, tensor in pairs:
             if name not in self._params:
@@ -168,6 +202,7 @@ class HFEngine(InferenceEngine):
         with torch.no_grad():
             for name, tensor in pairs:
                 self._params[name].copy_(tensor)
+        self.weights_changed()
 
 
 class _HFRunner:
@@ -187,6 +222,33 @@ class _HFRunner:
         state = _DecodeState(out.cache, mask, positions[:, -1] + 1)
         state.select(expand)
         return out.logits[expand, -1], state
+
+    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, _DecodeState]:
+        """Forward ``suffix`` at positions len(prefix) + j through a cache holding ``prefix``'s KV (the model's
+        causal mask over cache + suffix). Returns the logits [1, V] and the row's decoding state."""
+        cache = DynamicCache(config=self.model.config)
+        for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
+            cache.update(keys[None], values[None], layer)
+        past, count = len(prefix.tokens), len(suffix)
+        mask = torch.ones(1, past + count, dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + count, device=self.device)[None]
+        out = self.model(
+            input_ids=torch.tensor([list(suffix)], device=self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], _DecodeState(out.cache, mask, positions[:, -1] + 1)
+
+    @staticmethod
+    def row_kv(state: _DecodeState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s last ``length`` cache columns, per layer [kv_heads, length, head_dim]."""
+        layers = state._layers()
+        return [la.keys[row, :, -length:].clone() for la in layers], [
+            la.values[row, :, -length:].clone() for la in layers
+        ]
 
     def decode(self, state: _DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one new token per row [B] through the cache; returns the next logits [B, V]."""

@@ -19,7 +19,9 @@ The joining prompts are prefilled here too, each once, left-padded as in the tra
 cumsum(mask) - 1): the same layer formulas over all their tokens at once, attention through SDPA (what
 transformers' "sdpa" computes) under the causal mask restricted to real keys; a pad's query row has no key to
 attend to, and SDPA answers zeros for it (torch >= 2.5), so pads stay finite and, masked, never reach a real
-token. Its keys and values become a ``KVState``: per layer one preallocated [rows, kv_heads, columns,
+token. A prompt whose prefix the prefix cache holds (``relayrl.rollout.prefix_cache``) forwards only its tokens
+after it, at positions after the prefix's, each attending to the prefix's cached keys and the new ones up to
+itself. Its keys and values become a ``KVState``: per layer one preallocated [rows, kv_heads, columns,
 head_dim] buffer whose live columns are [start, end). A decode step writes column ``end`` for every row, so
 no step copies the cache; the buffer grows geometrically.
 """
@@ -35,6 +37,7 @@ from torch.nn import functional as F
 
 from relayrl.rollout.lora import LORA_ATTR
 from relayrl.rollout.padding import left_pad, position_ids
+from relayrl.rollout.prefix_cache import CachedPrefix
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -172,16 +175,50 @@ class LlamaDecodeRunner:
     def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, KVState]:
         """Forward each prompt once (module docstring); row i continues prompt ``expand[i]``. Returns the
         last-position logits [len(expand), V] and the rows' ``KVState``."""
-        base = self.model.model
         input_ids, mask = left_pad(prompts, self.device)
         positions = position_ids(mask)
+        width = input_ids.shape[1]
+        allowed = torch.ones(width, width, dtype=torch.bool, device=self.device).tril_() & mask.bool()[:, None, None]
+        logits, keys, values = self._forward(input_ids, positions, allowed)
+        state = KVState(keys, values, mask, positions[:, -1] + 1)
+        state.select(expand)
+        return logits[expand], state
+
+    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, KVState]:
+        """Forward ``suffix`` at positions len(prefix) + j, query j attending to the prefix's keys and suffix keys
+        0..j: the rows' formulas of ``prefill``, with the prefix's keys and values in front of each layer's.
+        Returns the logits [1, V] and the row's ``KVState`` (prefix and suffix)."""
+        past, count = len(prefix.tokens), len(suffix)
+        input_ids = torch.tensor([list(suffix)], dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + count, device=self.device)[None]
+        allowed = torch.ones(count, past + count, dtype=torch.bool, device=self.device).tril_(diagonal=past)
+        logits, keys, values = self._forward(input_ids, positions, allowed, prefix)
+        mask = torch.ones(1, past + count, dtype=torch.bool, device=self.device)
+        return logits, KVState(keys, values, mask, positions[:, -1] + 1)
+
+    @staticmethod
+    def row_kv(state: KVState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s last ``length`` columns, per layer [kv_heads, length, head_dim]."""
+        live = slice(state.end - length, state.end)
+        return [k[row, :, live].clone() for k in state.keys], [v[row, :, live].clone() for v in state.values]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        prefix: CachedPrefix | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The layers over input_ids [P, W] at ``positions`` [P, W], query-key pairs ``allowed`` (bool,
+        broadcast to [P, heads, W, prefix + W]), after ``prefix``'s KV when given: the last position's logits
+        [P, V] and each layer's keys and values [P, kv_heads, prefix + W, head_dim]."""
+        base = self.model.model
         count, width = input_ids.shape
         cos, sin = self._rotary(positions, base.embed_tokens.weight.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [P, 1, W, head_dim]: broadcast over heads
-        allowed = torch.ones(width, width, dtype=torch.bool, device=self.device).tril_() & mask.bool()[:, None, None]
         keys, values = [], []
         x = F.embedding(input_ids, base.embed_tokens.weight)
-        for layer in base.layers:
+        for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
             q = _rope(_linear(h, attn.q_proj).view(count, width, self.heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -189,6 +226,9 @@ class LlamaDecodeRunner:
                 _linear(h, attn.k_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin
             )
             v = _linear(h, attn.v_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            if prefix is not None:
+                k = torch.cat([prefix.keys[i][None], k], dim=2)
+                v = torch.cat([prefix.values[i][None], v], dim=2)
             keys.append(k.contiguous())
             values.append(v.contiguous())
             out = F.scaled_dot_product_attention(
@@ -197,10 +237,7 @@ class LlamaDecodeRunner:
             x = x + _linear(out.transpose(1, 2).reshape(count, width, self.heads * self.head_dim), attn.o_proj)
             h = _rms_norm(x, layer.post_attention_layernorm)
             x = x.add_(_mlp(h, layer.mlp))
-        logits = _linear(_rms_norm(x[:, -1], base.norm), self.model.lm_head)
-        state = KVState(keys, values, mask, positions[:, -1] + 1)
-        state.select(expand)
-        return logits[expand], state
+        return _linear(_rms_norm(x[:, -1], base.norm), self.model.lm_head), keys, values
 
     def decode(self, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; returns the next logits [B, V] (module docstring's formulas)."""

@@ -425,6 +425,7 @@ class RolloutWorker:
             self._abort.set()  # frozen rows must not go on with weights that failed to load
             raise
         finally:
+            self.engine.weights_changed()  # e.g. the hf engine's prefix KV cache goes
             if freeze:
                 self.engine.resume_in_flight(self.version)
             with self._cond:

@@ -182,6 +182,15 @@ class RolloutCollector(Collector):
         tokens = CounterMetricFamily("relayrl_rollout_generated_tokens", "tokens generated", labels=["worker"])
         tokens.add_metric([stats.worker_id], stats.generated_tokens)
         yield tokens
+        counts = self.worker.engine.prefill_counts()
+        if counts is not None:  # the prefix cache's hit rate: reused / (prefilled + reused)
+            for name, text, value in (
+                ("relayrl_rollout_prefill_tokens", "prompt tokens prefilled (forwarded)", counts.computed),
+                ("relayrl_rollout_prefix_cache_tokens", "prompt tokens taken from the prefix KV cache", counts.reused),
+            ):
+                family = CounterMetricFamily(name, text, labels=["worker"])
+                family.add_metric([stats.worker_id], value)
+                yield family
         yield _gauge(
             "relayrl_rollout_tokens_per_second", "generated tokens/s (10 s window)", stats.tokens_per_second, labels
         )

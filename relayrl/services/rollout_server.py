@@ -152,7 +152,12 @@ def serve_rollout(
         # each worker its own random stream: its id (relayrl up names them), else where it serves from
         seed=worker_seed(cfg.run.seed, worker_id or advertise or f"{socket.gethostname()}:{port}:{os.getpid()}"),
         **(
-            {"decode": cfg.rollout.hf_decode, "threads": threads, "partial": cfg.rollout.partial}
+            {
+                "decode": cfg.rollout.hf_decode,
+                "threads": threads,
+                "partial": cfg.rollout.partial,
+                "prefix_cache_tokens": cfg.rollout.prefix_cache_tokens,
+            }
             if cfg.rollout.engine == "hf"
             else {}
         ),

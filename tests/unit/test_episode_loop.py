@@ -4,6 +4,7 @@ environment pool's session bound and its Reset retries."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import grpc
@@ -22,7 +23,9 @@ from relayrl.episodes.loop import (
     EpisodeLoop,
     GenerationFailed,
 )
-from relayrl.models.tiny_chat import build_chat_tokenizer
+from relayrl.models.tiny_chat import build_chat_tokenizer, write_tiny_chat_model
+from relayrl.rollout.hf import HFEngine
+from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2
 from tests.unit.episode_testing import ScriptedPolicy, local_pool
 
@@ -193,3 +196,27 @@ def test_an_environment_sdk_class_runs_through_the_pool(tokenizer):
     episode = run(tokenizer, ["hello"], env=Echo)
     assert (episode.end, episode.reward, episode.turns) == ("done", 0.5, 1)
     assert episode.messages[0]["content"] == "seed 1"
+
+
+def test_later_turns_on_the_hf_engine_prefill_only_their_new_tokens(tokenizer, tmp_path):
+    """An episode's turns on the hf engine (its prefix KV cache, relayrl/rollout/prefix_cache.py): from turn 2 on,
+    the engine prefills only the last turn's final sampled token and the observation delta."""
+    engine = HFEngine(str(write_tiny_chat_model(tmp_path, pretrain=False)))
+    turns: list[tuple[list[int], list[int], int, int]] = []  # prompt, sampled, prefilled, reused
+
+    async def generate(token_ids, max_tokens, affinity=""):
+        before = engine.prefill_counts()
+        params = SamplingParams(max_tokens=max_tokens, seed=len(turns))
+        (out,) = await asyncio.to_thread(lambda: list(engine.generate([token_ids], params)))
+        after = engine.prefill_counts()
+        turns.append((list(token_ids), out.token_ids, after.computed - before.computed, after.reused - before.reused))
+        finish = common_pb2.FINISH_REASON_STOP if out.finish_reason == "stop" else common_pb2.FINISH_REASON_LENGTH
+        return common_pb2.Completion(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=finish)
+
+    episode = run(tokenizer, [], limits=EpisodeLimits(3, 4096, 8), generate=generate)
+    engine.close()
+    assert episode.turns == len(turns) >= 2
+    assert turns[0][2:] == (len(turns[0][0]), 0)
+    for (prompt, sampled, _, _), (later, _, prefilled, reused) in itertools.pairwise(turns):
+        kept = len(prompt) + len(sampled) - 1  # the last sampled token was never fed: no KV
+        assert (prefilled, reused) == (len(later) - kept, kept)

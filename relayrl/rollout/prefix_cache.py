@@ -1,0 +1,108 @@
+"""The hf engine's prefix KV cache: finished rows' keys and values, kept for later prompts that extend them.
+
+An agentic episode sends each turn as a new prompt: the whole conversation so far, i.e. the previous turn's
+prompt, its sampled tokens and the observation's tokens. The KV of every row that finished (``stop`` or
+``length``) is kept here under its token ids: the prompt and the sampled tokens but the last (which was never fed,
+so has no KV). A later prompt whose longest stored sequence is a proper prefix of it prefills only the tokens
+after that prefix, on top of the stored KV (``relayrl.rollout.batcher``): prefill costs the turn's new tokens, not
+the conversation (vLLM's automatic prefix caching and SGLang's radix cache do the same with blocks and a tree;
+an exact stored-sequence-is-a-prefix match is what episodes need).
+
+Bounded by ``budget`` tokens (``rollout.prefix_cache_tokens``; 0 turns it off): storing beyond it evicts the least
+recently used (stored or hit) entries; an entry longer than the budget is not stored; storing a row's sequence
+drops the entry its prompt was prefilled on (the previous turn of the same episode), whose tokens it holds.
+Other entries it extends stay: episodes of one group that began alike may each still need theirs.
+
+Entries are valid for one set of weights: ``flush`` (every weight change: a load, an adapter, an in-flight
+update) drops them all and starts a new ``epoch``; a row whose KV was computed under an older epoch is never
+stored (``store`` checks), so no entry outlives the weights that computed it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A token sequence and its KV: per layer keys and values [kv_heads, len(tokens), head_dim]."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class PrefixCache:
+    """The store (module docstring); thread-safe (the scheduler stores and looks up, a weight load flushes)."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"prefix_cache_tokens (rollout.prefix_cache_tokens): must be >= 0, got {budget}")
+        self.budget = budget
+        self.epoch = 0
+        self.tokens = 0  # stored, all entries together
+        self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()  # least recently used first
+        self._lengths: dict[int, int] = {}  # stored length -> how many entries have it
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> CachedPrefix | None:
+        """The longest stored sequence that is a proper prefix of ``prompt`` (at least one token left to prefill),
+        marked as recently used; None when there is none."""
+        with self._lock:
+            for length in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
+                entry = self._entries.get(tuple(prompt[:length]))
+                if entry is not None:
+                    self._entries.move_to_end(entry.tokens)
+                    return entry
+        return None
+
+    def store(self, entry: CachedPrefix, epoch: int, replaces: tuple[int, ...] | None = None) -> bool:
+        """Keep ``entry`` (its KV computed under ``epoch``) unless that epoch is over or it exceeds the budget, in
+        place of the entry ``replaces`` (the one its row was prefilled on) and of an equal one; evicts what the
+        budget needs. Returns whether it was stored."""
+        size = len(entry.tokens)
+        with self._lock:
+            if epoch != self.epoch or not 0 < size <= self.budget:
+                return False
+            self._drop(entry.tokens)
+            if replaces is not None:
+                self._drop(replaces)
+            while self.tokens + size > self.budget:
+                self._drop(next(iter(self._entries)))
+            self._entries[entry.tokens] = entry
+            self._lengths[size] = self._lengths.get(size, 0) + 1
+            self.tokens += size
+            return True
+
+    def flush(self) -> int:
+        """Drop every entry and start a new epoch (the weights changed); returns how many entries went."""
+        with self._lock:
+            dropped = len(self._entries)
+            self._entries.clear()
+            self._lengths.clear()
+            self.tokens = 0
+            self.epoch += 1
+            return dropped
+
+    def _drop(self, tokens: tuple[int, ...]) -> None:
+        """Remove the entry stored under ``tokens`` if there is one (lock held)."""
+        entry = self._entries.pop(tokens, None)
+        if entry is None:
+            return
+        size = len(tokens)
+        self.tokens -= size
+        self._lengths[size] -= 1
+        if not self._lengths[size]:
+            del self._lengths[size]
