@@ -103,7 +103,7 @@ class _Row:
     versions: list[int] = field(default_factory=list)  # the version that sampled each token
     logits_version: int = 0  # the version of the weights that computed the row's next logits
     kv_epoch: int = -1  # the prefix cache's epoch when the row's KV was computed (-1: none, never stored)
-    prefix: tuple[int, ...] | None = None  # the cached prefix the row was prefilled on (replaced when it is stored)
+    prefix: tuple[int, ...] | None = None  # the cached prefix the row was prefilled on (demoted when it is stored)
 
     def finish(self, reason: FinishReason) -> None:
         versions = self.versions if self.request.updated else None
@@ -432,15 +432,16 @@ class ContinuousBatcher:
 
     def _keep_prefix(self, row: _Row, state: DecodeState, index: int) -> None:
         """Store a finished row's KV in the prefix cache: its prompt and every sampled token but the last (never
-        fed), when computed under the cache's current epoch and within its budget."""
+        fed), when computed under the cache's current epoch and within its budget, for requests of one sample per
+        prompt (``n`` = 1: how episode turns come; a GRPO group's n samples are never continued)."""
         cache = self.prefix_cache
-        if cache is None or row.kv_epoch != cache.epoch:
+        if cache is None or row.kv_epoch != cache.epoch or row.request.params.n != 1:
             return
         tokens = (*row.request.prompts[row.prompt_index], *row.token_ids[:-1])
         if len(tokens) > cache.budget:
             return
         keys, values = self.runner.row_kv(state, index, len(tokens))
-        cache.store(CachedPrefix(tokens, keys, values), row.kv_epoch, replaces=row.prefix)
+        cache.store(CachedPrefix(tokens, keys, values), row.kv_epoch, extends=row.prefix)
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """One token per row (appended with its logprob); returns them as a tensor and a list.

@@ -1,17 +1,19 @@
 """The hf engine's prefix KV cache: finished rows' keys and values, kept for later prompts that extend them.
 
 An agentic episode sends each turn as a new prompt: the whole conversation so far, i.e. the previous turn's
-prompt, its sampled tokens and the observation's tokens. The KV of every row that finished (``stop`` or
-``length``) is kept here under its token ids: the prompt and the sampled tokens but the last (which was never fed,
-so has no KV). A later prompt whose longest stored sequence is a proper prefix of it prefills only the tokens
-after that prefix, on top of the stored KV (``relayrl.rollout.batcher``): prefill costs the turn's new tokens, not
-the conversation (vLLM's automatic prefix caching and SGLang's radix cache do the same with blocks and a tree;
-an exact stored-sequence-is-a-prefix match is what episodes need).
+prompt, its sampled tokens and the observation's tokens, as a request of one sample (``n`` = 1). The KV of every
+finished (``stop`` or ``length``) row of such a request is kept here under its token ids: the prompt and the
+sampled tokens but the last (which was never fed, so has no KV). A later prompt whose longest stored sequence is a
+proper prefix of it prefills only the tokens after that prefix, on top of the stored KV
+(``relayrl.rollout.batcher``): prefill costs the turn's new tokens, not the conversation (vLLM's automatic prefix
+caching and SGLang's radix cache do the same with blocks and a tree; an exact stored-sequence-is-a-prefix match is
+what episodes need).
 
 Bounded by ``budget`` tokens (``rollout.prefix_cache_tokens``; 0 turns it off): storing beyond it evicts the least
-recently used (stored or hit) entries; an entry longer than the budget is not stored; storing a row's sequence
-drops the entry its prompt was prefilled on (the previous turn of the same episode), whose tokens it holds.
-Other entries it extends stay: episodes of one group that began alike may each still need theirs.
+recently used (stored or hit) entries; an entry longer than the budget is not stored. Storing a row's sequence
+makes the entry its prompt was prefilled on (the previous turn of the same episode, whose tokens it holds) the
+first to go: kept while there is room, since the episodes of a group often begin alike and another may still
+need it.
 
 Entries are valid for one set of weights: ``flush`` (every weight change: a load, an adapter, an in-flight
 update) drops them all and starts a new ``epoch``; a row whose KV was computed under an older epoch is never
@@ -68,17 +70,17 @@ class PrefixCache:
                     return entry
         return None
 
-    def store(self, entry: CachedPrefix, epoch: int, replaces: tuple[int, ...] | None = None) -> bool:
+    def store(self, entry: CachedPrefix, epoch: int, extends: tuple[int, ...] | None = None) -> bool:
         """Keep ``entry`` (its KV computed under ``epoch``) unless that epoch is over or it exceeds the budget, in
-        place of the entry ``replaces`` (the one its row was prefilled on) and of an equal one; evicts what the
-        budget needs. Returns whether it was stored."""
+        place of an equal one; the entry ``extends`` (the one its row was prefilled on) becomes the least recently
+        used; evicts what the budget needs. Returns whether it was stored."""
         size = len(entry.tokens)
         with self._lock:
             if epoch != self.epoch or not 0 < size <= self.budget:
                 return False
             self._drop(entry.tokens)
-            if replaces is not None:
-                self._drop(replaces)
+            if extends in self._entries:
+                self._entries.move_to_end(extends, last=False)
             while self.tokens + size > self.budget:
                 self._drop(next(iter(self._entries)))
             self._entries[entry.tokens] = entry

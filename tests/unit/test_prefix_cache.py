@@ -70,7 +70,7 @@ def test_later_turns_prefill_only_their_new_tokens_with_full_prefill_logprobs(mo
             assert reused == sum(len(c) for c in conversations) - sum(new)
         for conversation, completion in zip(conversations, got, strict=False):
             conversation += completion.token_ids + (OBSERVATIONS[number] if number < 2 else [])
-    assert len(cached._prefix_cache) == len(EPISODES) + 1, "one entry per sequence: later turns replace earlier"
+    assert len(cached._prefix_cache) == 3 * len(EPISODES) + 1, "every finished row, while there is room"
     for engine in (cached, full):
         engine.close()
 
@@ -186,20 +186,20 @@ def test_the_budget_evicts_the_least_recently_used() -> None:
     assert not cache.store(entry([12]), epoch=1), "an epoch that is not the cache's: not stored"
 
 
-def test_lookup_takes_the_longest_proper_prefix_and_a_row_replaces_the_entry_it_continued() -> None:
-    cache = PrefixCache(100)
+def test_lookup_takes_the_longest_proper_prefix_and_what_a_row_continued_goes_first() -> None:
+    cache = PrefixCache(12)
     cache.store(entry([1, 2]), 0)
     cache.store(entry([1, 2, 3]), 0)  # another episode that began alike: both stay
-    cache.store(entry([3, 4, 5]), 0)
     assert cache.lookup([1, 2]) is None, "at least one token must be left to prefill"
     assert cache.lookup([1, 2, 7]).tokens == (1, 2)
     assert cache.lookup([1, 2, 3, 4]).tokens == (1, 2, 3), "the longest"
-    cache.store(entry([1, 2, 7, 8]), 0, replaces=(1, 2))  # the next turn of the row prefilled on [1, 2]
-    assert (len(cache), cache.tokens) == (3, 10)
-    assert cache.lookup([1, 2, 7, 8, 9]).tokens == (1, 2, 7, 8)
-    assert cache.lookup([1, 2, 5]) is None
-    cache.store(entry([3, 4, 5]), 0)  # an equal sequence replaces, never doubles
-    assert (len(cache), cache.tokens) == (3, 10)
-    assert cache.flush() == 3 and cache.lookup([1, 2, 3, 4, 5]) is None and cache.epoch == 1
+    cache.store(entry([1, 2, 3, 4]), 0, extends=(1, 2, 3))  # the next turn of the row prefilled on [1, 2, 3] ...
+    assert (len(cache), cache.tokens) == (3, 9), "... kept while there is room"
+    cache.store(entry([5, 6, 7]), 0)  # 12 tokens: nothing goes
+    cache.store(entry([5, 6, 7]), 0)  # an equal sequence replaces, never doubles
+    assert (len(cache), cache.tokens) == (4, 12)
+    cache.store(entry([8, 9]), 0)  # [1, 2, 3] goes first though [1, 2] was used before it
+    assert cache.lookup([1, 2, 3, 9]).tokens == (1, 2) and cache.tokens == 11
+    assert cache.flush() == 4 and cache.lookup([1, 2, 3, 4, 5]) is None and cache.epoch == 1
     with pytest.raises(ValueError, match=r"rollout\.prefix_cache_tokens"):
         PrefixCache(-1)
