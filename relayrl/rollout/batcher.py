@@ -64,12 +64,14 @@ class ModelRunner(Protocol):
     def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
         """Forward ``prompts`` once each; row i continues prompt ``expand[i]``. (logits [R, V], state)."""
 
-    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, DecodeState]:
-        """Forward ``suffix`` at positions after ``prefix`` (attending to its KV, causal among its own tokens):
-        the logits [1, V] and the one row's state, holding the prefix's KV and the suffix's."""
+    def prefill_cached(
+        self, prefixes: Sequence[CachedPrefix], suffixes: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, DecodeState]:
+        """Forward each ``suffixes[i]`` at the positions after ``prefixes[i]`` (attending to its KV, causal among its
+        own tokens): the logits [B, V] and the rows' state, holding each prefix's KV and its suffix's."""
 
     def row_kv(self, state: DecodeState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of row ``row``'s keys and values of its last ``length`` columns, per layer
+        """Copies of row ``row``'s keys and values at its last ``length`` real (not pad) columns, per layer
         [kv_heads, length, head_dim]."""
 
     def decode(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
@@ -388,7 +390,7 @@ class ContinuousBatcher:
 
     def _prefill(self, joining: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
         """Each distinct (request, prompt) of the joining rows is forwarded once: in one batch those with no
-        cached prefix, then each of the others alone, only its tokens after the prefix, on the prefix's KV."""
+        cached prefix, in another the others, only their tokens after the prefix, on the prefix's KV."""
         slots: dict[tuple[int, int], int] = {}
         prompts: list[Sequence[int]] = []
         for row in joining:
@@ -407,20 +409,17 @@ class ContinuousBatcher:
         if len(plain) == len(prompts):
             expand = [slots[(id(r.request), r.prompt_index)] for r in joining]
             return self.runner.prefill(prompts, torch.tensor(expand, device=self.runner.device))
-        parts = []
+        cached = [i for i, hit in enumerate(hits) if hit is not None]
+        suffixes = [prompts[i][len(hits[i].tokens) :] for i in cached]
+        self.prefill_tokens += sum(map(len, suffixes))
+        self.reused_tokens += sum(len(hits[i].tokens) for i in cached)
+        logits, state = self.runner.prefill_cached([hits[i] for i in cached], suffixes)
         if plain:
-            parts.append(
-                self.runner.prefill([prompts[i] for i in plain], torch.arange(len(plain), device=self.runner.device))
-            )
-        order = plain + [i for i, hit in enumerate(hits) if hit is not None]
-        for i in order[len(plain) :]:
-            hit = hits[i]
-            parts.append(self.runner.prefill_cached(hit, prompts[i][len(hit.tokens) :]))
-            self.prefill_tokens += len(prompts[i]) - len(hit.tokens)
-            self.reused_tokens += len(hit.tokens)
-        logits, state = torch.cat([part[0] for part in parts]), parts[0][1]
-        for _, other in parts[1:]:
-            state.merge(other)
+            arange = torch.arange(len(plain), device=self.runner.device)
+            plain_logits, plain_state = self.runner.prefill([prompts[i] for i in plain], arange)
+            state.merge(plain_state)
+            logits = torch.cat([logits, plain_logits])
+        order = cached + plain
         at = {slot: position for position, slot in enumerate(order)}
         expand = torch.tensor([at[slots[(id(r.request), r.prompt_index)]] for r in joining], device=self.runner.device)
         state.select(expand)

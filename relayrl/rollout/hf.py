@@ -39,7 +39,7 @@ from relayrl.rollout.batcher import ContinuousBatcher
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine, LoraAdapterSpec, PrefillCounts
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.lora import AdapterSlots
-from relayrl.rollout.padding import left_pad, position_ids
+from relayrl.rollout.padding import cached_prefix_layout, left_pad, left_pad_kv, position_ids
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
@@ -223,17 +223,21 @@ class _HFRunner:
         state.select(expand)
         return out.logits[expand, -1], state
 
-    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, _DecodeState]:
-        """Forward ``suffix`` at positions len(prefix) + j through a cache holding ``prefix``'s KV (the model's
-        causal mask over cache + suffix). Returns the logits [1, V] and the row's decoding state."""
+    def prefill_cached(
+        self, prefixes: Sequence[CachedPrefix], suffixes: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, _DecodeState]:
+        """Forward each suffix through a cache holding its prefix's KV (``padding.cached_prefix_layout``; the
+        model's causal mask over cache + suffixes, restricted to the attention mask). Returns the logits [B, V] and
+        the rows' decoding state."""
+        input_ids, mask, positions = cached_prefix_layout([len(p.tokens) for p in prefixes], suffixes, self.device)
+        past = mask.shape[1] - input_ids.shape[1]
         cache = DynamicCache(config=self.model.config)
-        for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
-            cache.update(keys[None], values[None], layer)
-        past, count = len(prefix.tokens), len(suffix)
-        mask = torch.ones(1, past + count, dtype=torch.long, device=self.device)
-        positions = torch.arange(past, past + count, device=self.device)[None]
+        for layer in range(len(prefixes[0].keys)):
+            keys = left_pad_kv([p.keys[layer] for p in prefixes], past)
+            cache.update(keys, left_pad_kv([p.values[layer] for p in prefixes], past), layer)
+        mask = mask.long()
         out = self.model(
-            input_ids=torch.tensor([list(suffix)], device=self.device),
+            input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             cache=cache,
@@ -244,11 +248,11 @@ class _HFRunner:
 
     @staticmethod
     def row_kv(state: _DecodeState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of row ``row``'s last ``length`` cache columns, per layer [kv_heads, length, head_dim]."""
+        """Copies of row ``row``'s keys and values at its last ``length`` real cache columns (pads skipped), per
+        layer [kv_heads, length, head_dim]."""
+        real = state.mask[row].nonzero().squeeze(1)[-length:]
         layers = state._layers()
-        return [la.keys[row, :, -length:].clone() for la in layers], [
-            la.values[row, :, -length:].clone() for la in layers
-        ]
+        return [la.keys[row][:, real] for la in layers], [la.values[row][:, real] for la in layers]
 
     def decode(self, state: _DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one new token per row [B] through the cache; returns the next logits [B, V]."""
@@ -279,7 +283,7 @@ class _HFRunner:
 
 @dataclass
 class _DecodeState:
-    """The rows being decoded: their KV cache, attention mask [B, T] (0 = left pad) and next position [B]."""
+    """The rows being decoded: their KV cache, attention mask [B, T] (0 = pad) and next position [B]."""
 
     cache: Cache
     mask: torch.Tensor

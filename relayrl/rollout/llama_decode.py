@@ -21,7 +21,9 @@ transformers' "sdpa" computes) under the causal mask restricted to real keys; a 
 attend to, and SDPA answers zeros for it (torch >= 2.5), so pads stay finite and, masked, never reach a real
 token. A prompt whose prefix the prefix cache holds (``relayrl.rollout.prefix_cache``) forwards only its tokens
 after it, at positions after the prefix's, each attending to the prefix's cached keys and the new ones up to
-itself. Its keys and values become a ``KVState``: per layer one preallocated [rows, kv_heads, columns,
+itself; such prompts are prefilled together, the prefixes' KV aligned right before the left-padded new tokens
+(``padding.cached_prefix_layout``: a row's pads sit between the two, and every mask is per column). Its keys and
+values become a ``KVState``: per layer one preallocated [rows, kv_heads, columns,
 head_dim] buffer whose live columns are [start, end). A decode step writes column ``end`` for every row, so
 no step copies the cache; the buffer grows geometrically.
 """
@@ -36,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from relayrl.rollout.lora import LORA_ATTR
-from relayrl.rollout.padding import left_pad, position_ids
+from relayrl.rollout.padding import cached_prefix_layout, left_pad, left_pad_kv, position_ids
 from relayrl.rollout.prefix_cache import CachedPrefix
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -79,7 +81,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 class KVState:
     """Rows being decoded: per layer keys/values [row capacity, kv_heads, column capacity, head_dim] whose live
-    part is rows [0, rows) x columns [start, end); ``mask`` [row capacity, column capacity] (False = left pad);
+    part is rows [0, rows) x columns [start, end); ``mask`` [row capacity, column capacity] (False = pad);
     ``next_pos`` [rows]: the position the next token of each row takes."""
 
     def __init__(
@@ -184,34 +186,40 @@ class LlamaDecodeRunner:
         state.select(expand)
         return logits[expand], state
 
-    def prefill_cached(self, prefix: CachedPrefix, suffix: Sequence[int]) -> tuple[torch.Tensor, KVState]:
-        """Forward ``suffix`` at positions len(prefix) + j, query j attending to the prefix's keys and suffix keys
-        0..j: the rows' formulas of ``prefill``, with the prefix's keys and values in front of each layer's.
-        Returns the logits [1, V] and the row's ``KVState`` (prefix and suffix)."""
-        past, count = len(prefix.tokens), len(suffix)
-        input_ids = torch.tensor([list(suffix)], dtype=torch.long, device=self.device)
-        positions = torch.arange(past, past + count, device=self.device)[None]
-        allowed = torch.ones(count, past + count, dtype=torch.bool, device=self.device).tril_(diagonal=past)
-        logits, keys, values = self._forward(input_ids, positions, allowed, prefix)
-        mask = torch.ones(1, past + count, dtype=torch.bool, device=self.device)
+    def prefill_cached(
+        self, prefixes: Sequence[CachedPrefix], suffixes: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, KVState]:
+        """Forward each suffix after its cached prefix (``padding.cached_prefix_layout``): the rows' formulas of
+        ``prefill``, with the prefixes' keys and values in front of each layer's, a suffix token attending to its
+        row's real keys up to itself. Returns the logits [B, V] and the rows' ``KVState`` (prefix and suffix)."""
+        input_ids, mask, positions = cached_prefix_layout([len(p.tokens) for p in prefixes], suffixes, self.device)
+        past, width = mask.shape[1] - input_ids.shape[1], input_ids.shape[1]
+        causal = torch.ones(width, past + width, dtype=torch.bool, device=self.device).tril_(diagonal=past)
+        kv = [
+            (left_pad_kv([p.keys[i] for p in prefixes], past), left_pad_kv([p.values[i] for p in prefixes], past))
+            for i in range(len(prefixes[0].keys))
+        ]
+        logits, keys, values = self._forward(input_ids, positions, causal & mask[:, None, None], kv)
         return logits, KVState(keys, values, mask, positions[:, -1] + 1)
 
     @staticmethod
     def row_kv(state: KVState, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of row ``row``'s last ``length`` columns, per layer [kv_heads, length, head_dim]."""
-        live = slice(state.end - length, state.end)
-        return [k[row, :, live].clone() for k in state.keys], [v[row, :, live].clone() for v in state.values]
+        """Copies of row ``row``'s keys and values at its last ``length`` real columns (pads skipped), per layer
+        [kv_heads, length, head_dim]."""
+        live = slice(state.start, state.end)
+        real = state.mask[row, live].nonzero().squeeze(1)[-length:] + state.start
+        return [k[row][:, real] for k in state.keys], [v[row][:, real] for v in state.values]
 
     def _forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         allowed: torch.Tensor,
-        prefix: CachedPrefix | None = None,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """The layers over input_ids [P, W] at ``positions`` [P, W], query-key pairs ``allowed`` (bool,
-        broadcast to [P, heads, W, prefix + W]), after ``prefix``'s KV when given: the last position's logits
-        [P, V] and each layer's keys and values [P, kv_heads, prefix + W, head_dim]."""
+        """The layers over input_ids [B, W] at ``positions`` [B, W], query-key pairs ``allowed`` (bool, broadcast
+        to [B, heads, W, C + W]), after ``past``'s keys and values per layer ([B, kv_heads, C, head_dim]) when
+        given: the last position's logits [B, V] and each layer's keys and values [B, kv_heads, C + W, head_dim]."""
         base = self.model.model
         count, width = input_ids.shape
         cos, sin = self._rotary(positions, base.embed_tokens.weight.dtype)
@@ -226,9 +234,8 @@ class LlamaDecodeRunner:
                 _linear(h, attn.k_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin
             )
             v = _linear(h, attn.v_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            if prefix is not None:
-                k = torch.cat([prefix.keys[i][None], k], dim=2)
-                v = torch.cat([prefix.values[i][None], v], dim=2)
+            if past is not None:
+                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
             keys.append(k.contiguous())
             values.append(v.contiguous())
             out = F.scaled_dot_product_attention(
@@ -249,7 +256,7 @@ class LlamaDecodeRunner:
         state.next_pos = state.next_pos + 1
         live = slice(state.start, state.end)
         pads = None
-        if state.has_pads:  # additive: -inf on the left pads, shared by every layer and head
+        if state.has_pads:  # additive: -inf on the pads, shared by every layer and head
             pads = torch.zeros(rows, state.end - state.start, dtype=dtype, device=tokens.device)
             pads = pads.masked_fill_(~state.mask[:rows, live], float("-inf"))[:, None, None]
         group = self.heads // self.kv_heads

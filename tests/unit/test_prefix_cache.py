@@ -23,7 +23,9 @@ from relayrl.weightsync.filesystem import write_weights
 EXACT = 1e-5  # |cached-prefix logprob - full-prefill logprob| in float32: rounding only
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7)
 EPISODES = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16]]  # first turns of two episodes
-OBSERVATIONS = [[17, 18, 19], [20, 21]]  # what the environment answers each turn (rendered ids)
+# what the environment answers each episode after turns 1 and 2 (rendered ids): lengths differ, so rows joining
+# together continue prefixes of different lengths with suffixes of different lengths
+OBSERVATIONS = [[[17, 18, 19], [20]], [[21, 22], [3, 4, 5, 6, 7]]]
 RUNNERS = pytest.mark.parametrize("decode", ["fast", "transformers"])
 
 
@@ -65,11 +67,11 @@ def test_later_turns_prefill_only_their_new_tokens_with_full_prefill_logprobs(mo
         if number == 0:
             assert (computed, reused) == (sum(map(len, prompts)), 0)
         else:
-            new = [1 + len(OBSERVATIONS[number - 1])] * len(conversations)  # the last sampled token + observation
+            new = [1 + len(o) for o in OBSERVATIONS[number - 1]]  # the last sampled token + observation
             assert computed == sum(new) + sum(map(len, fresh))
             assert reused == sum(len(c) for c in conversations) - sum(new)
-        for conversation, completion in zip(conversations, got, strict=False):
-            conversation += completion.token_ids + (OBSERVATIONS[number] if number < 2 else [])
+        for episode, (conversation, completion) in enumerate(zip(conversations, got, strict=False)):
+            conversation += completion.token_ids + (OBSERVATIONS[number][episode] if number < 2 else [])
     assert len(cached._prefix_cache) == 3 * len(EPISODES) + 1, "every finished row, while there is room"
     for engine in (cached, full):
         engine.close()
@@ -114,7 +116,7 @@ def test_a_weight_change_flushes_the_cache(model_dir, decode, how) -> None:
     for engine in (cached, full):
         change_weights(engine, how)
     assert len(cached._prefix_cache) == 0
-    second = [EPISODES[0] + first.token_ids + OBSERVATIONS[0]]
+    second = [EPISODES[0] + first.token_ids + OBSERVATIONS[0][0]]
     got, computed, reused = turn(cached, second)
     want, _, _ = turn(full, second)
     assert (computed, reused) == (len(second[0]), 0)
@@ -134,7 +136,7 @@ def test_a_worker_update_into_the_parameters_flushes_the_cache(model_dir, tmp_pa
     manifest = dataclasses.replace(sync_manifest(weights, version=1, transport="filesystem"), path=str(tmp_path))
     write_weights(tmp_path, manifest, weights)
     worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
-    second = EPISODES[0] + first.token_ids + OBSERVATIONS[0]
+    second = EPISODES[0] + first.token_ids + OBSERVATIONS[0][0]
     (got,), computed, reused = turn(engine, [second])
     assert (computed, reused) == (len(second), 0)
     expected = recompute(trained, second, got.token_ids, PARAMS.temperature)
