@@ -1,9 +1,11 @@
 """`relayrl up examples/guess.yaml`, a few steps: multi-turn episodes against a supervised environment server train
-(samples with loss masks, per-step episode metrics), and the ledger notes how every episode ended."""
+(samples with loss masks, per-step episode metrics), later turns reuse the engine's prefix KV cache, and the ledger
+notes how every episode ended."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,14 @@ def test_guess_episodes_train(tmp_path):
         assert sum(v for k, v in r.items() if k.startswith("episode_end/")) == r["episodes"]
         assert {k.removeprefix("episode_end/") for k in r if k.startswith("episode_end/")} <= ENDS | {"failed"}
         assert "env/solved" in r
+
+    # later turns prefill only their new tokens on the hf engine's prefix KV cache; the worker logs its counts at
+    # every weight update (docs/engines.md)
+    counts = re.findall(
+        r"(\d+) prefilled, (\d+) from the prefix cache", (run_dir / "logs" / "rollout-0.log").read_text()
+    )
+    prefilled, reused = map(int, counts[-1])
+    assert reused > prefilled > 0
 
     events = [json.loads(line) for line in (run_dir / "controller" / "ledger.jsonl").read_text().splitlines()]
     notes = {e["id"]: e["episodes"] for e in events if "episodes" in e}
