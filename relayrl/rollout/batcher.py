@@ -389,25 +389,26 @@ class ContinuousBatcher:
         return joining
 
     def _prefill(self, joining: list[_Row]) -> tuple[torch.Tensor, DecodeState]:
-        """Each distinct (request, prompt) of the joining rows is forwarded once: in one batch those with no
-        cached prefix, in another the others, only their tokens after the prefix, on the prefix's KV."""
-        slots: dict[tuple[int, int], int] = {}
-        prompts: list[Sequence[int]] = []
-        for row in joining:
-            key = (id(row.request), row.prompt_index)
+        """Each distinct prompt of the joining rows is forwarded once, whatever requests it comes in (the n samples
+        of a prompt; an episode group's first turns, alike, each a request): in one batch those with no cached
+        prefix, in another the others, only their tokens after the prefix, on the prefix's KV."""
+        keys = [tuple(row.request.prompts[row.prompt_index]) for row in joining]
+        slots: dict[tuple[int, ...], int] = {}
+        prompts: list[tuple[int, ...]] = []
+        for key in keys:
             if key not in slots:
                 slots[key] = len(prompts)
-                prompts.append(row.request.prompts[row.prompt_index])
+                prompts.append(key)
         epoch = self._epoch()
         cache = self.prefix_cache
         hits = [cache.lookup(p) for p in prompts] if cache is not None else [None] * len(prompts)
-        for row in joining:
-            hit = hits[slots[(id(row.request), row.prompt_index)]]
+        for row, key in zip(joining, keys, strict=True):
+            hit = hits[slots[key]]
             row.kv_epoch, row.prefix = epoch, None if hit is None else hit.tokens
         plain = [i for i, hit in enumerate(hits) if hit is None]
         self.prefill_tokens += sum(len(prompts[i]) for i in plain)
         if len(plain) == len(prompts):
-            expand = [slots[(id(r.request), r.prompt_index)] for r in joining]
+            expand = [slots[key] for key in keys]
             return self.runner.prefill(prompts, torch.tensor(expand, device=self.runner.device))
         cached = [i for i, hit in enumerate(hits) if hit is not None]
         suffixes = [prompts[i][len(hits[i].tokens) :] for i in cached]
@@ -421,7 +422,7 @@ class ContinuousBatcher:
             logits = torch.cat([logits, plain_logits])
         order = cached + plain
         at = {slot: position for position, slot in enumerate(order)}
-        expand = torch.tensor([at[slots[(id(r.request), r.prompt_index)]] for r in joining], device=self.runner.device)
+        expand = torch.tensor([at[slots[key]] for key in keys], device=self.runner.device)
         state.select(expand)
         return logits[expand], state
 

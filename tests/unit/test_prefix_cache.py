@@ -77,6 +77,20 @@ def test_later_turns_prefill_only_their_new_tokens_with_full_prefill_logprobs(mo
         engine.close()
 
 
+def test_a_prompt_joining_in_several_requests_is_prefilled_once(model_dir) -> None:
+    """An episode group's first turns are alike, each a request (here: one request holding the prompt twice, and
+    another joining the same step): the prompt is forwarded once for all of them."""
+    engine = HFEngine(str(model_dir))
+    engine.pause_in_flight()  # the requests queue up, then join one step together
+    handles = [
+        engine._batcher.submit(p, PARAMS, frozenset(), torch.tensor([])) for p in ([EPISODES[0]] * 2, [EPISODES[0]])
+    ]
+    engine.resume_in_flight(0)
+    assert all(len(list(handle)) == n for handle, n in zip(handles, (2, 1), strict=True))
+    assert engine.prefill_counts().computed == len(EPISODES[0])
+    engine.close()
+
+
 def change_weights(engine: HFEngine, how: str) -> None:
     """Each way the hf engine's weights change."""
     generator = torch.Generator().manual_seed(3)
