@@ -39,8 +39,19 @@ class CachedPrefix:
     values: list[torch.Tensor]
 
 
+class _Node:
+    """A trie node: the sequence of the tokens on the path to it; ``entry`` when that sequence is stored."""
+
+    __slots__ = ("children", "entry")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.entry: CachedPrefix | None = None
+
+
 class PrefixCache:
-    """The store (module docstring); thread-safe (the scheduler stores and looks up, a weight load flushes)."""
+    """The store (module docstring): entries in a token trie (a lookup walks the prompt once) and in least recently
+    used order. Thread-safe (the scheduler stores and looks up, a weight load flushes)."""
 
     def __init__(self, budget: int) -> None:
         if budget < 0:
@@ -49,7 +60,7 @@ class PrefixCache:
         self.epoch = 0
         self.tokens = 0  # stored, all entries together
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()  # least recently used first
-        self._lengths: dict[int, int] = {}  # stored length -> how many entries have it
+        self._root = _Node()
         self._lock = threading.Lock()
 
     @property
@@ -63,12 +74,15 @@ class PrefixCache:
         """The longest stored sequence that is a proper prefix of ``prompt`` (at least one token left to prefill),
         marked as recently used; None when there is none."""
         with self._lock:
-            for length in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
-                entry = self._entries.get(tuple(prompt[:length]))
-                if entry is not None:
-                    self._entries.move_to_end(entry.tokens)
-                    return entry
-        return None
+            node, found = self._root, None
+            for token in prompt[: len(prompt) - 1]:
+                node = node.children.get(token)
+                if node is None:
+                    break
+                found = node.entry or found
+            if found is not None:
+                self._entries.move_to_end(found.tokens)
+            return found
 
     def store(self, entry: CachedPrefix, epoch: int, extends: tuple[int, ...] | None = None) -> bool:
         """Keep ``entry`` (its KV computed under ``epoch``) unless that epoch is over or it exceeds the budget, in
@@ -83,8 +97,11 @@ class PrefixCache:
                 self._entries.move_to_end(extends, last=False)
             while self.tokens + size > self.budget:
                 self._drop(next(iter(self._entries)))
+            node = self._root
+            for token in entry.tokens:
+                node = node.children.setdefault(token, _Node())
+            node.entry = entry
             self._entries[entry.tokens] = entry
-            self._lengths[size] = self._lengths.get(size, 0) + 1
             self.tokens += size
             return True
 
@@ -93,18 +110,22 @@ class PrefixCache:
         with self._lock:
             dropped = len(self._entries)
             self._entries.clear()
-            self._lengths.clear()
+            self._root = _Node()
             self.tokens = 0
             self.epoch += 1
             return dropped
 
     def _drop(self, tokens: tuple[int, ...]) -> None:
-        """Remove the entry stored under ``tokens`` if there is one (lock held)."""
-        entry = self._entries.pop(tokens, None)
-        if entry is None:
+        """Remove the entry stored under ``tokens`` if there is one, and the trie nodes only it used (lock held)."""
+        if self._entries.pop(tokens, None) is None:
             return
-        size = len(tokens)
-        self.tokens -= size
-        self._lengths[size] -= 1
-        if not self._lengths[size]:
-            del self._lengths[size]
+        self.tokens -= len(tokens)
+        path = [self._root]
+        for token in tokens:
+            path.append(path[-1].children[token])
+        path[-1].entry = None
+        for depth in reversed(range(len(tokens))):
+            node = path[depth + 1]
+            if node.children or node.entry is not None:
+                break
+            del path[depth].children[tokens[depth]]

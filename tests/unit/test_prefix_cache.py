@@ -196,7 +196,7 @@ def test_the_budget_evicts_the_least_recently_used() -> None:
     assert cache.store(entry([1, 2, 3, 4]), 0) and cache.store(entry([5, 6, 7, 8]), 0)
     assert cache.lookup([1, 2, 3, 4, 9]).tokens == (1, 2, 3, 4)  # now the most recently used
     assert cache.store(entry([9, 10, 11]), 0)  # 11 tokens: [5..8] goes, the least recently used
-    assert cache.lookup([5, 6, 7, 8, 9]) is None
+    assert cache.lookup([5, 6, 7, 8, 9]) is None and 5 not in cache._root.children, "its trie nodes went too"
     assert cache.lookup([1, 2, 3, 4, 0]) is not None and cache.tokens == 7
     assert not cache.store(entry(list(range(11))), 0), "longer than the budget: not stored"
     assert not cache.store(entry([12]), epoch=1), "an epoch that is not the cache's: not stored"
