@@ -42,10 +42,12 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     assert code == 0, err
     records = contiguous_records(cfg, steps)
     assert all(r["rollout_version_min"] == r["rollout_version_max"] == r["step"] - 1 for r in records)
-    # step 1 starts with the trainer's first publish and may be complete before the trainer asks for it: sent whole
+    # a step's batch may be complete before the trainer asks for it, and is then sent whole: step 1 (it starts with
+    # the trainer's first publish), the steps built while the restarted controller re-learns the verified workers,
+    # and, on a machine whose other load starves the nice-19 trainer, any step; so most, not all, steps stream
     streamed = [r["step"] for r in records if r["streamed"] == 1.0]
-    around_restart = {killed_in, killed_in + 1}  # built while the restarted controller re-learns the verified workers
-    assert set(range(2, steps + 1)) - around_restart <= set(streamed), (streamed, killed_in)
+    around_restart = {killed_in, killed_in + 1}
+    assert len(set(range(2, steps + 1)) - around_restart - set(streamed)) <= 2, (streamed, killed_in)
     assert all(r["old_logprobs_from_engine"] == 1.0 for r in records if r["streamed"])
     assert all(r["train_wait_seconds"] >= 0 and r["logprob_mismatch_max"] < 1e-3 for r in records)
     restarts = {role: entry["restarts"] for role, entry in supervised_roles(cfg).items()}
