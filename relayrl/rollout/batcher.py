@@ -6,8 +6,8 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
 1. answers aborts: every unfinished row of a request whose ``should_abort`` turned true (or whose caller
    went away) leaves the batch and is emitted with finish_reason "abort";
 2. admits waiting rows, oldest request first, up to ``max_rows`` running rows: their distinct prompts are
-   prefilled once and join the running batch (``DecodeState.merge``); a prompt that extends a sequence the
-   prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only its tokens after it, on its KV;
+   prefilled once and join the running batch (``DecodeState.merge``); a prompt that shares its beginning
+   with a sequence the prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only the rest, on its KV;
 3. samples one token for every running row (each with its request's temperature, top-p, stop tokens,
    ``min_tokens``, generator; rows sampled alike share one call, whatever their request) and emits the rows
    that finished, their KV stored in the prefix cache first;

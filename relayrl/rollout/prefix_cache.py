@@ -3,11 +3,12 @@
 An agentic episode sends each turn as a new prompt: the whole conversation so far, i.e. the previous turn's
 prompt, its sampled tokens and the observation's tokens, as a request of one sample (``n`` = 1). The KV of every
 finished (``stop`` or ``length``) row of such a request is kept here under its token ids: the prompt and the
-sampled tokens but the last (which was never fed, so has no KV). A later prompt whose longest stored sequence is a
-proper prefix of it prefills only the tokens after that prefix, on top of the stored KV
-(``relayrl.rollout.batcher``): prefill costs the turn's new tokens, not the conversation (vLLM's automatic prefix
-caching and SGLang's radix cache do the same with blocks and a tree; an exact stored-sequence-is-a-prefix match is
-what episodes need).
+sampled tokens but the last (which was never fed, so has no KV). A later prompt prefills only its tokens after
+the longest prefix it shares with any stored sequence, on top of that sequence's stored KV
+(``relayrl.rollout.batcher``): an episode's turn extends its previous turn's sequence, so its prefill costs the
+turn's new tokens, not the conversation; and prompts that begin alike (a system prompt, the tools) share their
+beginning. vLLM's automatic prefix caching (blocks) and SGLang's radix cache (a tree) do the same; here the
+sequences sit in a token trie, so a lookup walks the prompt once.
 
 Bounded by ``budget`` tokens (``rollout.prefix_cache_tokens``; 0 turns it off): storing beyond it evicts the least
 recently used (stored or hit) entries; an entry longer than the budget is not stored. Storing a row's sequence
@@ -40,7 +41,8 @@ class CachedPrefix:
 
 
 class _Node:
-    """A trie node: the sequence of the tokens on the path to it; ``entry`` when that sequence is stored."""
+    """A trie node: the sequence of the tokens on the path to it; ``entry`` when that sequence is stored. A node
+    without an entry has children (``PrefixCache._drop`` prunes the others)."""
 
     __slots__ = ("children", "entry")
 
@@ -71,18 +73,27 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, prompt: Sequence[int]) -> CachedPrefix | None:
-        """The longest stored sequence that is a proper prefix of ``prompt`` (at least one token left to prefill),
-        marked as recently used; None when there is none."""
+        """The longest common prefix of ``prompt`` (but its last token: one is left to prefill) and any stored
+        sequence, with that sequence's KV for it (a stored entry itself when it is all of one, else a view of
+        the first tokens of one), the sequence marked as recently used; None when no token is shared."""
         with self._lock:
-            node, found = self._root, None
+            node, depth = self._root, 0
             for token in prompt[: len(prompt) - 1]:
-                node = node.children.get(token)
-                if node is None:
+                child = node.children.get(token)
+                if child is None:
                     break
-                found = node.entry or found
-            if found is not None:
-                self._entries.move_to_end(found.tokens)
-            return found
+                node, depth = child, depth + 1
+            if depth == 0:
+                return None
+            while node.entry is None:  # every node without an entry leads to one
+                node = next(iter(node.children.values()))
+            entry = node.entry
+            self._entries.move_to_end(entry.tokens)
+        if depth == len(entry.tokens):
+            return entry
+        return CachedPrefix(
+            entry.tokens[:depth], [k[:, :depth] for k in entry.keys], [v[:, :depth] for v in entry.values]
+        )
 
     def store(self, entry: CachedPrefix, epoch: int, extends: tuple[int, ...] | None = None) -> bool:
         """Keep ``entry`` (its KV computed under ``epoch``) unless that epoch is over or it exceeds the budget, in

@@ -91,6 +91,33 @@ def test_a_prompt_joining_in_several_requests_is_prefilled_once(model_dir) -> No
     engine.close()
 
 
+def test_a_prompt_that_shares_the_beginning_of_a_stored_one_takes_that_part() -> None:
+    """No stored sequence is a prefix of the prompt, but one begins like it: its first tokens' KV serves."""
+    cache = PrefixCache(100)
+    kv = [torch.arange(12.0).view(1, 4, 3)]
+    cache.store(CachedPrefix((4, 5, 6, 7), kv, kv), 0)
+    hit = cache.lookup([4, 5, 9])
+    assert hit.tokens == (4, 5) and torch.equal(hit.keys[0], kv[0][:, :2]) and torch.equal(hit.values[0], kv[0][:, :2])
+    assert cache.lookup([4, 5, 6, 7, 8]).keys[0] is kv[0], "a whole entry: itself"
+    assert cache.lookup([9, 4, 5]) is None and cache.lookup([4]) is None
+
+
+@RUNNERS
+def test_a_prompt_that_begins_like_a_finished_row_prefills_only_the_rest(model_dir, decode) -> None:
+    """A prompt that shares its first tokens with a finished row (a system prompt, the tools) prefills the rest on
+    that row's KV, with a full prefill's logprobs."""
+    cached = HFEngine(str(model_dir), decode=decode)
+    full = HFEngine(str(model_dir), decode=decode, prefix_cache_tokens=0)
+    turn(cached, [EPISODES[1]])
+    other = [[*EPISODES[1][:4], 20, 21]]
+    got, computed, reused = turn(cached, other)
+    want, _, _ = turn(full, other)
+    assert (computed, reused) == (2, 4)
+    assert_same(got, want)
+    for engine in (cached, full):
+        engine.close()
+
+
 def change_weights(engine: HFEngine, how: str) -> None:
     """Each way the hf engine's weights change."""
     generator = torch.Generator().manual_seed(3)
@@ -202,11 +229,11 @@ def test_the_budget_evicts_the_least_recently_used() -> None:
     assert not cache.store(entry([12]), epoch=1), "an epoch that is not the cache's: not stored"
 
 
-def test_lookup_takes_the_longest_proper_prefix_and_what_a_row_continued_goes_first() -> None:
+def test_lookup_takes_the_longest_shared_prefix_and_what_a_row_continued_goes_first() -> None:
     cache = PrefixCache(12)
     cache.store(entry([1, 2]), 0)
     cache.store(entry([1, 2, 3]), 0)  # another episode that began alike: both stay
-    assert cache.lookup([1, 2]) is None, "at least one token must be left to prefill"
+    assert cache.lookup([1, 2]).tokens == (1,), "at least one token is left to prefill"
     assert cache.lookup([1, 2, 7]).tokens == (1, 2)
     assert cache.lookup([1, 2, 3, 4]).tokens == (1, 2, 3), "the longest"
     cache.store(entry([1, 2, 3, 4]), 0, extends=(1, 2, 3))  # the next turn of the row prefilled on [1, 2, 3] ...
@@ -215,7 +242,8 @@ def test_lookup_takes_the_longest_proper_prefix_and_what_a_row_continued_goes_fi
     cache.store(entry([5, 6, 7]), 0)  # an equal sequence replaces, never doubles
     assert (len(cache), cache.tokens) == (4, 12)
     cache.store(entry([8, 9]), 0)  # [1, 2, 3] goes first though [1, 2] was used before it
-    assert cache.lookup([1, 2, 3, 9]).tokens == (1, 2) and cache.tokens == 11
+    assert cache.lookup([1, 2, 3, 9]).tokens == (1, 2, 3), "shared with [1, 2, 3, 4]"
+    assert cache.tokens == 11
     assert cache.flush() == 4 and cache.lookup([1, 2, 3, 4, 5]) is None and cache.epoch == 1
     with pytest.raises(ValueError, match=r"rollout\.prefix_cache_tokens"):
         PrefixCache(-1)
