@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -97,6 +97,9 @@ class Run:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(prog="relayrl bench e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument(
+        "--variants", default=None, help="comma-separated relayrl variants to run (default: each workload's all)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once, alternating")
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of the gen-heavy workload")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of s/step and rates")
@@ -117,6 +120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or not args.workloads:
         parser.error(f"--workloads: unknown {unknown} (choose from {list(WORKLOADS)})")
+    args.variants = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.variants == []:
+        parser.error("--variants: empty (name at least one relayrl variant, or leave the flag out)")
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 3, 1
     if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0:
@@ -173,6 +179,23 @@ def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
         variants["k0-split"] = ["trainer.stream=off", *pinned]
         variants["k1-keep-kv-split"] = [*in_flight, *pinned]
     return Workload("long-tail", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES))
+
+
+def select_variants(loads: list[Workload], names: list[str] | None) -> list[Workload]:
+    """Each workload with only its relayrl variants in ``names`` (None: all); a name that is no variant of any
+    workload, or a workload left with none, is refused naming ``--variants``."""
+    if names is None:
+        return loads
+    known = {variant for wl in loads for variant in wl.variants}
+    if unknown := [name for name in names if name not in known]:
+        raise SystemExit(f"relayrl bench e2e: --variants: unknown {unknown} (these workloads have {sorted(known)})")
+    out = []
+    for wl in loads:
+        variants = {name: sets for name, sets in wl.variants.items() if name in names}
+        if not variants:
+            raise SystemExit(f"relayrl bench e2e: --variants: none of {wl.name}'s ({sorted(wl.variants)})")
+        out.append(replace(wl, variants=variants))
+    return out
 
 
 def prepare_workload(wl: Workload, cfg: RelayConfig) -> None:
@@ -518,7 +541,7 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
 def run_bench(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    loads = [workload(name, args, workdir) for name in args.workloads]
+    loads = select_variants([workload(name, args, workdir) for name in args.workloads], args.variants)
     assets = [f"run.dir={workdir / 'assets'}"]
     cfgs = {wl.name: load_config(DEMO_CONFIG, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
     for wl in loads:

@@ -11,10 +11,12 @@ import pytest
 from relayrl.bench.cpu import CpuSampler, cpu_seconds, tree_cpu_by_role
 from relayrl.bench.e2e import (
     DEMO_CONFIG,
+    WORKLOADS,
     Run,
     aggregate,
     check_mirrorable,
     reach_target,
+    select_variants,
     split_cpus,
     summarize,
     trl_spec,
@@ -153,3 +155,21 @@ def test_the_long_tail_workload_runs_trl_in_both_generation_modes(tmp_path: Path
     assert cfg.rollout.max_tokens == 256 and not cfg.rollout.ignore_eos and cfg.trainer.lr <= 1e-6
     specs = [trl_spec(cfg, 6, 2, tmp_path, continuous_batching=cb)["continuous_batching"] for cb in (False, True)]
     assert specs == [False, True]
+
+
+def test_every_variant_of_every_workload_is_a_valid_config_and_variants_select_them(tmp_path: Path) -> None:
+    """The integration test runs one K = 0 / K = 1 pair (``--variants``): the others' configs are checked here."""
+    args = argparse.Namespace(quick=True, steps=3, set=[])
+    loads = [workload(name, args, tmp_path) for name in WORKLOADS]
+    for wl in loads:
+        for variant, sets in wl.variants.items():
+            cfg = load_config(DEMO_CONFIG, [*wl.overrides, *sets])
+            check_mirrorable(cfg)
+            assert cfg.trainer.steps == 3, (wl.name, variant)
+    picked = select_variants(loads, ["default", "k0-whole", "k1-rollout"])
+    assert [list(wl.variants) for wl in picked] == [["k0-whole", "k1-rollout"], ["default"], ["default"]]
+    assert select_variants(loads, None) == loads
+    with pytest.raises(SystemExit, match=r"--variants: unknown \['k2'\]"):
+        select_variants(loads, ["k1", "k2"])
+    with pytest.raises(SystemExit, match="--variants: none of demo's"):
+        select_variants(loads, ["k1"])
