@@ -379,11 +379,12 @@ def test_relayrl_sbatch_rollout_crash_stops_trainer(cluster: Cluster, tmp_path: 
         cwd=stub_workdir,
         config="config.yaml",
         timeout=300,
-        env={"RELAYRL_STUB_ROLLOUT_CRASH": "1"},
+        # one restart, soon: the restart and the exhausted budget, without the default budget's backoffs (1+2+4 s)
+        env={"RELAYRL_STUB_ROLLOUT_CRASH": "1", "RELAYRL_MAX_RESTARTS": "1", "RELAYRL_RESTART_BACKOFF": "0.2"},
     )
     assert time.monotonic() - t0 < 120, "the waiting trainer was not stopped"
     assert [c["JobState"] for c in job.components] == ["FAILED", "FAILED"], f"{job.components}\n{job.diag}"
-    assert "rollout step ended" in job.diag
+    assert "restart 1/1" in job.diag and "after 1 restarts (budget 1); stopping the trainer" in job.diag, job.diag
 
 
 def test_relayrl_sbatch_restarts_a_killed_rollout_step(cluster: Cluster, tmp_path: Path, stub_workdir: Path):

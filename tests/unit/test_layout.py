@@ -91,11 +91,24 @@ def test_package_root_holds_only_entry_points() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_every_module_imports_alone() -> None:
     """Each module in a child forked before any relayrl module was imported (third-party libraries preloaded,
-    so each child costs milliseconds), so each sees only what it imports itself."""
+    so each child costs milliseconds), so each sees only what it imports itself; as many children at a time as
+    there are CPUs."""
     for lib in ("torch", "transformers", "grpc", "datasets", "pydantic", "numpy", "yaml", "rich"):
         __import__(lib)
     failures = {}
+    running: dict[int, tuple[str, int]] = {}  # pid -> (module, read end of its pipe)
+
+    def reap() -> None:
+        pid, _ = os.wait()
+        name, read = running.pop(pid)
+        with os.fdopen(read, "rb") as pipe:
+            error = pickle.loads(pipe.read() or pickle.dumps("child died"))
+        if error:
+            failures[name] = error
+
     for name in module_files():
+        if len(running) >= max(1, len(os.sched_getaffinity(0))):
+            reap()
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -110,9 +123,7 @@ def test_every_module_imports_alone() -> None:
             os.write(write, pickle.dumps(error))
             os._exit(0)
         os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            error = pickle.loads(pipe.read() or pickle.dumps("child died"))
-        os.waitpid(pid, 0)
-        if error:
-            failures[name] = error
+        running[pid] = (name, read)
+    while running:
+        reap()
     assert not failures, "\n".join(f"{n}: {e}" for n, e in failures.items())
