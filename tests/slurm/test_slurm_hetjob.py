@@ -2,7 +2,8 @@
 
 The cluster comes from ``deploy/slurm/local-cluster.sh`` (Debian's slurm-wlm + munge, no systemd:
 munged as user munge, slurmctld, and ``slurmd -N n1`` / ``slurmd -N n2`` with NodeAddr=127.0.0.1 and
-distinct ports), everything under a fresh directory in /tmp, torn down after the module.
+distinct ports), everything under a fresh directory in /tmp: one cluster for the session, shared with
+test_slurm_scale (``cluster`` in conftest.py), torn down at its end.
 
 There is no slurmdbd, so final job states come from ``JobCompType=jobcomp/filetxt`` (one line per het
 component), with ``scontrol show job`` used while the job runs.
@@ -18,7 +19,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,41 +128,6 @@ class Cluster:
             time.sleep(0.5)
         self.run("scancel", job_id)
         pytest.fail(f"job {job_id} did not finish in {timeout:.0f}s; states {self.live_states(job_id)}")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    reason = _install_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    timings: dict[str, float] = {}
-    t0 = time.monotonic()
-    res = subprocess.run(["bash", LOCAL_CLUSTER, "install"], capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, f"installing slurm-wlm/munge failed:\n{res.stderr[-3000:]}"
-    timings["install_s"] = time.monotonic() - t0
-
-    # Not pytest's tmp_path: it is mode 0700 under /tmp/pytest-of-root, which user munge cannot traverse.
-    base = Path(tempfile.mkdtemp(prefix="relayrl-slurm-", dir="/tmp"))
-    base.chmod(0o755)
-    env = {
-        **os.environ,
-        "RELAYRL_SLURM_DIR": str(base),
-        "RELAYRL_SLURM_PORT_BASE": str(_free_port_run(3)),
-        "RELAYRL_SLURM_CPUS": str(max(4, os.cpu_count() or 1)),
-        "SLURM_CONF": str(base / "etc" / "slurm.conf"),
-    }
-    for var in [v for v in env if v.startswith("SLURM_") and v != "SLURM_CONF"]:
-        env.pop(var)  # never inherit an outer job's context
-    t0 = time.monotonic()
-    start = ["bash", LOCAL_CLUSTER, "start"]
-    res = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-    timings["start_s"] = time.monotonic() - t0
-    try:
-        assert res.returncode == 0, f"local cluster did not start:\n{res.stderr[-3000:]}"
-        print(f"\nlocal slurm cluster under {base}: {timings}", file=sys.stderr)
-        yield Cluster(base=base, env=env, timings=timings)
-    finally:
-        subprocess.run(["bash", LOCAL_CLUSTER, "stop", "--purge"], env=env, capture_output=True, timeout=120)
 
 
 def test_cluster_has_two_idle_nodes(cluster: Cluster):

@@ -12,15 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm_hetjob import (  # noqa: F401  (cluster: the module-scoped fixture)
-    DIGITS_SLURM,
-    REPO,
-    SBATCH,
-    Cluster,
-    _diagnostics,
-    _relayrl_env,
-    cluster,
-)
+from test_slurm_hetjob import DIGITS_SLURM, REPO, SBATCH, Cluster, _diagnostics, _relayrl_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster on this host: one xdist worker
 
@@ -55,7 +47,7 @@ def _steps(slurm: Cluster, job_id: str) -> set[str]:
 
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not DIGITS_SLURM.exists(), reason="examples/digits-slurm.yaml is not written yet")
-def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):  # noqa: F811
+def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
     config = yaml.safe_load(DIGITS_SLURM.read_text())
     config["trainer"]["steps"] = 100000  # runs until cancelled
     config_path = tmp_path / "digits-long.yaml"
