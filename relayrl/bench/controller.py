@@ -43,7 +43,6 @@ from pathlib import Path
 import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
@@ -247,6 +246,8 @@ def bare_dispatch(addresses: list[str], trajectories: int, args: argparse.Namesp
 def simulator_commands(args: argparse.Namespace, controller: str, model: str, version_file: Path) -> list[list[str]]:
     per_process = math.ceil(args.workers / args.simulators)
     counts = [min(per_process, args.workers - i * per_process) for i in range(args.simulators)]
+    from transformers import AutoTokenizer  # seconds of imports: after the flags are checked
+
     responses = json.dumps(canned_responses(AutoTokenizer.from_pretrained(model), args.response_tokens))
     common = ["--controller", controller, "--responses", responses, "--version-file", str(version_file)]
     common += ["--heartbeat-s", str(args.heartbeat_s), "--generate-s", str(args.generate_s)]

@@ -32,16 +32,12 @@ import time
 from pathlib import Path
 
 import grpc
-import torch
 import yaml
-from transformers import AutoModelForCausalLM
 
 from relayrl.bench.cpu import cpu_seconds
-from relayrl.models.tiny import write_tiny_model
 from relayrl.ops.args import OneLineParser, existing_dir, positive_int
 from relayrl.runtime.ports import free_port
 from relayrl.services.channels import open_channel
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 Completions = list[tuple[list[int], common_pb2.Completion]]  # (prompt token ids, completion)
@@ -67,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def start_worker(workdir: Path, args: argparse.Namespace, decode: str) -> tuple[subprocess.Popen, str]:
     """``relayrl rollout serve`` with ``rollout.hf_decode=decode`` on a free port (no controller; log in
     ``rollout-<decode>.log``); returns the process and its address."""
+    from relayrl.models.tiny import write_tiny_model  # torch and transformers: after the flags are checked
+
     model = workdir / "model"
     if not model.exists():
         write_tiny_model(model, seed=0, hidden_size=args.hidden, layers=args.layers)
@@ -92,6 +90,8 @@ def chosen_runner(log_path: Path) -> str:
 
 
 def prompt_ids(count: int, seed: int) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return [
         torch.randint(3, 15, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
@@ -133,16 +133,21 @@ def run_round(
     return time.perf_counter() - start, [c for r in results for c in r]
 
 
-@torch.no_grad()
 def logprob_parity_max(model_dir: Path, completions: Completions) -> float:
     """max |engine logprob - logprob of a plain forward of prompt + response| over every token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     worst = 0.0
-    for prompt, c in completions:
-        ids = torch.tensor([prompt + list(c.token_ids)])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-        expected = logprobs_from_logits(logits, torch.tensor(list(c.token_ids)), 1.0)
-        worst = max(worst, float((expected - torch.tensor(list(c.logprobs))).abs().max()))
+    with torch.no_grad():
+        for prompt, c in completions:
+            ids = torch.tensor([prompt + list(c.token_ids)])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            expected = logprobs_from_logits(logits, torch.tensor(list(c.token_ids)), 1.0)
+            worst = max(worst, float((expected - torch.tensor(list(c.logprobs))).abs().max()))
     return worst
 
 
