@@ -177,15 +177,15 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
 
 def cmd_trainer_run(args: argparse.Namespace) -> int:
     pause_collection()  # until run_trainer freezes its startup heap (relayrl/runtime/gcfreeze.py)
-    from relayrl.trainer.world import restart_attempt
-
     controller = _controller(args)
     if not controller:
         raise ConfigError("--controller: required (or set RELAYRL_CONTROLLER)")
-    restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
     retain_freed_memory()
     cfg = _config(args)
     from relayrl.trainer.loop import run_trainer  # after the config is known good: seconds of imports
+    from relayrl.trainer.world import restart_attempt
+
+    restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
 
     pin_role(cfg, "trainer")  # before any thread starts (relayrl/runtime/cpus.py)
     yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/runtime/threads.py)
