@@ -398,7 +398,8 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     "rollout": ("rollout.json", "make bench-rollout", rollout),
     "e2e-long-tail": (
         "e2e-long-tail.json",
-        "relayrl bench e2e --workloads long-tail --json > bench/results/e2e-long-tail.json",
+        "relayrl bench e2e --workloads gen-heavy,demo,long-tail --rounds 2 --steps 10 --json"
+        " > bench/results/e2e-long-tail.json",
         e2e_long_tail,
     ),
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
