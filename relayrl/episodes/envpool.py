@@ -1,12 +1,13 @@
 """The environment servers of a run, and at most ``max_sessions`` episodes in flight on each (asyncio).
 
-``EnvironmentPool.session()`` waits for a free slot and yields the client of the server where one call of each of
-its episodes, and one more, would be answered soonest: the least (sessions + 1) x its mean call seconds (a moving
-average of its Reset/Step/Close answers; a server not heard yet counts the median of the others). Equal servers
-share the episodes evenly; a server 20x slower than the rest gets a new episode only once each of the others
-holds about 20x as many, so a slow environment holds few episodes (and few of the rows the engine could be
-decoding) instead of an equal share. Servers marked down are skipped while they are down; the slot is freed
-when the episode is over. A
+``EnvironmentPool.session()`` waits for a free slot and yields the client of the server whose next call is expected
+to be answered soonest: the least mean call seconds x (1 + sessions / max_sessions). The mean is a moving average
+of its Reset/Step/Close answers, so it already holds the queueing of a server that answers its sessions one at a
+time (a server not heard yet counts the median of the others); the factor, 1 when idle and 2 when full, spreads
+the episodes evenly over equal servers. A server more than twice as slow as another with a free slot gets no new
+episode until that one is full: a slow environment holds no episodes (none of the rows the engine could be
+decoding) while faster ones have room, and takes the overflow. Servers marked down are skipped while they are
+down; the slot is freed when the episode is over. A
 server that refuses a Reset as UNAVAILABLE (down, restarting) or RESOURCE_EXHAUSTED (full: it serves other
 callers too) is marked down for ``down_s`` and the Reset is tried on another server, up to ``reset_attempts``
 times: a Reset starts nothing, so it is safe to repeat. Every later call of an episode stays on its server (the
@@ -44,9 +45,10 @@ class _Server:
     def observe(self, seconds: float) -> None:
         self.seconds = seconds if self.seconds is None else (1 - EWMA) * self.seconds + EWMA * seconds
 
-    def load(self, default_seconds: float) -> float:
-        """The time to answer one call of each of its episodes and one more: (sessions + 1) x mean call seconds."""
-        return (self.sessions + 1) * (self.seconds if self.seconds is not None else default_seconds)
+    def expected_seconds(self, default_seconds: float, max_sessions: int) -> float:
+        """Mean call seconds x (1 + sessions / max_sessions) (module docstring)."""
+        seconds = self.seconds if self.seconds is not None else default_seconds
+        return seconds * (1 + self.sessions / max_sessions)
 
 
 class _TimedClient:
@@ -99,7 +101,7 @@ class EnvironmentPool:
             return None
         known = [s.seconds for s in self.servers.values() if s.seconds is not None]
         default = statistics.median(known) if known else 1.0
-        return min(free, key=lambda s: s.load(default))
+        return min(free, key=lambda s: s.expected_seconds(default, self.max_sessions))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[object]:

@@ -1,5 +1,5 @@
-"""Where the environment pool sends a new episode: the server where one call of each of its episodes, and one more,
-is answered soonest ((sessions + 1) x its mean call seconds), so a slow environment server holds few episodes."""
+"""Where the environment pool sends a new episode: the server whose next call is expected soonest (mean call seconds
+x (1 + sessions / max_sessions)), so a slow environment server holds no episode while faster ones have room."""
 
 from __future__ import annotations
 
@@ -41,15 +41,16 @@ def test_servers_not_heard_yet_or_equally_fast_share_the_episodes_evenly() -> No
     assert sorted(picks(pool, 3)) == ["a", "b", "c"]
 
 
-def test_a_twenty_times_slower_server_gets_an_episode_once_the_others_hold_twenty_times_as_many() -> None:
-    pool = pool_of("fast-1", "fast-2", "slow")
-    for address, seconds in (("fast-1", 0.01), ("fast-2", 0.01), ("slow", 0.205)):
+def test_a_twenty_times_slower_server_gets_episodes_only_once_the_fast_ones_are_full() -> None:
+    pool = pool_of("fast-1", "fast-2", "slow", max_sessions=20)
+    for address, seconds in (("fast-1", 0.01), ("fast-2", 0.01), ("slow", 0.2)):
         pool.servers[address].observe(seconds)
-    chosen = picks(pool, 42)
-    assert chosen.count("slow") == 1 and chosen.index("slow") == 40  # once each fast one holds 20: 21 x 0.01 > 0.205
-    full = pool_of("fast", "slow", max_sessions=4)  # the bound per server still holds: a full server is skipped
-    full.servers["fast"].observe(0.01), full.servers["slow"].observe(0.2)
-    assert picks(full, 6) == ["fast"] * 4 + ["slow"] * 2
+    chosen = picks(pool, 43)
+    assert chosen[:40].count("slow") == 0 and chosen[40:] == ["slow"] * 3  # the overflow of 2 x 20 fast slots
+    assert chosen[:40].count("fast-1") == chosen[:40].count("fast-2") == 20  # equal servers share evenly
+    near = pool_of("a", "b", max_sessions=10)  # a server 1.45x slower takes episodes once the faster holds 5
+    near.servers["a"].observe(0.10), near.servers["b"].observe(0.145)
+    assert picks(near, 7) == ["a"] * 5 + ["b", "a"]  # a at 5: 0.10 x 1.5 > 0.145; b at 1: 0.145 x 1.1 > 0.15
 
 
 def test_a_server_learns_its_mean_call_time_from_its_answers_and_one_not_heard_counts_the_median() -> None:
@@ -60,8 +61,8 @@ def test_a_server_learns_its_mean_call_time_from_its_answers_and_one_not_heard_c
         pool.servers["a"].observe(0.5)  # moving average: 0.8 x the first answer + 0.2 x 0.5
         assert 0.1 <= pool.servers["a"].seconds <= 0.5
         pool.servers["b"].observe(1.0)
-        pool.servers["a"].sessions = 10  # load 11 x ~0.1
-        # c, not heard yet, counts the median of a and b (~0.55): it goes first, then b (1.0) before c's second
-        assert picks(pool, 2) == ["c", "b"]
+        pool.servers["a"].sessions = 64  # full
+        # c, not heard yet, counts the median of a and b (~0.55): it goes first, and again (0.55 x 65/64) before b
+        assert picks(pool, 2) == ["c", "c"]
 
     asyncio.run(main())
