@@ -98,11 +98,12 @@ def test_every_module_imports_alone() -> None:
     failures = {}
     running: dict[int, tuple[str, int]] = {}  # pid -> (module, read end of its pipe)
 
-    def reap() -> None:
-        pid, _ = os.wait()
+    def reap() -> None:  # the oldest child (os.wait() could reap a child an earlier test left to this process)
+        pid = next(iter(running))
         name, read = running.pop(pid)
-        with os.fdopen(read, "rb") as pipe:
+        with os.fdopen(read, "rb") as pipe:  # read to the end first: a child blocked on a full pipe never exits
             error = pickle.loads(pipe.read() or pickle.dumps("child died"))
+        os.waitpid(pid, 0)
         if error:
             failures[name] = error
 
