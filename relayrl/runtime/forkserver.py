@@ -182,7 +182,7 @@ class Preloader:
 def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> int:
     """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
     ``{"error": text}``, importing what the role needs first (``Preloader``)."""
-    stop_with_parent()
+    stop_with_parent(watchdog_s=None)  # it forks: no thread may run (_fork_role); its roles run their own
     gc.disable()  # no full collections over the growing heap while it imports (relayrl/runtime/gcfreeze.py)
     importlib.import_module(ENTRY_MODULE)
 

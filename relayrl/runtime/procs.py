@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -56,15 +59,20 @@ def exit_now(code: int) -> NoReturn:
 
 PARENT_ENV = "RELAYRL_PARENT_PID"  # set by ``relayrl up`` for its children; read once, never inherited further
 PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 60.0  # twice the launcher's own per-role stop grace (relayrl/runtime/launcher.py)
 
 
-def stop_with_parent() -> None:
+def stop_with_parent(*, watchdog_s: float | None = ORPHAN_GRACE_S) -> None:
     """In a child of ``relayrl up``: receive SIGTERM when the launcher dies, however it dies (SIGKILL included).
 
     The launcher puts its pid in ``PARENT_ENV``; the child pops it (its own children must not act on it) and asks
     the kernel for PR_SET_PDEATHSIG (sent when the thread that forked us exits: the launcher forks from its main
     thread only). A launcher gone before the call is caught by comparing the parent pid. SIGTERM is each role's
-    clean stop: the trainer finishes its step and checkpoints, workers drain."""
+    clean stop: the trainer finishes its step and checkpoints, workers drain.
+
+    A launcher stopping a role SIGKILLs it after a grace; a dead launcher cannot, so ``watchdog_s`` (None: no
+    watchdog, for a process that must stay single-threaded) does it: ``watchdog_s`` after the launcher is gone, a
+    role still running writes every thread's stack to stderr (its log) and SIGKILLs itself and its children."""
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):
         return
@@ -74,8 +82,25 @@ def stop_with_parent() -> None:
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
         return
+    if watchdog_s is not None:
+        watchdog = threading.Thread(target=_kill_when_orphaned, args=(int(parent), watchdog_s), daemon=True)
+        watchdog.name = "orphan-watchdog"
+        watchdog.start()
     if os.getppid() != int(parent):  # the launcher died before the call
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill_when_orphaned(parent: int, grace_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    time.sleep(grace_s)
+    logging.getLogger(__name__).error(
+        "the launcher (pid %d) died %.0fs ago and this process has not stopped: killing it and its children; "
+        "every thread's stack follows", parent, grace_s,
+    )  # fmt: skip
+    faulthandler.dump_traceback(all_threads=True)
+    signal_pids(descendants(os.getpid()), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 PR_SET_CHILD_SUBREAPER = 36

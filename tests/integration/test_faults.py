@@ -186,14 +186,28 @@ def test_sigkill_of_relayrl_up_stops_every_child(make_config):
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 90
-        while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in tree):
-            assert time.monotonic() < deadline, "children still running 90 s after the launcher's SIGKILL"
+        while alive := [pid for pid in tree if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:
+            assert time.monotonic() < deadline, f"running 90 s after the launcher's SIGKILL: {_described(alive, cfg)}"
             time.sleep(0.5)
         logs = cfg.run_dir / "logs"
         assert "SIGTERM" in (logs / "trainer.log").read_text() and "SIGTERM" in (logs / "controller.log").read_text()
     finally:
         for pid in tree:
             kill_tree(pid)
+
+
+def _described(pids: list[int], cfg) -> str:
+    """Each pid's command line, then the tail of every role log (what the survivors were doing)."""
+    lines = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            lines.append(f"{pid}: {argv[:200]}")
+        except OSError:
+            lines.append(f"{pid}: gone")
+    for log in sorted((cfg.run_dir / "logs").glob("*.log")):
+        lines.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(lines)
 
 
 def _state(pid: int) -> str:
