@@ -314,11 +314,11 @@ class TrainerConfig(Section):
     # (2 ranks, a tiny model) cost more than the overlap saved, and a step holds a copy of the shard's weights and
     # optimizer state in case its stream breaks.
     stream: Literal["auto", "on", "off"] = "off"
-    # Train padding-free (relayrl/trainer/packing.py): rows packed into micro-batches with no padding, positions
-    # restarting per row, attention never crossing rows. "auto" packs a forward whose padding is >= 25 % of its
-    # positions (the choice is logged), "on" every forward, "off" none. FSDP only: Megatron trains padded.
+    # Train padding-free (relayrl/trainer/packing.py): rows sorted by length into micro-batches padded only to
+    # their own longest row, attention never crossing rows. "auto" does so for a forward whose padding is >= 25 %
+    # of its positions (the choice is logged), "on" every forward, "off" none. FSDP only: Megatron trains padded.
     padding_free: Literal["auto", "on", "off"] = "auto"
-    pack_token_budget: int = Field(1024, ge=1)  # most tokens in one packed micro-batch (attention costs T^2 in it)
+    pack_token_budget: int = Field(1024, ge=1)  # most positions (rows x longest row) in a padding-free micro-batch
 
     @field_validator("stream", "padding_free", mode="before")
     @classmethod

@@ -1,25 +1,25 @@
-"""Padding-free forward passes (``trainer.padding_free``): a right-padded batch's rows packed into micro-batches.
+"""Padding-free forward passes (``trainer.padding_free``): a right-padded batch's rows forwarded in length buckets.
 
-A micro-batch is one sequence [1, T] holding whole rows back to back, ``T <= token_budget`` (a row longer than
-the budget gets a micro-batch of its own). Position ids restart at 0 for every row, and the forward gets them with
-no attention mask and no cache: transformers then finds the row boundaries from the position ids
-(``transformers/masking_utils.py``, ``find_packed_sequence_indices``: a new row wherever the position does not
-grow by one) and builds a block-diagonal causal mask, so attention never crosses rows (verl's remove-padding,
-OpenRLHF's packing).
+Rows are sorted longest first and cut into runs, the micro-batches. Each is one [b, L_b] forward of its b rows,
+right-padded only to its own longest row ``L_b``, with no attention mask and no cache: causal attention never
+looks right, so a row's positions see only that row's earlier tokens and come out as in the padded forward (up to
+float rounding), and SDPA runs its causal kernel, ``b x L_b^2 / 2`` of attention (one packed [1, T] sequence under
+a block-diagonal mask would pay ``T^2``: a materialised mask, no block skipped).
 
-Logits are scored only where row token t predicts row token t+1 (never across a boundary), and scattered back to
-the padded [B, L-1] layout the loss uses: ``out[i, t]`` scores token t+1 of row i as the padded forward does (up to
-float rounding), 0 where row i has no token t+1. The scatter is differentiable, so one backward through the loss
-reaches every micro-batch's forward.
+The cut (``micro_batches``) minimises ``sum_b (b x L_b + FORWARD_COST)``: the positions computed (padding only
+up to each micro-batch's longest row, little once rows are sorted) plus a fixed cost per forward, with at most
+``token_budget`` positions in a micro-batch of more than one row. The padded batch computes ``B x L`` positions,
+the micro-batches ``sum_b b x L_b`` (``computed_positions``, reported as the forward's positions).
 
-Cost: a padded batch computes ``B x L`` positions, a packed one ``sum(len_i)``; attention within a micro-batch is
-``T^2`` under the block mask, which ``token_budget`` bounds.
+Logits are scored only where row token t predicts row token t+1, and scattered back to the padded [B, L-1] layout
+the loss uses: ``out[i, t]`` scores token t+1 of row i as the padded forward does (up to float rounding), 0 where
+row i has no token t+1. The scatter is differentiable, so one backward through the loss reaches every
+micro-batch's forward.
 """
 
 from __future__ import annotations
 
 import logging
-from itertools import accumulate
 
 import torch
 
@@ -28,24 +28,43 @@ from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_fr
 log = logging.getLogger(__name__)
 
 # trainer.padding_free "auto" packs a forward whose padding is at least this share of its positions: below it the
-# saved positions do not pay for the extra, smaller forwards and the block masks.
+# saved positions do not pay for the extra, smaller forwards.
 AUTO_MIN_PADDING_SHARE = 0.25
+# A forward's fixed cost (its kernels' launches, Python, autograd), counted in positions: a micro-batch is worth
+# splitting where that saves more padded positions than this.
+FORWARD_COST = 128
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Row indices per micro-batch: rows in order, a new micro-batch whenever the next row would take the current
-    one past ``token_budget`` tokens (a longer row goes alone). Every row appears exactly once."""
+    """Row indices per micro-batch (module docstring): rows sorted longest first (ties in row order) and cut into
+    runs that minimise ``sum_b (b x L_b + FORWARD_COST)``, a run of more than one row holding ``b x L_b <=
+    token_budget`` positions (a longer row goes alone). Every row appears exactly once.
+
+    A micro-batch's cost depends only on its row count and its longest row, so swapping a longer row of a
+    micro-batch with a shorter one of another whose longest row is longer never costs more: some optimum takes
+    runs of the sorted rows, found by ``best[j] = min_i best[i] + (j - i) x L_i + FORWARD_COST`` over the first j."""
     if token_budget < 1:
         raise ValueError(f"token_budget: must be >= 1, got {token_budget}")
-    batches: list[list[int]] = []
-    used = token_budget  # the first row opens a micro-batch
-    for row, length in enumerate(lengths):
-        if used + length > token_budget:
-            batches.append([])
-            used = 0
-        batches[-1].append(row)
-        used += length
-    return batches
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    sizes = [lengths[i] for i in order]
+    best, cut = [0] + [0] * len(sizes), [0] * (len(sizes) + 1)  # best cost of the first j rows, where its run starts
+    for j in range(1, len(sizes) + 1):
+        best[j], cut[j] = best[j - 1] + sizes[j - 1] + FORWARD_COST, j - 1  # row j - 1 alone
+        for i in range(j - 2, -1, -1):  # rows i .. j - 1 together, L_i the longest
+            if (j - i) * sizes[i] > token_budget:
+                break
+            if (cost := best[i] + (j - i) * sizes[i] + FORWARD_COST) < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], len(sizes)
+    while j:
+        batches.append(order[cut[j] : j])
+        j = cut[j]
+    return batches[::-1]
+
+
+def computed_positions(lengths: list[int], token_budget: int) -> int:
+    """Positions the micro-batches of ``micro_batches(lengths, token_budget)`` compute: ``sum_b b x L_b``."""
+    return sum(len(batch) * lengths[batch[0]] for batch in micro_batches(lengths, token_budget))
 
 
 def packed_logprobs(
@@ -59,32 +78,35 @@ def packed_logprobs(
     min_forwards: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of the next token, entropy), both [B, L-1] on ``device``, of the right-padded rows
-    ``input_ids`` / ``attention_mask`` [B, L], forwarded packed (module docstring); 0 past each row's end.
+    ``input_ids`` / ``attention_mask`` [B, L], forwarded in length buckets (module docstring); 0 past each row's end.
 
     ``min_forwards``: forwards to make at least; the missing ones forward one token whose result enters the output
     times zero (FSDP ranks must all make the same forward and backward calls)."""
     rows, width = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
+    batches = micro_batches(lengths, token_budget)
+    at_rows, at_cols, logprobs, entropies = [], [], [], []
+    for batch in batches:
+        index = torch.tensor(batch)
+        span = lengths[batch[0]]  # the micro-batch's longest row
+        tokens = input_ids[index, :span].to(device)
+        logits = model(input_ids=tokens, use_cache=False).logits
+        # position t scores token t + 1 where that token is in the row (right-padded: t + 1 < the row's length)
+        rows_at, cols_at = attention_mask[index, 1:span].bool().nonzero(as_tuple=True)
+        rows_at, cols_at = rows_at.to(device), cols_at.to(device)
+        picked = logits[rows_at, cols_at]
+        logprobs.append(logprobs_from_logits(picked, tokens[rows_at, cols_at + 1], temperature))
+        entropies.append(entropy_from_logits(picked, temperature))
+        at_rows.append(index.to(device)[rows_at])
+        at_cols.append(cols_at)
     logprob = torch.zeros(rows, width - 1, device=device)
     entropy = torch.zeros(rows, width - 1, device=device)
-    batches = micro_batches(lengths, token_budget)
-    for batch in batches:
-        tokens = torch.cat([input_ids[i, : lengths[i]] for i in batch]).to(device)
-        positions = torch.cat([torch.arange(lengths[i]) for i in batch]).to(device)
-        logits = model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
-        starts = [0, *accumulate(lengths[i] for i in batch)][:-1]
-        # packed position p scores token p + 1 where both belong to one row: every position but a row's last
-        scored = torch.cat([s + torch.arange(lengths[i] - 1) for s, i in zip(starts, batch)]).to(device)
-        at = (
-            torch.cat([torch.full((lengths[i] - 1,), i) for i in batch]).to(device),
-            torch.cat([torch.arange(lengths[i] - 1) for i in batch]).to(device),
-        )
-        picked = logits[scored]
-        logprob = logprob.index_put(at, logprobs_from_logits(picked, tokens[scored + 1], temperature))
-        entropy = entropy.index_put(at, entropy_from_logits(picked, temperature))
+    if batches:
+        at = (torch.cat(at_rows), torch.cat(at_cols))
+        logprob, entropy = logprob.index_put(at, torch.cat(logprobs)), entropy.index_put(at, torch.cat(entropies))
     for _ in range(min_forwards - len(batches)):
         one = torch.zeros(1, 1, dtype=torch.long, device=device)
-        logprob = logprob + 0.0 * model(input_ids=one, position_ids=one, use_cache=False).logits.sum()
+        logprob = logprob + 0.0 * model(input_ids=one, use_cache=False).logits.sum()
     return logprob, entropy
 
 

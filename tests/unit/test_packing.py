@@ -21,7 +21,7 @@ from relayrl.runtime.procs import exit_now
 from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
-from relayrl.trainer.packing import micro_batches, packed_logprobs
+from relayrl.trainer.packing import FORWARD_COST, computed_positions, micro_batches, packed_logprobs
 from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
 
@@ -51,9 +51,16 @@ def long_tail_batch(groups: int = 4, n: int = 4, seed: int = 0):
     return to_train_batch(samples, pad_token_id=0)
 
 
-def test_micro_batches_hold_every_row_once_within_the_budget() -> None:
-    assert micro_batches([3, 4, 2, 9, 1], token_budget=8) == [[0, 1], [2], [3], [4]]
+def test_micro_batches_hold_every_row_once_longest_first_within_the_budget() -> None:
+    assert micro_batches([3, 4, 2, 9, 1], token_budget=8) == [[3], [1, 0], [2, 4]]  # 2 x 4, 1 x 9, 2 x 2
+    assert computed_positions([3, 4, 2, 9, 1], token_budget=8) == 9 + 2 * 4 + 2 * 2
     assert micro_batches([5, 5], token_budget=100) == [[0, 1]]
+    assert micro_batches([], token_budget=100) == []
+    long = 10 * FORWARD_COST
+    # the short rows padded to the long one would cost more positions than a forward: split
+    assert micro_batches([1, long, 1], token_budget=100 * long) == [[1], [0, 2]]
+    # one padded position costs less than a forward: together
+    assert micro_batches([long - 1, long], token_budget=100 * long) == [[1, 0]]
     with pytest.raises(ValueError, match="token_budget"):
         micro_batches([1], token_budget=0)
 
@@ -68,14 +75,19 @@ def test_packed_rows_see_only_themselves_and_score_as_padded(tiny_model_dir) -> 
         packed, _ = packed_logprobs(
             model, batch.input_ids, batch.attention_mask, 1.0, device=torch.device("cpu"), token_budget=64
         )
+        batches = micro_batches(batch.attention_mask.sum(-1).tolist(), 64)
+        row = next(b for b in batches if len(b) > 1)[-1]  # the shortest row of a micro-batch of several
+        others = torch.arange(len(batch)) != row
         changed = batch.input_ids.clone()
-        changed[1:] = torch.where(batch.attention_mask[1:].bool(), 3 + (changed[1:] + 1) % 17, changed[1:])
+        changed[others] = torch.where(
+            batch.attention_mask[others].bool(), 3 + (changed[others] + 1) % 17, changed[others]
+        )
         other, _ = packed_logprobs(model, changed, batch.attention_mask, 1.0, device=torch.device("cpu"),
                                    token_budget=64)  # fmt: skip
-    assert len(micro_batches(batch.attention_mask.sum(-1).tolist(), 64)) > 1  # several rows per micro-batch
+    assert len(batches) > 1
     assert float(((packed - padded) * mask).abs().max()) < TOLERANCE
-    assert torch.equal(packed[0], other[0])  # row 0 packed with rows whose tokens all changed: not a bit moved
-    assert float((packed - other)[1:].abs().max()) > 0.01
+    assert torch.equal(packed[row], other[row])  # forwarded with rows whose tokens all changed: not a bit moved
+    assert float((packed - other)[others].abs().max()) > 0.01
     assert float(packed[batch.attention_mask[:, 1:] == 0].abs().max()) == 0.0  # nothing past a row's end
 
 
@@ -127,7 +139,8 @@ def same_update_case(rank: int, world: int, port: int, model_dir: str, budget: i
 def check(result: dict) -> None:
     assert result["grads"] < TOLERANCE and result["weights"] < TOLERANCE < result["moved"] / 50, result
     assert result["loss"] < 1e-6, result
-    assert result["padding"][0] > 0.5 and result["padding"][1] == 0.0, result  # long tail: mostly padding, then none
+    # long tail: mostly padding; sorted into buckets, only what the cut kept because a forward costs more
+    assert result["padding"][0] > 0.5 and result["padding"][1] < result["padding"][0] - 0.2, result
     assert result["packed"] == [0.0, 1.0], result
 
 
@@ -141,8 +154,9 @@ def test_a_packed_step_is_the_padded_update(tiny_model_dir) -> None:
 
 
 def test_two_ranks_agree_on_their_packed_forwards(tiny_model_dir, tmp_path) -> None:
-    """Budget 48: rank 0 holds the 43-token row and packs its rows into more micro-batches than rank 1; FSDP's
-    gathers stay matched (no hang) and the update is still the padded one."""
+    """Budget 48: the ranks cut a mini-batch's rows into different numbers of micro-batches (rank 1's 24-token row
+    goes alone, rank 0's rows of that mini-batch fit in one); FSDP's gathers stay matched (no hang) and the update
+    is still the padded one."""
     out = tmp_path / "result.json"
     mp.spawn(same_update_case, args=(2, free_port(), str(tiny_model_dir), 48, str(out)), nprocs=2)
     check(json.loads(out.read_text()))

@@ -47,7 +47,7 @@ from relayrl.trainer.backends.lora import (
 )
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.optim import adamw
-from relayrl.trainer.packing import PaddingFree, micro_batches, packed_logprobs
+from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,7 +115,7 @@ class FSDPBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``.
 
-        Rows are packed (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
+        Rows go in length buckets (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
         right-padded batch (every row's mask ones then zeros, what ``to_train_batch`` builds) goes in without
         its mask: causal attention never looks right, so the valid positions come out bit for bit the same,
         and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward).
@@ -126,10 +126,9 @@ class FSDPBackend:
         is_right_padded = right_padded(attention_mask)
         totals = self._agreed([tokens, positions, not is_right_padded], dist.ReduceOp.SUM)
         if not totals[2] and self.padding_free.decide(totals[0], totals[1]):
-            budget = self.padding_free.token_budget
-            count = len(micro_batches(attention_mask.sum(-1).tolist(), budget))
-            forwards = self._agreed([count], dist.ReduceOp.MAX)[0]
-            self.padding_free.record(tokens, tokens, packed=True)
+            budget, lengths = self.padding_free.token_budget, attention_mask.sum(-1).tolist()
+            forwards = self._agreed([len(micro_batches(lengths, budget))], dist.ReduceOp.MAX)[0]
+            self.padding_free.record(tokens, computed_positions(lengths, budget), packed=True)
             return packed_logprobs(
                 model, input_ids, attention_mask, temperature, device=self.device, token_budget=budget,
                 min_forwards=forwards,
