@@ -22,12 +22,13 @@ from .jobs import launch, tail, wait_exit
 pytestmark = pytest.mark.slow
 
 
-MEGATRON_PP2 = {"backend": "megatron", "megatron": {"pipeline_parallel": 2}}
+TWO_RANKS = {"nproc": 2}  # FSDP shards gathered for the update
+MEGATRON_PP2 = {"backend": "megatron", "megatron": {"pipeline_parallel": 2}, "nproc": 2}
 
 
 @pytest.mark.parametrize(
     ("transport", "trainer"),
-    [("broadcast", {}), ("filesystem", {}), ("broadcast", MEGATRON_PP2)],
+    [("broadcast", TWO_RANKS), ("filesystem", {}), ("broadcast", MEGATRON_PP2)],
     ids=["broadcast", "filesystem", "megatron-pp2"],
 )
 def test_three_steps_with_verified_weights_and_logprobs(make_config, transport, trainer):

@@ -119,7 +119,7 @@ def test_trainer_killed_then_resumed(make_config):
         job.children["trainer"].wait()
         before = read_metrics(cfg.run_dir / "metrics.jsonl")
         resumed_from = max(int(p.name.split("_")[1]) for p in (cfg.run_dir / "checkpoints").glob("step_*"))
-        job.spawn("trainer", [*job.children["trainer"].args, "--resume"])
+        job.respawn("trainer")  # as the supervisor restarts it: its command, environment and --resume
         assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
         after = read_metrics(cfg.run_dir / "metrics.jsonl")
         contiguous(after, steps)  # no step repeated or skipped
@@ -146,7 +146,7 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger
     """SIGTERM stops every process; prompts drawn for the batch after the last trained step stay ``pending`` or
     ``queued``, and ``relayrl up --resume`` rewinds them to the checkpoint's cursor and trains them."""
     steps, groups = 5, 4
-    config = make_config("upterm", trainer={"steps": steps}, controller={"train_batch_groups": groups})
+    config = make_config("upterm", trainer={"steps": steps, "nproc": 2}, controller={"train_batch_groups": groups})
     proc = start_up(config)
     cfg = load_config(config)
     try:
@@ -176,7 +176,7 @@ def test_sigkill_of_relayrl_up_stops_every_child(make_config):
     """The launcher killed outright (no handler runs): each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
     stops as on a SIGTERM to it, the trainer too, although its controller stops at the same moment (its retries give
     up). Nothing is left running."""
-    config = make_config("upkill", trainer={"steps": 50})
+    config = make_config("upkill", trainer={"steps": 50, "nproc": 2})  # the supervisor passes it on to its ranks
     proc = start_up(config)
     cfg = load_config(config)
     tree: list[int] = []

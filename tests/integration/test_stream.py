@@ -27,7 +27,7 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     steps, groups = 8, 4
     config = make_config(
         "stream",
-        trainer={"steps": steps, "stream": "auto"},
+        trainer={"steps": steps, "stream": "auto", "nproc": 2},  # rank 0 broadcasts the stream's parts
         controller={"max_staleness": 0, "dispatch_chunk": 1, "worker_max_calls": 1},
         supervisor={"backoff_s": 0.5},
     )

@@ -44,7 +44,7 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
     steps, groups = 60, 4
     config = make_config(
         "chaos",
-        trainer={"steps": steps, "checkpoint_every": 5},
+        trainer={"steps": steps, "checkpoint_every": 5, "nproc": 2},
         controller={"dynamic_sampling": False, "train_batch_groups": groups},
         supervisor=RESTART_FAST,
     )
