@@ -207,28 +207,35 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
     return run_supervised(rest)
 
 
-def _checked(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
-    """The config of ``up``/``check`` (resuming: the run's saved one and its safe changes, relayrl.ops.resume),
-    through the start-up checks (relayrl.ops.preflight)."""
-    from relayrl.ops.preflight import preflight
+def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
+    """The config of ``up``/``check`` (resuming: the run's saved one and its safe changes, relayrl.ops.resume)."""
     from relayrl.ops.resume import resume_config
 
-    cfg, changes = resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
-    preflight(cfg)
-    return cfg, changes
+    return resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.runtime.launcher import run_local
+    from relayrl.ops.preflight import preflight
+    from relayrl.runtime.launcher import run_local, start_forks
     from relayrl.services.channels import configure_client
 
-    cfg, changes = _checked(args)
+    cfg, changes = _loaded(args)
+    forks = start_forks(cfg)  # its imports run beside the start-up checks (seconds of a core each)
+    try:
+        preflight(cfg)
+    except BaseException:  # refused: nothing of the run may go on
+        if forks is not None:
+            forks.kill()
+        raise
     configure_client(cfg.security)
-    return run_local(cfg, resume=changes)
+    return run_local(cfg, resume=changes, forks=forks)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    cfg, changes = _checked(args)
+    from relayrl.ops.preflight import preflight
+
+    cfg, changes = _loaded(args)
+    preflight(cfg)
     what = f"resumes {cfg.run_dir}" + (f" ({'; '.join(changes)})" if changes else "") if args.resume else "starts"
     print(f"{args.config}: ok; `relayrl up` {what}")
     return 0

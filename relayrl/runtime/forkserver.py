@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -179,21 +180,40 @@ class Preloader:
             print(f"fork server: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
 
+def _move_stderr(path: str) -> dict:
+    """Copy what this process wrote to its stderr (a file it shares with the launcher) to ``path``, then write
+    there from now on."""
+    sys.stderr.flush()
+    with open(path, "ab") as log:
+        os.lseek(2, 0, os.SEEK_SET)
+        while chunk := os.read(2, 1 << 16):
+            log.write(chunk)
+        log.flush()
+        os.dup2(log.fileno(), 2)
+    return {"ok": True}
+
+
 def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> int:
     """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
-    ``{"error": text}``, importing what the role needs first (``Preloader``)."""
+    ``{"error": text}``, importing what the role needs first (``Preloader``); ``{"stderr": path}`` moves the
+    server's own output there (``_move_stderr``)."""
     stop_with_parent(watchdog_s=None)  # it forks: no thread may run (_fork_role); its roles run their own
     gc.disable()  # no full collections over the growing heap while it imports (relayrl/runtime/gcfreeze.py)
+    started = time.monotonic()
     importlib.import_module(ENTRY_MODULE)
+    print(f"fork server: imported {ENTRY_MODULE} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
     preloader = Preloader(model_path)
     for line in requests:
         try:
             request = json.loads(line)
-            preloader.prepare(request["args"][0] if request["args"] else "")
-            reply = {"pid": _fork_role(request)}
-            command = " ".join(request["args"][:2])
-            print(f"fork server: forked pid {reply['pid']}: {command}", file=sys.stderr, flush=True)
+            if "stderr" in request:
+                reply = _move_stderr(request["stderr"])
+            else:
+                preloader.prepare(request["args"][0] if request["args"] else "")
+                reply = {"pid": _fork_role(request)}
+                command = " ".join(request["args"][:2])
+                print(f"fork server: forked pid {reply['pid']}: {command}", file=sys.stderr, flush=True)
         except Exception as err:  # a failed fork is answered; the launcher starts the role itself
             reply = {"error": f"{type(err).__name__}: {err}"}
         replies.write(json.dumps(reply).encode() + b"\n")
@@ -247,15 +267,21 @@ class ForkServer:
     refused: dict[str, list[str]] = field(default_factory=dict)  # role -> why it was started fresh
 
     @classmethod
-    def start(cls, model_path: str | None, log: Path) -> ForkServer:
-        """Make this process a child subreaper and start the server (it imports while the caller goes on)."""
+    def start(cls, model_path: str | None, log: Path | None) -> ForkServer:
+        """Make this process a child subreaper and start the server (it imports while the caller goes on). Its
+        output goes to ``log``, or (None) to a temporary file until ``log_to`` names the log."""
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         argv = [sys.executable, "-m", "relayrl.runtime.forkserver", *(["--model", model_path] if model_path else [])]
-        with log.open("ab") as err:
+        with log.open("ab") if log is not None else tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                     start_new_session=True)  # fmt: skip
         return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})
+
+    def log_to(self, log: Path) -> None:
+        """Append what the server wrote to its temporary file to ``log``, and its output from now on."""
+        if self.proc.poll() is None:
+            self._ask({"stderr": str(log)})
 
     def spawn(self, role: str, argv: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
         """``argv`` (``RELAY`` + arguments) forked with ``env`` and its output appended to ``log``; None when it
@@ -266,17 +292,25 @@ class ForkServer:
         if blockers or self.proc.poll() is not None:
             self.refused[role] = blockers or [f"fork server exited with code {self.proc.returncode}"]
             return None
-        request = {"args": argv[len(RELAY) :], "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)}
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-            reply = json.loads(self.proc.stdout.readline() or b'{"error": "fork server closed its pipe"}')
-        except (OSError, ValueError) as err:
-            reply = {"error": f"{type(err).__name__}: {err}"}
+        reply = self._ask({"args": argv[len(RELAY) :], "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)})
         if "pid" not in reply:
             self.refused[role] = [reply["error"]]
             return None
         return ForkedRole(reply["pid"], list(argv))
+
+    def _ask(self, request: dict) -> dict:
+        """One request line, one reply line (``{"error": ...}`` when the server is gone)."""
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline() or b'{"error": "fork server closed its pipe"}')
+        except (OSError, ValueError) as err:
+            return {"error": f"{type(err).__name__}: {err}"}
+
+    def kill(self) -> None:
+        """Stop the server now, imports in progress or not (a run refused by its start-up checks)."""
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         """Stop the server (roles it forked are not its children and go on)."""

@@ -173,17 +173,19 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
     job.spawn(role, job.relay(*argv, "--worker-id", role))
 
 
-def start_forks(cfg: RelayConfig, logs: Path) -> ForkServer | None:
+def start_forks(cfg: RelayConfig, logs: Path | None = None) -> ForkServer | None:
     """The run's fork server (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
     host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
-    does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh."""
+    does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh. ``relayrl up``
+    starts it before its start-up checks (it imports while they run), its log in a temporary file until
+    ``start_job`` names the run's (``ForkServer.log_to``)."""
     if not cfg.supervisor.fork_roles:
         return None
     if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         console.print("[dim]GPU host: roles start as fresh interpreters (no fork server)[/dim]")
         return None
     try:
-        return ForkServer.start(cfg.model.path, logs / "forkserver.log")
+        return ForkServer.start(cfg.model.path, logs / "forkserver.log" if logs is not None else None)
     except OSError as err:
         console.print(f"[yellow]roles start as fresh interpreters: {err}[/yellow]")
         return None
@@ -195,11 +197,14 @@ def dial_address(host: str, port: int) -> str:
     return str(Address(host, port))
 
 
-def start_job(cfg: RelayConfig, config_path: Path, resume: bool) -> LocalJob:
-    """Start every role of ``cfg``; the controller binds ``controller.host:port`` (a fixed port: ``run_local``
-    records the one it picks for ``controller.port: 0`` in the saved config first)."""
+def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServer | None = None) -> LocalJob:
+    """Start every role of ``cfg``, forked from ``forks`` (``start_forks``) when given, else each a fresh
+    interpreter; the controller binds ``controller.host:port`` (a fixed port: ``run_local`` records the one it
+    picks for ``controller.port: 0`` in the saved config first)."""
     job = LocalJob(cfg, config_path, config_path.parent / "logs")
-    job.forks = start_forks(cfg, job.logs)
+    job.forks = forks
+    if forks is not None:
+        forks.log_to(job.logs / "forkserver.log")
     env_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
     job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = cfg.controller.port or free_port(cfg.controller.host)
@@ -305,9 +310,9 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
     return result
 
 
-def run_local(cfg: RelayConfig, *, resume: list[str] | None = None) -> int:
-    """Run ``cfg`` (through relayrl.ops.preflight already) to its end; ``resume``: continue its stopped run, with
-    these safe changes (relayrl.ops.resume)."""
+def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkServer | None = None) -> int:
+    """Run ``cfg`` (through relayrl.ops.preflight already) to its end, its roles forked from ``forks`` when given;
+    ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume)."""
     started = time.monotonic()
     if not cfg.controller.port:  # saved with the run, so that its address stays when it resumes
         cfg.controller.port = free_port(cfg.controller.host)
@@ -323,7 +328,7 @@ def run_local(cfg: RelayConfig, *, resume: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     job = None
     try:
-        job = start_job(cfg, config_path, resume is not None)
+        job = start_job(cfg, config_path, resume is not None, forks)
         console.print(
             f"controller {job.controller_address} · {cfg.rollout.workers} rollout workers · "
             f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"

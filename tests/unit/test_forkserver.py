@@ -19,7 +19,8 @@ DRIVER = textwrap.dedent(
     from relayrl.runtime.forkserver import RELAY, ForkServer
 
     logs, config = Path(sys.argv[1]), sys.argv[2]
-    server = ForkServer.start(None, logs / "forkserver.log")
+    server = ForkServer.start(None, None)  # as `relayrl up` starts it, before its checks and its run directory
+    server.log_to(logs / "forkserver.log")
     env = {**server.env, "RELAYRL_LOG_LEVEL": "DEBUG"}
     out = {"launcher": os.getpid()}
     bad = server.spawn("bad", [*RELAY, "controller", "serve", "--config", str(logs / "missing.yaml")], env,
@@ -90,6 +91,10 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["alive_after_server"] and out["after_server"] is None
     assert out["after_server_why"] == ["fork server exited with code -9"]
     assert out["code"] == 0 and "SIGTERM: shutting down the controller" in log
+    # the server's own log: what it wrote before `log_to` named it (its first import), and after (each fork)
+    server_log = (logs / "forkserver.log").read_text()
+    assert server_log.startswith("fork server: imported relayrl.cli in "), server_log
+    assert f"fork server: forked pid {out['pid']}: controller serve" in server_log
 
 
 def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
