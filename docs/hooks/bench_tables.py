@@ -316,9 +316,10 @@ def padding(result: dict) -> str:
         return ", ".join(f(r) for r in result[key])
 
     rows = [
-        ["padded (`trainer.padding_free: off`)", f"{b['padded_positions']:,}", f(s["padded"]), f(c["padded"]), "1.00",
-         "1.00"],
-        ["padding-free (`on`)", f"{b['real_tokens']:,}", f(s["padding_free"]), f(c["padding_free"]),
+        ["padded (`trainer.padding_free: off`)", f"{b['positions_computed']['padded']:,}", f(s["padded"]),
+         f(c["padded"]), "1.00", "1.00"],
+        ["padding-free (`on`)", f"{b['positions_computed']['padding_free']:,}", f(s["padding_free"]),
+         f(c["padding_free"]),
          f"{f(result['speedup'])}× ({rounds('speedup_by_round')})",
          f"**{f(result['cpu_speedup'])}×** ({rounds('cpu_speedup_by_round')})"],
     ]  # fmt: skip
@@ -328,8 +329,9 @@ def padding(result: dict) -> str:
     load = result["machine"]
     return (
         table(header, rows) + f"\n\n{b['rows']} rows, mean response {f(b['response_len_mean'], 1)} tokens, longest "
-        f"{b['response_len_max']}; padding share {100 * b['padding_share']:.0f} %. Largest weight difference after "
-        f"the step {u['weights_max_diff']:.1e} (the step moved weights by up to {u['moved_max']:.1e}). "
+        f"{b['response_len_max']}; {b['real_tokens']:,} real tokens, padding share of the padded batch "
+        f"{100 * b['padding_share']:.0f} %. Largest weight difference after the step {u['weights_max_diff']:.1e} "
+        f"(the step moved weights by up to {u['moved_max']:.1e}). "
         f"{load['cpus_usable']} usable CPUs, load average {load['loadavg_at_start'][0]:.1f} at the start, "
         f"{load['loadavg_at_end'][0]:.1f} at the end."
     )

@@ -5,12 +5,12 @@ The batch: ``--groups`` prompts of the digits task x ``--n`` responses whose len
 its longest row), random rewards. The model: ``write_long_tail_model`` (tiny Qwen2, ``--hidden`` x ``--layers``).
 Each round trains the step from the same starting weights with ``trainer.padding_free`` off, then on (the order
 alternates between rounds), in a trainer world of one rank on this process: FSDP backend, ``--mini-batches``
-optimizer steps, old logprobs the engine's (the K = 0 path). Prints one JSON object: the batch's shape (rows,
-real tokens, padded positions, padding share), seconds per step of each mode (median over rounds, and every
-round), ``speedup`` (padded / padding-free, per round and the median), the same for the process's CPU seconds
-(``cpu_seconds_per_step``, ``cpu_speedup``: on a shared machine, where the step waits for a core, steadier than
-wall seconds; exact with ``--threads 1``), and the update's agreement: the largest |padded - padding-free|
-weight difference after the step against the largest change the step made.
+optimizer steps, old logprobs the engine's (the K = 0 path). Prints one JSON object: the batch's shape (rows, real
+tokens, padded positions, padding share, the positions each mode's forwards computed), seconds per step of each
+mode (median over rounds, and every round), ``speedup`` (padded / padding-free, per round and the median), the same
+for the process's CPU seconds (``cpu_seconds_per_step``, ``cpu_speedup``: on a shared machine, where the step waits
+for a core, steadier than wall seconds; exact with ``--threads 1``), and the update's agreement: the largest
+|padded - padding-free| weight difference after the step against the largest change the step made.
 """
 
 from __future__ import annotations
@@ -91,16 +91,19 @@ def geometric(mean: float, generator: torch.Generator) -> int:
     return max(1, math.ceil(math.log(u) / math.log(1 - 1 / mean))) if mean > 1 else 1
 
 
-def train_once(model_dir: Path, batch: TrainBatch, mode: str, args: argparse.Namespace) -> tuple[float, float, dict]:
+def train_once(
+    model_dir: Path, batch: TrainBatch, mode: str, args: argparse.Namespace
+) -> tuple[float, float, dict, float]:
     """One step from the model's saved weights with ``trainer.padding_free`` ``mode``: (wall seconds, CPU seconds
-    of this process, weights after)."""
+    of this process, weights after, the step's ``padding_share`` metric: padding in the positions computed)."""
     tcfg = TrainerConfig(lr=1e-3, mini_batches=args.mini_batches, padding_free=mode)
     torch.manual_seed(args.seed)
     backend = FSDPBackend(ModelConfig(path=str(model_dir)), tcfg, with_reference=False)
     began, cpu = time.perf_counter(), time.process_time()
-    train_on_batch(backend, batch, AlgorithmConfig(), tcfg, temperature=1.0, norm_len=args.max_tokens)
+    metrics = train_on_batch(backend, batch, AlgorithmConfig(), tcfg, temperature=1.0, norm_len=args.max_tokens)
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return seconds, cpu, {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    return seconds, cpu, weights, metrics["padding_share"]
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -117,9 +120,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     seconds: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     weights: dict[str, dict] = {}
+    padding: dict[str, float] = {}
     for rnd in range(args.rounds):
         for mode in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-            took, used, weights[mode] = train_once(model_dir, batch, mode, args)
+            took, used, weights[mode], padding[mode] = train_once(model_dir, batch, mode, args)
             seconds[mode].append(took)
             cpu[mode].append(used)
     tokens = int(batch.attention_mask.sum())
@@ -134,6 +138,11 @@ def run_bench(args: argparse.Namespace) -> dict:
         "padding_share": 1 - tokens / positions,
         "response_len_mean": float(batch.response_mask.sum()) / len(batch),
         "response_len_max": int(batch.response_mask.sum(-1).max()),
+        # per mode: real tokens / (1 - the step's padding share), both of its mini-batches' forwards together
+        "positions_computed": {
+            "padded": round(tokens / (1 - padding["off"])),
+            "padding_free": round(tokens / (1 - padding["on"])),
+        },
     }
     settings = {k: v for k, v in vars(args).items() if k != "workdir"}
     return {
