@@ -28,6 +28,9 @@ def test_the_padding_bench_trains_the_same_update_both_ways(tmp_path, capsys) ->
             "--rounds", "1", "--mini-batches", "1", "--workdir", str(tmp_path)]  # fmt: skip
     assert padding.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["batch"]["rows"] == 8 and result["batch"]["padding_share"] > 0.3
+    batch = result["batch"]
+    assert batch["rows"] == 8 and batch["padding_share"] > 0.3
+    computed = batch["positions_computed"]  # padded: every position; length buckets: at most that, at least the tokens
+    assert computed["padded"] == batch["padded_positions"] >= computed["padding_free"] >= batch["real_tokens"]
     assert result["update"]["weights_max_diff"] < 1e-5 < result["update"]["moved_max"]
     assert result["speedup"] > 0 and len(result["speedup_by_round"]) == 1 and result["cpu_speedup"] > 0
