@@ -215,14 +215,15 @@ def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.ops.preflight import preflight
+    from relayrl.ops.preflight import check_tokenizer, preflight
     from relayrl.runtime.launcher import run_local, start_forks
     from relayrl.services.channels import configure_client
 
     cfg, changes = _loaded(args)
-    forks = start_forks(cfg)  # its imports run beside the start-up checks (seconds of a core each)
+    preflight(cfg, load_tokenizer=False)
+    forks = start_forks(cfg)  # its imports run beside the tokenizer's load (seconds of a core each)
     try:
-        preflight(cfg)
+        check_tokenizer(cfg.model)
     except BaseException:  # refused: nothing of the run may go on
         if forks is not None:
             forks.kill()

@@ -5,8 +5,8 @@ Each failure is a ConfigError whose one line starts with the key: the GPUs and C
 the model (a local Hugging Face directory whose tokenizer loads, a hub id ``org/name``, or a ``builtin:``), the
 dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer columns in its
 first JSON row; or a hub dataset id), the reward function (importable, of a form relayrl calls),
-the engine (installed, at a supported version), the controller's port (free, when fixed) and the TLS files
-(readable PEM).
+the engine (installed, at a supported version), the controller's port (free, when fixed), the TLS files
+(readable PEM), and last the model's tokenizer (it loads: the one check that imports transformers and torch).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ HUB_MODEL_ID = re.compile(rf"^{_NAME}/{_NAME}$")  # org/name
 HUB_DATASET_ID = re.compile(rf"^({_NAME}/)?{_NAME}$")  # name or org/name
 
 
-def preflight(cfg: RelayConfig) -> None:
-    """Every check below, in order (the machine's GPUs and CPUs first: they need nothing loaded); the first failure
-    is raised."""
+def preflight(cfg: RelayConfig, *, load_tokenizer: bool = True) -> None:
+    """Every check below, in order (the machine's GPUs and CPUs first: they need nothing loaded; the tokenizer
+    last: loading it imports transformers and torch); the first failure is raised. ``load_tokenizer=False``
+    leaves that last one to the caller (``relayrl up`` starts its fork server first, to import beside it)."""
     place(cfg, node_devices(cfg.supervisor.gpus))  # GPU over-subscription
     check_role_cpus(cfg)  # CPUs a role is pinned to that are not here
     check_model(cfg.model)
@@ -46,6 +47,8 @@ def preflight(cfg: RelayConfig) -> None:
     check_engine(cfg.rollout.engine)
     check_port(cfg)
     check_tls(cfg)
+    if load_tokenizer:
+        check_tokenizer(cfg.model)
 
 
 def _first_line(err: BaseException) -> str:
@@ -59,16 +62,23 @@ def check_model(model: ModelConfig) -> None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
-        from transformers import AutoTokenizer
-
-        try:
-            AutoTokenizer.from_pretrained(path)
-        except Exception as err:
-            raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
     elif path.exists():
         raise ConfigError(f"model.path: {path} is a file, not a model directory")
     elif not HUB_MODEL_ID.match(model.path):
         raise ConfigError(f"model.path: {model.path}: no such directory, and not a hub id (org/name) or a builtin:")
+
+
+def check_tokenizer(model: ModelConfig) -> None:
+    """A local model directory's tokenizer loads as the roles load it (``AutoTokenizer``)."""
+    path = Path(model.path)
+    if model.path in BUILTIN_MODELS or not path.is_dir():
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
 
 
 def check_data(data: DataConfig) -> None:

@@ -263,11 +263,16 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
 ) -> None:
     no_config = tmp_path / "not-a-model"
     no_config.mkdir()
+    bad_tokenizer = tmp_path / "bad-tokenizer"  # the last check, after the fork server started, refuses it
+    bad_tokenizer.mkdir()  # (and kills that server)
+    (bad_tokenizer / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    (bad_tokenizer / "tokenizer.json").write_text("{not json")
     bad_rows = tmp_path / "rows.jsonl"
     bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
     cases = [
         (["model.path=/nonexistent/model"], "model.path: /nonexistent/model: no such directory, and not a hub id"),
         ([f"model.path={no_config}"], f"model.path: {no_config} has no config.json"),
+        ([f"model.path={bad_tokenizer}"], f"model.path: the tokenizer in {bad_tokenizer} does not load"),
         (["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file or directory"),
         ([f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
         (["controller.reward.fn=no_such_module:score"], "controller.reward.fn: reward function 'no_such_module:score'"),
