@@ -1,5 +1,5 @@
-"""Start-up checks: what would make a role die while it starts, found before any process starts and before
-the run directory is created (``relayrl up``, ``relayrl check``).
+"""Start-up checks: what would make a role die while it starts, found before any role starts and before the
+run directory is created (``relayrl up``, ``relayrl check``).
 
 Each failure is a ConfigError whose one line starts with the key: the GPUs and CPUs the roles are placed on,
 the model (a local Hugging Face directory whose tokenizer loads, a hub id ``org/name``, or a ``builtin:``), the
