@@ -62,9 +62,9 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return batches[::-1]
 
 
-def computed_positions(lengths: list[int], token_budget: int) -> int:
-    """Positions the micro-batches of ``micro_batches(lengths, token_budget)`` compute: ``sum_b b x L_b``."""
-    return sum(len(batch) * lengths[batch[0]] for batch in micro_batches(lengths, token_budget))
+def computed_positions(batches: list[list[int]], lengths: list[int]) -> int:
+    """Positions the micro-batches ``batches`` (of ``micro_batches(lengths, ...)``) compute: ``sum_b b x L_b``."""
+    return sum(len(batch) * lengths[batch[0]] for batch in batches)
 
 
 def packed_logprobs(

@@ -53,7 +53,8 @@ def long_tail_batch(groups: int = 4, n: int = 4, seed: int = 0):
 
 def test_micro_batches_hold_every_row_once_longest_first_within_the_budget() -> None:
     assert micro_batches([3, 4, 2, 9, 1], token_budget=8) == [[3], [1, 0], [2, 4]]  # 2 x 4, 1 x 9, 2 x 2
-    assert computed_positions([3, 4, 2, 9, 1], token_budget=8) == 9 + 2 * 4 + 2 * 2
+    lengths = [3, 4, 2, 9, 1]
+    assert computed_positions(micro_batches(lengths, token_budget=8), lengths) == 9 + 2 * 4 + 2 * 2
     assert micro_batches([5, 5], token_budget=100) == [[0, 1]]
     assert micro_batches([], token_budget=100) == []
     long = 10 * FORWARD_COST

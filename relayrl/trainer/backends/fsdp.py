@@ -127,8 +127,9 @@ class FSDPBackend:
         totals = self._agreed([tokens, positions, not is_right_padded], dist.ReduceOp.SUM)
         if not totals[2] and self.padding_free.decide(totals[0], totals[1]):
             budget, lengths = self.padding_free.token_budget, attention_mask.sum(-1).tolist()
-            forwards = self._agreed([len(micro_batches(lengths, budget))], dist.ReduceOp.MAX)[0]
-            self.padding_free.record(tokens, computed_positions(lengths, budget), packed=True)
+            batches = micro_batches(lengths, budget)
+            forwards = self._agreed([len(batches)], dist.ReduceOp.MAX)[0]
+            self.padding_free.record(tokens, computed_positions(batches, lengths), packed=True)
             return packed_logprobs(
                 model, input_ids, attention_mask, temperature, device=self.device, token_budget=budget,
                 min_forwards=forwards,
