@@ -267,13 +267,13 @@ class ForkServer:
     refused: dict[str, list[str]] = field(default_factory=dict)  # role -> why it was started fresh
 
     @classmethod
-    def start(cls, model_path: str | None, log: Path | None) -> ForkServer:
+    def start(cls, model_path: str | None) -> ForkServer:
         """Make this process a child subreaper and start the server (it imports while the caller goes on). Its
-        output goes to ``log``, or (None) to a temporary file until ``log_to`` names the log."""
+        output goes to a temporary file until ``log_to`` names the log (the run directory may not exist yet)."""
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         argv = [sys.executable, "-m", "relayrl.runtime.forkserver", *(["--model", model_path] if model_path else [])]
-        with log.open("ab") if log is not None else tempfile.TemporaryFile() as err:
+        with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                     start_new_session=True)  # fmt: skip
         return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})

@@ -173,19 +173,19 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
     job.spawn(role, job.relay(*argv, "--worker-id", role))
 
 
-def start_forks(cfg: RelayConfig, logs: Path | None = None) -> ForkServer | None:
+def start_forks(cfg: RelayConfig) -> ForkServer | None:
     """The run's fork server (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
     host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
     does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh. ``relayrl up``
-    starts it before its start-up checks (it imports while they run), its log in a temporary file until
-    ``start_job`` names the run's (``ForkServer.log_to``)."""
+    starts it before its last start-up check (it imports while the tokenizer loads), its log in a temporary file
+    until ``start_job`` names the run's (``ForkServer.log_to``)."""
     if not cfg.supervisor.fork_roles:
         return None
     if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         console.print("[dim]GPU host: roles start as fresh interpreters (no fork server)[/dim]")
         return None
     try:
-        return ForkServer.start(cfg.model.path, logs / "forkserver.log" if logs is not None else None)
+        return ForkServer.start(cfg.model.path)
     except OSError as err:
         console.print(f"[yellow]roles start as fresh interpreters: {err}[/yellow]")
         return None

@@ -21,9 +21,10 @@ from relayrl.trainer.metrics import read_metrics
 
 
 def launch(config_path: Path) -> tuple[LocalJob, object]:
-    """``start_job`` in this process, each role a fresh interpreter: a fork server would make the test process
-    a child subreaper for the rest of the session (the fork path is tested through ``relayrl up``)."""
-    cfg = load_config(config_path, ["supervisor.fork_roles=false"])
+    """``start_job`` in this process with no fork server, each role a fresh interpreter: a fork server would make
+    the test process a child subreaper for the rest of the session (the fork path is tested through ``relayrl
+    up``)."""
+    cfg = load_config(config_path)
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     run_config = cfg.run_dir / "config.yaml"
     run_config.write_text(config_path.read_text())

@@ -19,7 +19,7 @@ DRIVER = textwrap.dedent(
     from relayrl.runtime.forkserver import RELAY, ForkServer
 
     logs, config = Path(sys.argv[1]), sys.argv[2]
-    server = ForkServer.start(None, None)  # as `relayrl up` starts it, before its checks and its run directory
+    server = ForkServer.start(None)  # as `relayrl up` starts it, before its last check and its run directory
     server.log_to(logs / "forkserver.log")
     env = {**server.env, "RELAYRL_LOG_LEVEL": "DEBUG"}
     out = {"launcher": os.getpid()}
@@ -103,8 +103,8 @@ def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
 
     cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}})
     off = cfg.model_copy(update={"supervisor": cfg.supervisor.model_copy(update={"fork_roles": False})})
-    assert start_forks(off, tmp_path) is None
+    assert start_forks(off) is None
     driver = tmp_path / "nvidiactl"
     driver.touch()
     monkeypatch.setattr("relayrl.runtime.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
-    assert start_forks(cfg, tmp_path) is None
+    assert start_forks(cfg) is None
