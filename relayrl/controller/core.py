@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 from relayrl.config import RelayConfig
 from relayrl.controller.dispatch import Dispatcher, PromptJob
 from relayrl.controller.fanout import fan_out
-from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TRAINED, Ledger
+from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TERMINAL, TRAINED, Ledger
 from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
@@ -64,6 +64,7 @@ class ProgressState:
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
     exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
     exact_version: int = -1
+    last_batch_id: str = ""  # the batch of ``trainer_step``: a repeated ReportStep of it is answered, not refused
 
 
 def episode_ends(groups: dict[str, list]) -> dict[str, list[str]]:
@@ -186,12 +187,22 @@ class Controller:
         """Batches produced but not yet reported survive a restart (the trainer may be training one)."""
         batches = {}
         for path in self._batch_dir.glob("step_*.pb"):
-            step = int(path.stem.split("_")[1])
-            if step > self.progress.trainer_step:
-                batches[step] = controller_pb2.Batch.FromString(path.read_bytes())
-            else:
-                path.unlink()
+            batch = controller_pb2.Batch.FromString(path.read_bytes())
+            if batch.step > self.progress.trainer_step:
+                batches[batch.step] = batch
+            else:  # reported, and the process died before its ledger entries and file were settled
+                self._settle_reported(batch)
         return batches
+
+    def _settle_reported(self, batch: controller_pb2.Batch) -> None:
+        """The second half of a report, after state.json records it (the commit point): the batch's prompts
+        become TRAINED in the ledger (those a crash left unsettled), then its file goes."""
+        versions: dict[str, Counter[int]] = {}
+        for sample in batch.samples:
+            versions.setdefault(sample.prompt_id, Counter()).update(sampled_versions(sample))
+        unsettled = [pid for pid in sorted(versions) if (self.ledger.state(pid) or ("",))[0] not in TERMINAL]
+        self.ledger.mark(unsettled, TRAINED, step=batch.step, token_versions=versions)
+        (self._batch_dir / f"step_{batch.step}.pb").unlink(missing_ok=True)
 
     def _persist_batch(self, batch: controller_pb2.Batch) -> None:
         tmp = self._batch_dir / f"step_{batch.step}.tmp"
@@ -589,13 +600,22 @@ class Controller:
         yield controller_pb2.BatchPart(batch=header, streamed=streamed, temperature=temperature)
 
     def report_step(self, request: controller_pb2.ReportStepRequest) -> None:
+        """The trainer trained ``request.batch_id`` as step ``request.step``. Crash-safe and idempotent: state.json
+        records the report first (the commit point; a restart settles the rest, ``_load_batches``), and a report
+        repeated because its answer was lost (a controller killed after saving it) is answered again."""
         with self._cond:
             batch = self._batches.get(request.step)
+            if batch is None and (request.step, request.batch_id) == (
+                self.progress.trainer_step,
+                self.progress.last_batch_id,
+            ):
+                log.info("step %d: its report was recorded before a restart; answered again", request.step)
+                return
             if batch is None or batch.batch_id != request.batch_id:
                 raise NotFound(f"batch_id: {request.batch_id!r} is not the pending batch of step {request.step}")
             del self._batches[request.step]
-            (self._batch_dir / f"step_{request.step}.pb").unlink(missing_ok=True)
             self.progress.trainer_step = request.step
+            self.progress.last_batch_id = request.batch_id
             self.progress.policy_version = request.policy_version
             self.progress.last_sync_seconds = request.sync_seconds
             self.progress.last_sync_unix = time.time()
@@ -604,14 +624,11 @@ class Controller:
             if finished:
                 self.state = "finished"
             self._save_progress()
+            self._settle_reported(batch)
             self._cond.notify_all()
         if finished:  # a finished run is never paused: clients keep being served
             self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
-        versions: dict[str, Counter[int]] = {}
-        for sample in batch.samples:
-            versions.setdefault(sample.prompt_id, Counter()).update(sampled_versions(sample))
-        self.ledger.mark(sorted(versions), TRAINED, step=request.step, token_versions=versions)
         self.pace.record(request.step_seconds, batch.stats.samples_generated, batch.stats.reward_mean)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
@@ -640,6 +657,7 @@ class Controller:
             self._streams.clear()
             self.progress.cursor = request.cursor
             self.progress.trainer_step = self.progress.policy_version = request.step
+            self.progress.last_batch_id = ""  # a report of a later step is void with it
             self._set_exact(request.synced_worker_ids, request.step)
             self._next_step = request.step + 1
             finished = request.step >= self.cfg.trainer.steps

@@ -11,8 +11,8 @@ import pytest
 from relayrl.config import load_config
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import DispatchResult
-from relayrl.controller.ledger import PENDING, QUEUED
-from relayrl.errors import Unavailable
+from relayrl.controller.ledger import PENDING, QUEUED, TRAINED
+from relayrl.errors import NotFound, Unavailable
 from relayrl.v1 import common_pb2, controller_pb2
 
 
@@ -132,5 +132,52 @@ def test_a_restart_after_a_batch_was_built_keeps_it_and_draws_after_it(controlle
         assert second.pull_batch(1, timeout_s=5) == batch
         assert second.progress.cursor == batch.stats.cursor_end == groups
         assert all(second.ledger.state(s.prompt_id)[0] == QUEUED for s in batch.samples)
+    finally:
+        second.ledger.close()
+
+
+def pulled(controller) -> controller_pb2.Batch:
+    """Step 1's batch, built and pulled."""
+    controller.start()
+    controller.dispatcher.gate.release(controller.cfg.controller.train_batch_groups)
+    return controller.pull_batch(1, timeout_s=60)
+
+
+def stopped(controller) -> None:
+    """The controller stops, its state on disk as a killed one leaves it."""
+    controller.dispatcher.stop.set()
+    controller.stop()
+
+
+def test_a_report_whose_answer_was_lost_is_answered_again_by_the_restarted_controller(controller, tmp_path) -> None:
+    """The controller records a ReportStep and is killed before it answers; the trainer repeats the report to the
+    restarted controller, which answers it (the trainer must not die of it) and trains nothing twice."""
+    batch = pulled(controller)
+    report = controller_pb2.ReportStepRequest(step=1, batch_id=batch.batch_id, policy_version=1)
+    controller.report_step(report)
+    stopped(controller)
+    second = Controller(controller.cfg, state_dir=tmp_path / "state")
+    try:
+        second.report_step(report)
+        assert second.progress.trainer_step == 1
+        assert all(second.ledger.state(s.prompt_id)[0] == TRAINED for s in batch.samples)
+        with pytest.raises(NotFound, match="batch_id"):  # another batch id for that step is still refused
+            second.report_step(controller_pb2.ReportStepRequest(step=1, batch_id="other", policy_version=1))
+    finally:
+        second.ledger.close()
+
+
+def test_a_kill_between_a_recorded_report_and_its_ledger_entries_is_settled_on_restart(controller, tmp_path) -> None:
+    """state.json is the report's commit point: a controller killed after saving it and before marking the batch's
+    prompts TRAINED (and deleting the batch's file) finishes both on restart, instead of failing trained prompts."""
+    batch = pulled(controller)
+    stopped(controller)
+    controller.progress.trainer_step, controller.progress.last_batch_id = 1, batch.batch_id
+    controller._save_progress()  # ...and the process dies here
+    second = Controller(controller.cfg, state_dir=tmp_path / "state")
+    try:
+        assert all(second.ledger.state(s.prompt_id)[0] == TRAINED for s in batch.samples)
+        assert not list((tmp_path / "state" / "batches").glob("step_1.*"))
+        second.report_step(controller_pb2.ReportStepRequest(step=1, batch_id=batch.batch_id, policy_version=1))
     finally:
         second.ledger.close()
