@@ -25,7 +25,7 @@ from relayrl.ops.args import (
 from relayrl.ops.parser import add_operator_commands
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
-from relayrl.runtime.procs import exit_now, stop_with_parent
+from relayrl.runtime.procs import announce, exit_now, stop_with_parent
 from relayrl.runtime.threads import pin_role, yield_cores_to_generation
 from relayrl.services.retry import STOPPING
 
@@ -102,7 +102,7 @@ def cmd_controller_serve(args: argparse.Namespace) -> int:
 
     server, controller = serve_controller(cfg, port=args.port, state_dir=args.state_dir, metrics_port=args.metrics_port)
     freeze_startup_heap("controller")  # its startup heap (modules, tokenizer, dataset, ledger) lives as long as it does
-    print(f"controller listening on port {server.port}", flush=True)
+    announce(f"controller listening on port {server.port}")
     sig = wait_for_shutdown()
     logging.info("%s: shutting down the controller", sig)
     server.stop(grace_s=cfg.controller.shutdown_grace_s)
@@ -131,7 +131,7 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     freeze_startup_heap(
         "rollout"
     )  # the engine is loaded: its heap lives as long as the worker (relayrl/runtime/gcfreeze.py)
-    print(f"rollout worker {worker.worker_id} listening on port {server.port}", flush=True)
+    announce(f"rollout worker {worker.worker_id} listening on port {server.port}")
     sig = wait_for_shutdown()
     logging.info("%s: draining rollout worker %s", sig, worker.worker_id)
     worker.state = "draining"
@@ -168,7 +168,7 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     except OSError as err:  # taken since the check above
         print(f"relayrl env serve: {err}", file=sys.stderr)
         return 2
-    print(f"environment {server.table.name} listening on {server.address}", flush=True)
+    announce(f"environment {server.table.name} listening on {server.address}")
     sig = wait_for_shutdown()
     logging.info("%s: stopping environment server %s", sig, server.address)
     server.stop()

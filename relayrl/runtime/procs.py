@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import NoReturn
 
 
+def announce(line: str) -> None:
+    """``line`` and its newline on stdout in one write(2), which a pipe keeps whole (up to PIPE_BUF bytes) when
+    processes share it (the servers of ``relayrl env serve --processes N``). ``print`` under PYTHONUNBUFFERED
+    writes the text and the newline apart, so two processes' lines could interleave into one."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``."""
     pids: list[int] = []
