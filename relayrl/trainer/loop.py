@@ -358,6 +358,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             trackers.close()
             syncer.stop()
             publisher.close()
+        dist.barrier()  # no rank tears the group down while a peer is still in it (an abort at exit)
         dist.destroy_process_group()
         return 0
     if cfg.trainer.export_hf:

@@ -53,6 +53,7 @@ own = shared if rank == 0 else out / "rank1-run"  # rank 1's own run dir: empty
 own.mkdir(parents=True, exist_ok=True)
 step, cursor = resume_point(backend, own)
 (out / f"rank{rank}.json").write_text(json.dumps({"step": step, "cursor": cursor, "sum": total(), "saved": saved}))
+dist.barrier()  # as run_trainer ends: a rank that tears its group down while its peer is still in one aborts
 dist.destroy_process_group()
 """
 
