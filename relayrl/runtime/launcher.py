@@ -70,7 +70,11 @@ class LocalJob:
         log = self.logs / f"{role}.log"
         placed = {"CUDA_VISIBLE_DEVICES": self.devices[role]} if role in self.devices else {}
         ours = {"PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1", PARENT_ENV: str(os.getpid())}
-        child_env = {**os.environ, **ours, **placed, **(env or {}), **(single_rank_env() if own_store else {})}
+        # a forked role's environment is the fork server's (the launcher's when it started): what libraries set in
+        # the launcher since then stays out (importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR, and building
+        # the demo's model imports it: every role was refused the fork and paid a fresh interpreter's imports)
+        launch_env = self.forks.env if self.forks is not None else os.environ
+        child_env = {**launch_env, **ours, **placed, **(env or {}), **(single_rank_env() if own_store else {})}
         proc = self.forks.spawn(role, argv, child_env, log) if self.forks is not None else None
         if proc is None:
             with log.open("ab") as log_file:  # the child holds its own descriptor
