@@ -2,9 +2,9 @@
 run directory is created (``relayrl up``, ``relayrl check``).
 
 Each failure is a ConfigError whose one line starts with the key: the GPUs and CPUs the roles are placed on,
-the model (a local Hugging Face directory whose tokenizer loads, a hub id ``org/name``, or a ``builtin:``), the
-dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer columns in its
-first JSON row; or a hub dataset id), the reward function (importable, of a form relayrl calls),
+the model (a local Hugging Face directory with weights, whose tokenizer loads; a hub id ``org/name``; or a
+``builtin:``), the dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer
+columns in its first JSON row; or a hub dataset id), the reward function (importable, of a form relayrl calls),
 the engine (installed, at a supported version), the controller's port (free, when fixed), the TLS files
 (readable PEM), and last the model's tokenizer (it loads: the one check that imports transformers and torch).
 """
@@ -33,6 +33,9 @@ from relayrl.runtime.threads import check_role_cpus
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 HUB_MODEL_ID = re.compile(rf"^{_NAME}/{_NAME}$")  # org/name
 HUB_DATASET_ID = re.compile(rf"^({_NAME}/)?{_NAME}$")  # name or org/name
+# what from_pretrained loads weights from (sharded files included); a config and tokenizer alone make transformers
+# build a tokenizer, and the roles die loading the model
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def preflight(cfg: RelayConfig, *, load_tokenizer: bool = True) -> None:
@@ -62,6 +65,8 @@ def check_model(model: ModelConfig) -> None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face model directory)")
+        if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"model.path: {path} has no weights (no {' or '.join(WEIGHT_FILES)})")
     elif path.exists():
         raise ConfigError(f"model.path: {path} is a file, not a model directory")
     elif not HUB_MODEL_ID.match(model.path):

@@ -55,5 +55,8 @@ def test_lora_demo_learns_syncs_only_the_adapter_and_resumes_after_a_kill(tmp_pa
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     base = AutoModelForCausalLM.from_pretrained(builtin_model_path(cfg))
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    assert {r["sync_bytes"] for r in records} == {adapter_bytes} and adapter_bytes < full_bytes / 2
+    assert adapter_bytes < full_bytes / 2
+    # a worker that registered after the trainer's starting sync gets the base weights once, with step 1's update
+    assert records[0]["sync_bytes"] in (adapter_bytes, adapter_bytes + full_bytes), records[0]["sync_bytes"]
+    assert {r["sync_bytes"] for r in records[1:]} == {adapter_bytes}  # every later update: the adapter only
     assert isinstance(peft.PeftModel.from_pretrained(base, cfg.run_dir / "final/adapter"), peft.PeftModel)

@@ -267,11 +267,15 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     bad_tokenizer.mkdir()  # (and kills that server)
     (bad_tokenizer / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     (bad_tokenizer / "tokenizer.json").write_text("{not json")
+    (bad_tokenizer / "model.safetensors").write_bytes(b"")  # present: the weights are the roles' to load
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     bad_rows = tmp_path / "rows.jsonl"
     bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
     cases = [
         (["model.path=/nonexistent/model"], "model.path: /nonexistent/model: no such directory, and not a hub id"),
         ([f"model.path={no_config}"], f"model.path: {no_config} has no config.json"),
+        ([f"model.path={no_weights}"], f"model.path: {no_weights} has no weights (no *.safetensors or"),
         ([f"model.path={bad_tokenizer}"], f"model.path: the tokenizer in {bad_tokenizer} does not load"),
         (["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file or directory"),
         ([f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
