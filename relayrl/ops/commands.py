@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -183,28 +184,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     with connect(args) as client:
         if args.watch is None:
             return show(args, client.status(), status_tables)
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a watch
-            watch_status(args, client)
+        watch_status(args, client)
     return 0
 
 
 def watch_status(args: argparse.Namespace, client: RelayClient) -> None:
-    """``status --watch``: the status again every ``args.watch`` seconds until the run is finished or failed: in
-    place on a terminal, else one after another (with --json, one JSON object a line)."""
+    """``status --watch``: the status again every ``args.watch`` seconds until the run is finished or failed, or
+    SIGINT (Ctrl-C) ends it, always between two frames (a KeyboardInterrupt could land in the client's gRPC call
+    or in the channel's close); in place on a terminal, else one after another (--json: one JSON object a line)."""
+    interrupted: list[int] = []  # the handler only appends: it may run in the middle of anything, a lock held
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
     live = Live(console=out, auto_refresh=False) if out.is_terminal and not args.json else None
-    with live or contextlib.nullcontext():
-        while True:
-            status = client.status()
-            if args.json:
-                print(json.dumps(to_dict(status)), flush=True)
-            elif live is not None:
-                live.update(Group(*status_tables(status)), refresh=True)
-            else:
-                out.rule(time.strftime("%H:%M:%S"))
-                show(args, status, status_tables)
-            if status.state in ("finished", "failed"):
-                return
-            time.sleep(args.watch)
+    try:
+        with live or contextlib.nullcontext():
+            while not interrupted:
+                status = client.status()
+                if args.json:
+                    print(json.dumps(to_dict(status)), flush=True)
+                elif live is not None:
+                    live.update(Group(*status_tables(status)), refresh=True)
+                else:
+                    out.rule(time.strftime("%H:%M:%S"))
+                    show(args, status, status_tables)
+                if status.state in ("finished", "failed"):
+                    return
+                next_frame = time.monotonic() + args.watch
+                while not interrupted and time.monotonic() < next_frame:
+                    time.sleep(min(0.1, args.watch))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @operator_command
