@@ -29,6 +29,7 @@ import gc
 import importlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,9 @@ ENTRY_MODULE = "relayrl.cli"  # every role's entry point, ``main(argv)``; named,
 RELAY = (sys.executable, "-m", ENTRY_MODULE)  # every role's command line: RELAY + its arguments
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
-# the run's modeling module. A role's modules are imported at its first request, so the controller is forked
-# (and starts on the other core) while the server still imports what the workers and the trainer need.
+# the run's modeling module. The server imports them all, in this order (the launcher asks for the controller
+# first, then the workers, then the trainer), from its start and between requests (``serve``); a role's request
+# waits for its own modules and at most for the one import in progress.
 MODEL = "<modeling module>"
 ROLE_PRELOAD = {
     "controller": ("relayrl.services.controller_server",),
@@ -159,25 +161,40 @@ def _fork_role(request: dict) -> int:
 
 
 class Preloader:
-    """Imports each role's ``ROLE_PRELOAD`` once, before its first fork."""
+    """Imports each role's ``ROLE_PRELOAD`` once: the modules of a role that asks (``prepare``), and the next ones
+    in ``ROLE_PRELOAD`` order while the server has nothing else to do (``import_next``)."""
 
     def __init__(self, model_path: str | None) -> None:
         self.model = modeling_module(model_path) if model_path else None
         self.done: set[str] = set()
 
+    def modules(self, role: str | None = None) -> list[str]:
+        """``role``'s modules (every role's, in order, for None), MODEL named, each once."""
+        names = ROLE_PRELOAD.get(role, ()) if role is not None else [n for ns in ROLE_PRELOAD.values() for n in ns]
+        return [name for name in dict.fromkeys(self.model if n == MODEL else n for n in names) if name is not None]
+
     def prepare(self, role: str) -> None:
-        for name in ROLE_PRELOAD.get(role, ()):
-            name = self.model if name == MODEL else name
-            if name is None or name in self.done:
-                continue
-            self.done.add(name)
-            started = time.monotonic()
-            try:
-                importlib.import_module(name)
-            except Exception as err:  # a module not preloaded is imported by the role itself
-                print(f"fork server: not preloading {name}: {err}", file=sys.stderr, flush=True)
-                continue
-            print(f"fork server: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+        for name in self.modules(role):
+            self._import(name)
+
+    def import_next(self) -> bool:
+        """Import the next module not imported yet; False when none is left."""
+        name = next((n for n in self.modules() if n not in self.done), None)
+        if name is not None:
+            self._import(name)
+        return name is not None
+
+    def _import(self, name: str) -> None:
+        if name in self.done:
+            return
+        self.done.add(name)
+        started = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # a module not preloaded is imported by the role itself
+            print(f"fork server: not preloading {name}: {err}", file=sys.stderr, flush=True)
+            return
+        print(f"fork server: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
 
 def _move_stderr(path: str) -> dict:
@@ -204,7 +221,14 @@ def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> in
     print(f"fork server: imported {ENTRY_MODULE} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
     preloader = Preloader(model_path)
-    for line in requests:
+    while True:
+        # the launcher waits for each reply before it asks again: a line is never left in ``requests``' buffer,
+        # so the pipe tells whether a request waits
+        while not select.select([requests], [], [], 0)[0] and preloader.import_next():
+            pass
+        line = requests.readline()
+        if not line:
+            break
         try:
             request = json.loads(line)
             if "stderr" in request:

@@ -3,13 +3,17 @@ session, command line, environment, log and exit status, and outlive the server.
 
 from __future__ import annotations
 
+import gc
+import io
 import json
+import os
 import re
 import subprocess
 import sys
 import textwrap
 
-from relayrl.runtime.forkserver import env_fork_blockers, modeling_module
+from relayrl.runtime import forkserver
+from relayrl.runtime.forkserver import ROLE_PRELOAD, Preloader, env_fork_blockers, modeling_module
 
 # The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
 DRIVER = textwrap.dedent(
@@ -108,3 +112,40 @@ def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
     driver.touch()
     monkeypatch.setattr("relayrl.runtime.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
     assert start_forks(cfg) is None
+
+
+def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_while_idle(monkeypatch):
+    """The launcher's first request (the controller) is answered before the server imports what later roles
+    need; with nothing asked, it imports the rest in ROLE_PRELOAD order (imports and forks recorded, not run)."""
+    events: list[str] = []
+
+    def recorded_import(self, name: str) -> None:
+        if name not in self.done:
+            self.done.add(name)
+            events.append(name)
+
+    monkeypatch.setattr(Preloader, "_import", recorded_import)
+    monkeypatch.setattr(forkserver, "_fork_role", lambda request: events.append(f"fork {request['args'][0]}") or 1)
+    read_end, write_end = os.pipe()
+    os.write(write_end, json.dumps({"args": ["controller", "serve"], "env": {}, "log": "unused"}).encode() + b"\n")
+    os.close(write_end)  # the launcher closes the pipe: the server stops
+    with os.fdopen(read_end, "rb") as requests:
+        try:
+            assert forkserver.serve(None, requests, io.BytesIO()) == 0
+        finally:
+            gc.enable()  # serve() disables it for the server's imports
+    assert events == ["relayrl.services.controller_server", "fork controller"]
+
+    events.clear()
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as requests:
+        idle = Preloader(None)
+        monkeypatch.setattr(forkserver, "Preloader", lambda _model: idle)
+        monkeypatch.setattr(forkserver.select, "select", lambda r, w, x, timeout: ([], [], []))  # nothing asked yet
+        os.close(write_end)
+        try:
+            forkserver.serve(None, requests, io.BytesIO())
+        finally:
+            gc.enable()
+    every = [name for names in ROLE_PRELOAD.values() for name in names if name != forkserver.MODEL]
+    assert events == every
