@@ -13,11 +13,11 @@ import datasets
 
 from relayrl.config import DataConfig
 from relayrl.data.fast_tokens import encode_texts
+from relayrl.data.formats import FILE_BUILDERS
 
 # Rendered rows kept for later epochs, up to this many prompt tokens (16 MB of int32 ids, plus the texts): all of
 # a 20k-prompt set at 200 tokens a prompt, so every draw after its first epoch skips the read and the tokenizer.
 RENDERED_CACHE_TOKENS = 4_000_000
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets builder
 
 
 @dataclass(frozen=True)

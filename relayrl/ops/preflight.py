@@ -89,7 +89,7 @@ def check_tokenizer(model: ModelConfig) -> None:
 def check_data(data: DataConfig) -> None:
     if data.path in BUILTIN_DATA:
         return
-    from relayrl.data.dataset import FILE_BUILDERS
+    from relayrl.data.formats import FILE_BUILDERS
 
     path = Path(data.path)
     if path.is_file():

@@ -6,7 +6,7 @@ import importlib
 import re
 from collections.abc import Callable
 
-from relayrl.trainer.algorithms.registry import Registry
+from relayrl.registry import Registry
 
 RewardFn = Callable[[str, str], float]
 REWARDS: Registry = Registry("reward function")

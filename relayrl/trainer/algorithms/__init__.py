@@ -10,6 +10,7 @@
 - logprobs: logprobs_from_logits, entropy_from_logits
 """
 
+from relayrl.registry import Registry
 from relayrl.trainer.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
@@ -28,7 +29,6 @@ from relayrl.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl
 from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.trainer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, ppo_clip_loss
-from relayrl.trainer.algorithms.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relayrl.trainer.algorithms.registry import Registry
+from relayrl.registry import Registry
 
 AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")

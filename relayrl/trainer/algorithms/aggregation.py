@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.trainer.algorithms.registry import Registry
+from relayrl.registry import Registry
 
 AggregationFn = Callable[..., torch.Tensor]
 LOSS_AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation mode")

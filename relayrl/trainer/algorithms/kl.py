@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.trainer.algorithms.registry import Registry
+from relayrl.registry import Registry
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.registry import Registry
 from relayrl.trainer.algorithms.aggregation import masked_mean
-from relayrl.trainer.algorithms.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
