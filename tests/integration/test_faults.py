@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -118,9 +119,14 @@ def test_trainer_killed_then_resumed(make_config):
         signal_role(job, "trainer", signal.SIGKILL)
         job.children["trainer"].wait()
         before = read_metrics(cfg.run_dir / "metrics.jsonl")
-        resumed_from = max(int(p.name.split("_")[1]) for p in (cfg.run_dir / "checkpoints").glob("step_*"))
+        # the newest complete checkpoint: the kill may land while a newer one is being written (no trainer_state.json)
+        complete = [
+            int(p.parent.name.split("_")[1]) for p in (cfg.run_dir / "checkpoints").glob("step_*/trainer_state.json")
+        ]
         job.respawn("trainer")  # as the supervisor restarts it: its command, environment and --resume
         assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
+        resumed_from = int(re.findall(r"resumed from \S*step_(\d+) at step", tail(job, "trainer", 200_000))[-1])
+        assert resumed_from == max(complete), (resumed_from, complete)
         after = read_metrics(cfg.run_dir / "metrics.jsonl")
         contiguous(after, steps)  # no step repeated or skipped
         by_step = {r["step"]: r for r in before}
@@ -145,7 +151,7 @@ def test_trainer_killed_then_resumed(make_config):
 def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger(make_config):
     """SIGTERM stops every process; prompts drawn for the batch after the last trained step stay ``pending`` or
     ``queued``, and ``relayrl up --resume`` rewinds them to the checkpoint's cursor and trains them."""
-    steps, groups = 5, 4
+    steps, groups = 10, 4  # enough that the SIGTERM after step 2 lands before the last step
     config = make_config("upterm", trainer={"steps": steps, "nproc": 2}, controller={"train_batch_groups": groups})
     proc = start_up(config)
     cfg = load_config(config)
