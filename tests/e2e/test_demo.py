@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from integration.jobs import gpu_host
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relayrl.ops.placement import GPU_DRIVER_NODES
 from relayrl.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_demo_reward_rises(tmp_path):
     assert "reward, last 10 steps" in done.stderr  # the summary table
     # step 1 waited for the trainer's starting weights: their load aborted no call, so nothing was sent twice
     assert "re-dispatching" not in (run_dir / "logs" / "controller.log").read_text()
-    if not any(Path(node).exists() for node in GPU_DRIVER_NODES):  # a CPU host forks every role from its server
+    if not gpu_host():  # a CPU host forks every role from its server
         assert not [p.name for p in (run_dir / "logs").glob("*.log") if "not forked" in p.read_text()], logs
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")

@@ -134,19 +134,24 @@ def supervised_roles(cfg) -> dict[str, dict]:
     return json.loads(path.read_text())["roles"] if path.exists() else {}
 
 
+def gpu_host() -> bool:
+    """A GPU driver is here: ``relayrl up`` starts no fork server, every role starts fresh (launcher.start_forks)."""
+    return any(os.path.exists(node) for node in GPU_DRIVER_NODES)
+
+
 def assert_roles_forked(cfg, launcher: int) -> None:
     """Every supervised role is a child of ``relayrl up`` (``launcher``), named by its own command line
     (``relayrl.cli <role> ...``), and forked by its fork server (the pid in its log), which a GPU host has not."""
     commands = {"controller": "controller serve", "rollout": "rollout serve", "trainer": "trainer"}
     server_log = cfg.run_dir / "logs" / "forkserver.log"
     forked = server_log.read_text() if server_log.exists() else ""
-    gpu_host = any(os.path.exists(node) for node in GPU_DRIVER_NODES)
+    on_gpu_host = gpu_host()
     for role, entry in supervised_roles(cfg).items():
         stat = Path(f"/proc/{entry['pid']}/stat").read_text().rsplit(")", 1)[1].split()
         cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert int(stat[1]) == launcher, (role, stat[1], launcher)
         assert f"-m relayrl.cli {commands[role.split('-')[0]]}" in cmdline, (role, cmdline)
-        assert (f"forked pid {entry['pid']}: " in forked) != gpu_host, (role, entry["pid"], forked)
+        assert (f"forked pid {entry['pid']}: " in forked) != on_gpu_host, (role, entry["pid"], forked)
 
 
 def rank_pid(trainer_pid: int, rank: int) -> int:

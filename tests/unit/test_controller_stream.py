@@ -118,24 +118,6 @@ def test_a_restart_never_redraws_prompts_drawn_before_the_crash(make_config, tmp
         second.ledger.close()
 
 
-def test_a_restart_after_a_batch_was_built_keeps_it_and_draws_after_it(controller, tmp_path) -> None:
-    """A built batch is persisted, the cursor is saved only with the step's report: a controller restarted before
-    that report hands out the same batch, keeps its prompts pending and draws from where the batch ended."""
-    groups = controller.cfg.controller.train_batch_groups
-    controller.start()
-    controller.dispatcher.gate.release(groups)
-    batch = controller.pull_batch(1, timeout_s=60)
-    controller.dispatcher.stop.set()
-    controller.stop()
-    second = Controller(controller.cfg, state_dir=tmp_path / "state")
-    try:
-        assert second.pull_batch(1, timeout_s=5) == batch
-        assert second.progress.cursor == batch.stats.cursor_end == groups
-        assert all(second.ledger.state(s.prompt_id)[0] == QUEUED for s in batch.samples)
-    finally:
-        second.ledger.close()
-
-
 def pulled(controller) -> controller_pb2.Batch:
     """Step 1's batch, built and pulled."""
     controller.start()
@@ -147,6 +129,21 @@ def stopped(controller) -> None:
     """The controller stops, its state on disk as a killed one leaves it."""
     controller.dispatcher.stop.set()
     controller.stop()
+
+
+def test_a_restart_after_a_batch_was_built_keeps_it_and_draws_after_it(controller, tmp_path) -> None:
+    """A built batch is persisted, the cursor is saved only with the step's report: a controller restarted before
+    that report hands out the same batch, keeps its prompts pending and draws from where the batch ended."""
+    groups = controller.cfg.controller.train_batch_groups
+    batch = pulled(controller)
+    stopped(controller)
+    second = Controller(controller.cfg, state_dir=tmp_path / "state")
+    try:
+        assert second.pull_batch(1, timeout_s=5) == batch
+        assert second.progress.cursor == batch.stats.cursor_end == groups
+        assert all(second.ledger.state(s.prompt_id)[0] == QUEUED for s in batch.samples)
+    finally:
+        second.ledger.close()
 
 
 def test_a_report_whose_answer_was_lost_is_answered_again_by_the_restarted_controller(controller, tmp_path) -> None:

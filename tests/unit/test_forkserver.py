@@ -139,8 +139,6 @@ def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_
     events.clear()
     read_end, write_end = os.pipe()
     with os.fdopen(read_end, "rb") as requests:
-        idle = Preloader(None)
-        monkeypatch.setattr(forkserver, "Preloader", lambda _model: idle)
         monkeypatch.setattr(forkserver.select, "select", lambda r, w, x, timeout: ([], [], []))  # nothing asked yet
         os.close(write_end)
         try:
