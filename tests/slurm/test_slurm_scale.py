@@ -46,7 +46,6 @@ def _steps(slurm: Cluster, job_id: str) -> set[str]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.skipif(not DIGITS_SLURM.exists(), reason="examples/digits-slurm.yaml is not written yet")
 def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
     config = yaml.safe_load(DIGITS_SLURM.read_text())
     config["trainer"]["steps"] = 100000  # runs until cancelled

@@ -18,7 +18,6 @@ from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
 
-pytest.importorskip("megatron.core")
 TRAINER = {"lr": 1e-3, "mini_batches": 2}
 
 

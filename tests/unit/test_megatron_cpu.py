@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import inspect
 
+import megatron.core as megatron_core  # the dev extra: make test runs these (a broken install fails)
 import pytest
 import torch
 
 from relayrl.trainer.backends import megatron_cpu
 from relayrl.trainer.backends.megatron_cpu import SITES, apply_cpu_compat, original, site_owner
-
-megatron_core = pytest.importorskip("megatron.core")
 
 
 def test_megatron_core_is_the_tested_release():
