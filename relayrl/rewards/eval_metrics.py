@@ -1,0 +1,134 @@
+"""Eval metrics: pure functions of the rewards (and extracted answers) of n samples per prompt.
+
+A sample *passes* when its reward is >= the pass threshold (``eval.pass_threshold``: 1.0 for a 0/1 reward; a graded
+reward says there what counts as right). Per prompt with n samples of which c pass, averaged over the prompts:
+
+- ``mean@n``: the mean reward of the n samples (graded rewards count as they are, not thresholded);
+- ``pass@k`` (k <= n): 1 - C(n - c, k) / C(n, k), the unbiased estimator of "at least one of k samples passes"
+  (Chen et al. 2021), computed as the product 1 - prod_{i = n-c+1}^{n} (1 - k / i), which never forms a binomial
+  coefficient (no overflow, no cancellation);
+- ``pass^k`` (k <= n): C(c, k) / C(n, k) = prod_{i=0}^{k-1} (c - i) / (n - i), the unbiased estimator of "all of k
+  samples pass" (tau-bench);
+- ``maj@n``: the prompt passes when a sample whose answer is the most frequent extracted answer passes (ties: the
+  answer seen first; samples without an extractable answer do not vote; none: the prompt fails).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from relayrl.registry import Registry
+from relayrl.rewards.builtin import extract_math_answer, normalize, normalize_number
+
+METRIC_FAMILIES = ("mean", "pass", "pass^", "maj")  # what eval.metrics may name
+ANSWER_EXTRACTORS: Registry = Registry("answer extractor")
+# the extractor maj@n uses when eval.answer_extractor is unset, by reward function (others must name one)
+DEFAULT_EXTRACTOR = {"exact_match": "normalized", "math": "math"}
+
+
+@ANSWER_EXTRACTORS.register("normalized")
+def normalized_answer(response: str) -> str | None:
+    """The whole response, whitespace collapsed, lowercased, trailing period dropped (exact_match's view)."""
+    return normalize(response) or None
+
+
+@ANSWER_EXTRACTORS.register("first_word")
+def first_word(response: str) -> str | None:
+    """The response's first whitespace-separated word, normalized (prefix_match-style tasks)."""
+    words = normalize(response).split()
+    return words[0] if words else None
+
+
+@ANSWER_EXTRACTORS.register("math")
+def math_answer(response: str) -> str | None:
+    r"""The ``\boxed{}`` / ``####`` answer as a normalized number (the math reward's view), None without one."""
+    found = extract_math_answer(response)
+    return normalize_number(found) if found is not None else None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without replacement, hold a pass."""
+    _check(n, c, k)
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """C(c, k) / C(n, k): the chance that k of the n samples, drawn without replacement, all pass (pass^k)."""
+    _check(n, c, k)
+    hit = 1.0
+    for i in range(k):
+        hit *= (c - i) / (n - i)
+    return max(hit, 0.0)
+
+
+def _check(n: int, c: int, k: int) -> None:
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+
+
+def majority_index(answers: Sequence[str | None]) -> int | None:
+    """The index of the first sample whose answer is the most frequent one (ties: the one seen first); None when
+    no sample has an answer."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return None
+    top = max(votes.values())
+    return next(i for i, a in enumerate(answers) if a is not None and votes[a] == top)
+
+
+def metric_names(families: Sequence[str], n: int, ks: Sequence[int]) -> list[str]:
+    """The metric keys ``families`` produce for n samples and the k values: mean@n, pass@k, pass^k, maj@n."""
+    names = []
+    for family in families:
+        if family in ("mean", "maj"):
+            names.append(f"{family}@{n}")
+        elif family == "pass":
+            names += [f"pass@{k}" for k in ks]
+        elif family == "pass^":
+            names += [f"pass^{k}" for k in ks]
+        else:
+            raise ValueError(f"unknown metric family {family!r} (known: {', '.join(METRIC_FAMILIES)})")
+    return names
+
+
+def prompt_metrics(
+    rewards: Sequence[float],
+    families: Sequence[str],
+    ks: Sequence[int],
+    threshold: float,
+    answers: Sequence[str | None] | None = None,
+) -> dict[str, float]:
+    """One prompt's metrics from the rewards of its n samples (``answers``: their extracted answers, for maj@n)."""
+    n = len(rewards)
+    c = sum(r >= threshold for r in rewards)
+    out: dict[str, float] = {}
+    for family in families:
+        if family == "mean":
+            out[f"mean@{n}"] = sum(rewards) / n
+        elif family == "pass":
+            out.update({f"pass@{k}": pass_at_k(n, c, k) for k in ks})
+        elif family == "pass^":
+            out.update({f"pass^{k}": pass_hat_k(n, c, k) for k in ks})
+        elif family == "maj":
+            if answers is None:
+                raise ValueError("maj@n needs the samples' extracted answers")
+            i = majority_index(answers)
+            out[f"maj@{n}"] = float(i is not None and rewards[i] >= threshold)
+    return out
+
+
+def average(per_prompt: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The mean of each metric over the prompts (empty input: empty output)."""
+    if not per_prompt:
+        return {}
+    return {key: sum(p[key] for p in per_prompt) / len(per_prompt) for key in per_prompt[0]}
+
+
+def extractor(name: str) -> Callable[[str], str | None]:
+    return ANSWER_EXTRACTORS.get(name)
