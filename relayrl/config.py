@@ -489,6 +489,90 @@ class EnvironmentConfig(Section):
             raise ValueError(str(err)) from None
 
 
+EVAL_METRICS = ("mean", "pass", "pass^", "maj")  # relayrl/rewards/eval_metrics.py: mean@n, pass@k, pass^k, maj@n
+
+
+class EvalSetConfig(DataConfig):
+    """A held-out set (docs/evaluation.md): any form ``data`` takes; with an ``environment`` section its rows are the
+    environment's tasks and each is scored by episodes."""
+
+    shuffle: bool = False  # false: the first eval.max_prompts rows in the set's order; true: drawn with run.seed
+
+
+class EvalBestConfig(Section):
+    """Keep the checkpoint of the best eval as <run dir>/best (its step and score in best/best.json)."""
+
+    metric: str  # "<set>/<metric>", e.g. "heldout/pass@1": one of the metrics the eval reports
+    mode: Literal["max", "min"] = "max"  # max: higher is better
+
+
+class EvalConfig(Section):
+    """Held-out evaluation on the rollout workers, each eval at exactly one policy version (docs/evaluation.md)."""
+
+    sets: dict[str, EvalSetConfig]  # name -> set; results are reported as eval/<name>/<metric>
+    every: int = Field(0, ge=0)  # evaluate policy version v when v % every == 0; 0: only before / after training
+    before_train: bool = True  # evaluate version 0 (the starting weights): the baseline later evals are read against
+    after_train: bool = True  # evaluate the last step's version even when `every` does not divide it
+    # the eval's own sampling: greedy (temperature 0, n 1) by default, so an eval is a deterministic function of the
+    # weights (repeatable by `relayrl eval`); pass@k for k > 1 needs n >= k samples at a temperature > 0
+    n: int = Field(1, ge=1)  # samples per prompt
+    temperature: float = Field(0.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)  # null: rollout.max_tokens (the length the policy is trained at)
+    # which metrics: mean (mean@n), pass (pass@k for each k), pass^ (pass^k: all k pass), maj (maj@n, majority vote
+    # over extracted answers); mean response length and the share truncated are always reported
+    metrics: list[Literal["mean", "pass", "pass^", "maj"]] = Field(default_factory=lambda: ["mean", "pass"])
+    k: list[int] = Field(default_factory=lambda: [1])  # the k of pass@k and pass^k; each 1 <= k <= n
+    # a sample passes when its reward is >= this: 1.0 counts only full marks of a 0/1 or graded reward
+    pass_threshold: float = 1.0
+    max_prompts: int = Field(256, ge=1)  # prompts per set per eval: caps an eval's generation cost
+    # maj@n's answer extractor (relayrl/rewards/eval_metrics.py: normalized, first_word, math); null: the reward
+    # function's own (exact_match: normalized, math: math), and maj@n is refused for any other reward
+    answer_extractor: str | None = None
+    best: EvalBestConfig | None = None  # keep the best checkpoint by one eval metric (absent: none kept)
+
+    @field_validator("sets")
+    @classmethod
+    def _named_sets(cls, value: dict[str, EvalSetConfig]) -> dict[str, EvalSetConfig]:
+        if not value:
+            raise ValueError("name at least one held-out set")
+        for name in value:
+            if not name or "/" in name or name != name.strip():
+                raise ValueError(f"set name {name!r}: non-empty, no '/' and no surrounding spaces")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sane(cls, value: float) -> float:
+        if not temperature_ok(value):
+            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> EvalConfig:
+        if not self.metrics:
+            raise ValueError("eval.metrics: name at least one of " + ", ".join(EVAL_METRICS))
+        if any(k < 1 for k in self.k):
+            raise ValueError(f"eval.k: each k must be >= 1, got {self.k}")
+        if {"pass", "pass^"} & set(self.metrics) and (too_big := [k for k in self.k if k > self.n]):
+            raise ValueError(f"eval.k: {too_big} exceeds eval.n ({self.n}): pass@k needs k <= n samples per prompt")
+        if self.best is not None and self.best.metric.partition("/")[0] not in self.sets:
+            raise ValueError(
+                f"eval.best.metric: {self.best.metric!r} names no eval set (write <set>/<metric>; sets: "
+                f"{', '.join(self.sets)})"
+            )
+        return self
+
+
+class SamplesConfig(Section):
+    """Samples you can read: every `every` steps, a few of the step's prompts with their responses, rewards,
+    advantages and finish reasons, written to <run dir>/samples.jsonl (and TensorBoard text, a W&B table)."""
+
+    every: int = Field(10, ge=1)  # steps between two writes (the first step is always written)
+    prompts: int = Field(2, ge=1)  # groups written each time, with every sample of each
+    max_chars: int = Field(2000, ge=1)  # a longer prompt or response is cut to its last this many characters
+
+
 class RelayConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
@@ -501,6 +585,8 @@ class RelayConfig(Section):
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     environment: EnvironmentConfig | None = None  # agentic multi-turn episodes (absent: single-turn prompts)
+    eval: EvalConfig | None = None  # held-out evaluation during training (absent: none; docs/evaluation.md)
+    samples: SamplesConfig | None = None  # training samples written to the run (absent: none)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RelayConfig:
@@ -539,6 +625,8 @@ class RelayConfig(Section):
             )
         if self.rollout.n > self.rollout.limits.max_n:
             raise ValueError(f"rollout.n ({self.rollout.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
+        if self.eval is not None and self.eval.n > self.rollout.limits.max_n:
+            raise ValueError(f"eval.n ({self.eval.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
         if self.trainer.stream == "on" and (blockers := stream_blockers(self)):
             raise ValueError(f"trainer.stream: 'on' needs {'; '.join(blockers)} (or trainer.stream: auto)")
         return self

@@ -47,6 +47,7 @@ def preflight(cfg: RelayConfig, *, load_tokenizer: bool = True) -> None:
     check_model(cfg.model)
     check_data(cfg.data)
     check_reward(cfg.controller.reward)
+    check_eval(cfg)
     check_engine(cfg.rollout.engine)
     check_port(cfg)
     check_tls(cfg)
@@ -86,7 +87,8 @@ def check_tokenizer(model: ModelConfig) -> None:
         raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
 
 
-def check_data(data: DataConfig) -> None:
+def check_data(data: DataConfig, key: str = "data") -> None:
+    """``key``: the section's dotted path in the config (``data``, ``eval.sets.NAME``), named by each error."""
     if data.path in BUILTIN_DATA:
         return
     from relayrl.data.formats import FILE_BUILDERS
@@ -94,27 +96,56 @@ def check_data(data: DataConfig) -> None:
     path = Path(data.path)
     if path.is_file():
         if path.suffix not in FILE_BUILDERS:
-            raise ConfigError(f"data.path: unsupported file type {path.suffix!r} (use {sorted(FILE_BUILDERS)})")
+            raise ConfigError(f"{key}.path: unsupported file type {path.suffix!r} (use {sorted(FILE_BUILDERS)})")
         if path.suffix == ".jsonl":
-            _check_first_row(path, data)
+            _check_first_row(path, data, key)
     elif not path.is_dir() and (path.suffix in FILE_BUILDERS or not HUB_DATASET_ID.match(data.path)):
-        raise ConfigError(f"data.path: {data.path}: no such file or directory, and not a hub dataset id or a builtin:")
+        raise ConfigError(f"{key}.path: {data.path}: no such file or directory, and not a hub dataset id or a builtin:")
 
 
-def _check_first_row(path: Path, data: DataConfig) -> None:
+def _check_first_row(path: Path, data: DataConfig, section: str) -> None:
     with path.open() as rows:
         line = next((line for line in rows if line.strip()), None)
     if line is None:
-        raise ConfigError(f"data.path: {path} has no rows")
+        raise ConfigError(f"{section}.path: {path} has no rows")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"data.path: {path}: the first row is not JSON ({err.msg})") from None
+        raise ConfigError(f"{section}.path: {path}: the first row is not JSON ({err.msg})") from None
     for key in ("prompt_key", "answer_key"):
         column = getattr(data, key)
         if not isinstance(row, dict) or column not in row:
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"data.{key}: column {column!r} not in the first row of {path} (found: {found})")
+            raise ConfigError(f"{section}.{key}: column {column!r} not in the first row of {path} (found: {found})")
+
+
+def check_eval(cfg: RelayConfig) -> None:
+    """``eval``: every set's data is there (as ``check_data``), maj@n has an answer to extract (an extractor named or
+    the reward function's own; never for episodes, whose answer is the environment's), the best metric is one the
+    eval reports."""
+    if cfg.eval is None:
+        return
+    from relayrl.rewards.eval_metrics import ANSWER_EXTRACTORS, DEFAULT_EXTRACTOR, metric_names
+
+    ecfg = cfg.eval
+    for name, data in ecfg.sets.items():
+        check_data(data, f"eval.sets.{name}")
+    if ecfg.answer_extractor is not None and ecfg.answer_extractor not in ANSWER_EXTRACTORS:
+        known = ", ".join(ANSWER_EXTRACTORS.names())
+        raise ConfigError(f"eval.answer_extractor: unknown extractor {ecfg.answer_extractor!r} (known: {known})")
+    if "maj" in ecfg.metrics:
+        fn = cfg.controller.reward.fn
+        if cfg.environment is not None:
+            raise ConfigError("eval.metrics: maj@n votes on extracted answers; an episode's score is its environment's")
+        if ecfg.answer_extractor is None and fn not in DEFAULT_EXTRACTOR:
+            raise ConfigError(
+                f"eval.metrics: maj@n needs an answer to vote on, and reward {fn!r} has no extractor of its own: set "
+                f"eval.answer_extractor ({', '.join(ANSWER_EXTRACTORS.names())})"
+            )
+    if ecfg.best is not None:
+        known = [f"{s}/{m}" for s in ecfg.sets for m in metric_names(ecfg.metrics, ecfg.n, ecfg.k)]
+        if ecfg.best.metric not in known:
+            raise ConfigError(f"eval.best.metric: {ecfg.best.metric!r} is not reported (reported: {', '.join(known)})")
 
 
 def check_reward(cfg: RewardConfig) -> None:
