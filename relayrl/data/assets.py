@@ -22,10 +22,14 @@ TINY_CHAT = "builtin:tiny-chat"
 
 
 def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``. A failed rename is a lost race only when ``final`` is there (another role got
+    there first: theirs is identical, same seed), and ``tmp`` is then deleted; otherwise the error is raised."""
     try:
         os.rename(tmp, final)
-    except OSError:  # another role got there first: theirs is identical (same seed)
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    except OSError as err:
+        if not final.exists():
+            raise OSError(f"cannot build {final}: renaming {tmp} failed: {err}") from err
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def asset_dir(cfg: RelayConfig) -> Path:

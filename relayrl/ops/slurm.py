@@ -119,13 +119,14 @@ def steps(job: SlurmJob) -> dict[str, list[str]]:
 
 def role_files(job: SlurmJob) -> list[dict]:
     """Records of roles/rollout.*.json: the job's own tasks (rollout.<procid>.json) and the extra
-    workers (rollout.scale-<k>.json)."""
+    workers (rollout.scale-<k>.json). The sbatch writes each atomically (a .tmp renamed): one that cannot be read
+    is damaged, not being written, and is a SlurmError naming it (skipped, its worker's port could be taken)."""
     records = []
     for path in sorted((job.run_dir / "roles").glob("rollout.*.json")):
         try:
             records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # being written
+        except (OSError, ValueError) as err:
+            raise SlurmError(f"{path}: unreadable worker record ({err}); fix or remove it") from None
     return records
 
 

@@ -62,12 +62,18 @@ def last_error(log: Path, tail_bytes: int = 65536) -> str:
 
 
 def read_restarts(run_dir: Path) -> dict[str, int]:
-    """role -> restarts so far, from the supervisor's state file ({} when there is none)."""
+    """role -> restarts so far, from the supervisor's state file ({} when there is none). A file that cannot be
+    read is logged at WARNING naming it and the error ({}): it is written atomically, so it is damaged, and
+    status must not read that as zero restarts unseen."""
+    path = run_dir / STATE_FILE
     try:
-        roles = json.loads((run_dir / STATE_FILE).read_text())["roles"]
-    except (OSError, ValueError, KeyError):
+        roles = json.loads(path.read_text())["roles"]
+        return {role: int(entry["restarts"]) for role, entry in roles.items()}
+    except FileNotFoundError:
         return {}
-    return {role: int(entry["restarts"]) for role, entry in roles.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        log.warning("%s is unreadable (%s: %s): restarts unknown", path, type(err).__name__, err)
+        return {}
 
 
 class Supervisor:

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,7 +47,7 @@ from relayrl.rollout.external import (
 )
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.errors import WeightSyncError
-from relayrl.weightsync.filesystem import read_weights
+from relayrl.weightsync.filesystem import read_weights, remove_tree
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.receiver import receive_weights
 from relayrl.weightsync.stats import ReceiveStats
@@ -313,14 +312,15 @@ class VLLMEngine(InferenceEngine):
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        added = False
         try:
-            if not self.llm.llm_engine.add_lora(request):
+            if not (added := self.llm.llm_engine.add_lora(request)):
                 raise ValueError(f"adapter {name}: vLLM did not add it")
             applied = self.llm.collective_rpc("relayrl_lora_modules", args=(lora_id,))
             if any(count != sent for count in applied):
                 raise ValueError(f"adapter {name}: vLLM adapted {min(applied)} modules, {sent} were sent")
         except Exception as exc:
-            self._drop(request)
+            self._drop(request, added=added)
             if "LoRA is not enabled" in str(exc):
                 raise ValueError("rollout.engine_options.enable_lora: start the vllm engine with it true") from exc
             raise
@@ -329,13 +329,21 @@ class VLLMEngine(InferenceEngine):
             self._drop(self._adapters.pop(0))
         return sent
 
-    def _drop(self, request: Any) -> None:
-        """``remove_lora`` a version and delete its files."""
-        try:
-            self.llm.llm_engine.remove_lora(request.lora_int_id)
-        except Exception as exc:  # not added, or LoRA disabled: nothing to remove
-            log.debug("vllm engine: remove_lora(%d): %s", request.lora_int_id, exc)
-        shutil.rmtree(request.lora_path, ignore_errors=True)
+    def _drop(self, request: Any, *, added: bool = True) -> None:
+        """``remove_lora`` a version the engine added, and delete its files. A failure is logged at WARNING (not
+        raised: the newer adapter serves on): the version then keeps one of the engine's LoRA slots, and its
+        files their memory, until the worker restarts."""
+        if added:
+            try:
+                removed = self.llm.llm_engine.remove_lora(request.lora_int_id)
+            except Exception as exc:
+                removed = f"{type(exc).__name__}: {exc}"
+            if removed is not True:
+                log.warning(
+                    "vllm engine: remove_lora(%d) of %s failed (%s): it keeps an engine LoRA slot",
+                    request.lora_int_id, request.lora_name, "it was not loaded" if removed is False else removed,
+                )  # fmt: skip
+        remove_tree(request.lora_path, f"the files of adapter {request.lora_name}")
 
     def _receive_adapter(self, manifest: WeightManifest) -> ReceiveStats:
         """An adapter manifest (``kind == "adapter"``): the workers receive its tensors, worker 0 writes the PEFT
@@ -381,7 +389,7 @@ class VLLMEngine(InferenceEngine):
         self.llm.collective_rpc("relayrl_close_weight_sync")
         self.llm.llm_engine.engine_core.shutdown()
         if self._staging:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            remove_tree(self._staging, "the adapter staging directory")
 
 
 class _Stepper:

@@ -12,6 +12,7 @@ A reader trusts a version only once ``LATEST`` names it, so it never sees a half
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,6 +29,7 @@ from relayrl.weightsync.receiver import LoadFn
 from relayrl.weightsync.stats import ReceiveStats, SendStats
 
 MARKER = "LATEST"
+log = logging.getLogger(__name__)
 
 
 def version_dir(root: str | os.PathLike[str], version: int) -> Path:
@@ -96,9 +98,24 @@ def write_weights(
 
 
 def _prune(root: Path, current: Path, keep: int) -> None:
+    """Delete the versions beyond ``keep``; one that cannot be deleted is logged at WARNING (its full copy of the
+    model stays on disk, and the next publish tries again), never raised: the new version is published."""
     others = sorted(p for p in root.glob("v" + "[0-9]" * 10) if p.is_dir() and p != current)
     for old in others[: max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, "an old weights version")
+
+
+def remove_tree(path: str | os.PathLike[str], what: str) -> bool:
+    """``rmtree`` that tells: False, with a WARNING naming ``what``, ``path`` and the error, when it fails (a
+    directory already gone is removed)."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return True
+    except OSError as err:
+        log.warning("cannot delete %s %s (it stays on disk): %s", what, path, err)
+        return False
+    return True
 
 
 def latest_version(root: str | os.PathLike[str]) -> int | None:

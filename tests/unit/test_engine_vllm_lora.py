@@ -194,3 +194,27 @@ def test_an_adapter_update_through_the_rollout_worker(engine: VLLMEngine, model_
     response = worker.update_weights(rollout_pb2.UpdateWeightsRequest(manifest=manifest.to_proto()))
     assert response.policy_version == 1 and engine._adapters[-1].lora_name == "policy-v1"
     assert_served(engine, adapted_model(model_dir, tensors))
+
+
+@pytest.mark.parametrize("failure", ["raises", "returns False"])
+def test_a_version_vllm_fails_to_remove_is_a_warning_naming_it(
+    engine: VLLMEngine, model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    """Rotating out version 1 when ``remove_lora`` fails (an error, or False: vLLM did not hold it) is logged at
+    WARNING naming the version: it keeps one of the engine's LoRA slots, which must not go unseen. The new
+    version serves on, and the old version's files are still deleted."""
+    engine.load_adapter("policy-v1", SPEC, adapter_tensors(model_dir, seed=1))
+    engine.load_adapter("policy-v2", SPEC, adapter_tensors(model_dir, seed=2))
+    first = engine._adapters[0]
+
+    def remove_lora(lora_id: int) -> bool:
+        if failure == "raises":
+            raise RuntimeError("engine core is busy")
+        return False
+
+    monkeypatch.setattr(engine.llm.llm_engine, "remove_lora", remove_lora)
+    with caplog.at_level("WARNING", logger="relayrl.rollout.vllm"):
+        engine.load_adapter("policy-v3", SPEC, adapter_tensors(model_dir, seed=3))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("remove_lora(1) of policy-v1 failed" in m for m in warned), warned
+    assert engine._adapters[-1].lora_name == "policy-v3" and not os.path.exists(first.lora_path)

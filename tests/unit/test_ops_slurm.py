@@ -37,6 +37,9 @@ def test_ports_in_use_come_from_the_role_files(tmp_path):
     (tmp_path / "roles" / "rollout.1.json").unlink()  # a worker of the job's own step not started yet
     with pytest.raises(slurm.SlurmError, match="1 of its 2 rollout workers started"):
         slurm.ports_in_use(job)
+    (tmp_path / "roles" / "rollout.1.json").write_text('{"role": "rollout", "addr')  # damaged, never half-written
+    with pytest.raises(slurm.SlurmError, match=r"rollout\.1\.json: unreadable worker record"):
+        slurm.ports_in_use(job)  # skipped, its port 50053 could be handed to a new worker
 
 
 def test_slurm_job_and_kubernetes_flags_exclude_each_other(capsys):

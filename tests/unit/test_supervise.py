@@ -107,6 +107,14 @@ def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its
     assert read_restarts(tmp_path) == {"rollout-0": 2, "trainer": 0}
 
 
+def test_a_damaged_supervisor_state_is_a_warning_naming_it_not_zero_restarts_unseen(tmp_path, caplog):
+    assert read_restarts(tmp_path) == {}  # no supervisor: nothing to say
+    (tmp_path / "supervisor.json").write_text('{"roles": {"trainer": {"restar')
+    with caplog.at_level("WARNING", logger="relayrl.ops.supervise"):
+        assert read_restarts(tmp_path) == {}
+    assert "supervisor.json is unreadable" in caplog.text, caplog.text
+
+
 def test_a_receiver_that_refuses_the_connection_is_left_out_at_once_and_not_probed_again():
     from relayrl.config import WeightSyncConfig
     from relayrl.runtime.ports import free_port

@@ -221,6 +221,24 @@ def test_filesystem_version_check_and_pruning(tmp_path: Path, manifest: WeightMa
         read_weights(tmp_path, other, _collect({}))
 
 
+def test_a_version_that_cannot_be_pruned_is_a_warning_naming_it(
+    tmp_path: Path, manifest: WeightManifest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An old version rmtree cannot delete (here a symlink, which rmtree refuses) is logged at WARNING with its
+    path, not ignored: full copies of the model must not pile up unseen. The publish itself succeeds."""
+    tensors = random_tensors(SPECS)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "weights"
+    root.mkdir()
+    (root / "v0000000001").symlink_to(elsewhere, target_is_directory=True)
+    with caplog.at_level("WARNING", logger="relayrl.weightsync.filesystem"):
+        write_weights(root, dataclasses.replace(manifest, version=2), tensors, keep=1)
+    assert latest_version(root) == 2
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "v0000000001" in r.getMessage()]
+    assert warned, caplog.text
+
+
 def test_marker_is_replaced_atomically(
     tmp_path: Path, manifest: WeightManifest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
