@@ -358,11 +358,19 @@ class TrainerConfig(Section):
 class AlgorithmConfig(Section):
     """The loss: advantages, PPO clip, aggregation, KL, entropy, old logprobs (docs/algorithms.md)."""
 
-    advantage: str = "grpo"  # grpo, rloo, reinforce_pp, reinforce_pp_baseline (docs/algorithms.md)
+    # grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae: PPO with a learned critic (the critic section)
+    advantage: str = "grpo"
     norm_by_std: bool = True  # False: Dr.GRPO
-    policy_loss: str = "ppo_clip"  # PPO clipped surrogate with clip-higher and dual-clip
-    clip_low: float = Field(0.2, ge=0)  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = Field(0.28, ge=0)  # DAPO clip-higher
+    # GAE's discount and trace decay (gae only). 1 and 1, as verl: with one reward at the end, A_t = R - V(s_t)
+    # (Monte-Carlo, no bootstrap from an untrained critic); lam < 1 trades variance for the critic's bias
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    whiten_advantages: bool = True  # gae: whiten the advantages over the batch's tokens (as verl always does)
+    # ppo_clip: PPO clipped surrogate with clip-higher and dual-clip; gspo: the clip on the sequence-level ratio
+    # (GSPO), which sets clip_low/clip_high to 3e-4/4e-4 and loss_agg to seq-mean-token-mean unless they are given
+    policy_loss: str = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0)  # the ratio is clipped to [1 - clip_low, 1 + clip_high] (gspo: 3e-4)
+    clip_high: float = Field(0.28, ge=0)  # DAPO clip-higher (gspo: 4e-4)
     clip_c: float | None = Field(3.0, gt=1.0)  # dual-clip; null disables
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -377,6 +385,27 @@ class AlgorithmConfig(Section):
     # forward pass); "recompute" always the trainer's; "rollout" always the engine's: the clip anchors on the
     # behaviour policy, stale or not (verl's rollout-correction bypass mode), and no forward is spent
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+
+    @model_validator(mode="after")
+    def _gspo_defaults(self) -> AlgorithmConfig:
+        """GSPO's own clip range and aggregation where the config leaves them unset (verl's examples/gspo_trainer)."""
+        if self.policy_loss != "gspo":
+            return self
+        given = self.model_fields_set
+        if "loss_agg" in given and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                f"loss_agg: gspo's objective is a mean over sequences of their token means (seq-mean-token-mean), "
+                f"not {self.loss_agg}"
+            )
+        defaults = {"clip_low": GSPO_CLIP[0], "clip_high": GSPO_CLIP[1], "loss_agg": "seq-mean-token-mean"}
+        for key, value in defaults.items():
+            if key not in given:
+                object.__setattr__(self, key, value)  # no re-validation loop; the values are valid
+        return self
+
+
+# GSPO's clip range (low, high), verl's examples/gspo_trainer: the default of relayrl/trainer/algorithms/policy_loss.py
+GSPO_CLIP = (3e-4, 4e-4)
 
 
 # Advantages computed from each group alone (relayrl/trainer/algorithms/advantages.py): a group's advantages

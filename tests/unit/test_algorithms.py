@@ -69,8 +69,8 @@ def test_registry_duplicate_name_rejected() -> None:
 
 
 def test_builtin_registries_names() -> None:
-    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
-    assert POLICY_LOSSES.names() == ["ppo_clip"]
+    assert ADVANTAGE_ESTIMATORS.names() == ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert POLICY_LOSSES.names() == ["gspo", "ppo_clip"]
     assert set(LOSS_AGGREGATIONS.names()) == {
         "token-mean",
         "seq-mean-token-sum",
@@ -172,12 +172,14 @@ def test_advantage_input_validation() -> None:
         compute_advantages("grpo", t([1.0, 2.0]), t([0.0, 0.0]))
     with pytest.raises(ValueError, match="rewards"):
         compute_advantages("grpo", t([1.0, float("nan")]), t([0, 0], dtype=torch.int64))
-    with pytest.raises(KeyError, match="gae"):
+    with pytest.raises(KeyError, match="vtrace"):
+        compute_advantages("vtrace", t([1.0]), t([0], dtype=torch.int64))
+    with pytest.raises(ValueError, match="gae needs the critic's values"):
         compute_advantages("gae", t([1.0]), t([0], dtype=torch.int64))
 
 
 def test_advantage_empty_batch() -> None:
-    for name in ADVANTAGE_ESTIMATORS.names():
+    for name in set(ADVANTAGE_ESTIMATORS.names()) - {"gae"}:  # gae takes token rewards and values (test_ppo_algorithms)
         out = compute_advantages(name, torch.zeros(0), torch.zeros(0, dtype=torch.int64))
         assert out.shape == (0,)
 

@@ -1,7 +1,9 @@
 """RL algorithm pieces as pure tensor-in, tensor-out functions, in registries by name (as verl's core_algos).
 
-- advantages: ADVANTAGE_ESTIMATORS (grpo, rloo, reinforce_pp, reinforce_pp_baseline)
-- policy_loss: POLICY_LOSSES (ppo_clip, with clip-higher and dual-clip)
+- advantages: ADVANTAGE_ESTIMATORS (grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae from gae.py)
+- gae: gae_advantages (GAE with a learned critic, multi-turn masks), terminal_rewards, masked_whiten
+- value_loss: clipped_value_loss, explained_variance (the critic's loss and its quality)
+- policy_loss: POLICY_LOSSES (ppo_clip, with clip-higher and dual-clip; gspo, the sequence-level ratio)
 - aggregation: LOSS_AGGREGATIONS / agg_loss (token-mean, seq-mean-token-sum, seq-mean-token-mean,
   seq-mean-token-sum-norm)
 - kl: KL_ESTIMATORS / kl_penalty (k1, k2, k3)
@@ -25,10 +27,12 @@ from relayrl.trainer.algorithms.dynamic_sampling import (
     GroupFiller,
     group_is_informative,
 )
+from relayrl.trainer.algorithms.gae import gae_advantages, masked_whiten, terminal_rewards
 from relayrl.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.trainer.algorithms.overlong import overlong_penalty
-from relayrl.trainer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, ppo_clip_loss
+from relayrl.trainer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, gspo_loss, ppo_clip_loss
+from relayrl.trainer.algorithms.value_loss import clipped_value_loss, explained_variance
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -39,11 +43,15 @@ __all__ = [
     "GroupFiller",
     "Registry",
     "agg_loss",
+    "clipped_value_loss",
     "compute_advantages",
     "compute_policy_loss",
     "entropy_from_logits",
+    "explained_variance",
+    "gae_advantages",
     "group_is_informative",
     "grpo_advantage",
+    "gspo_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -51,9 +59,11 @@ __all__ = [
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "overlong_penalty",
     "ppo_clip_loss",
     "reinforce_pp_advantage",
     "reinforce_pp_baseline_advantage",
     "rloo_advantage",
+    "terminal_rewards",
 ]

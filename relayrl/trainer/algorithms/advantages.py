@@ -8,6 +8,9 @@ Every estimator has the signature::
 result is one advantage per response; the trainer broadcasts it over that response's tokens. Statistics
 are computed in float64 and the result has the dtype of ``rewards`` (float32 for integer rewards).
 
+``gae`` (relayrl/trainer/algorithms/gae.py) is registered here too, with its own signature: it takes token rewards
+and the critic's values, and the trainer calls it with them (``compute_advantages`` refuses it).
+
 A group of two or more responses whose rewards are all equal carries no signal: ``grpo``, ``rloo`` and
 ``reinforce_pp_baseline`` give it exactly 0 (not a rounding residue).
 """
@@ -177,5 +180,7 @@ def compute_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
 ) -> torch.Tensor:
-    """Look up the estimator ``name`` in ADVANTAGE_ESTIMATORS and apply it."""
+    """Look up the estimator ``name`` in ADVANTAGE_ESTIMATORS and apply it (an outcome-reward estimator: not gae)."""
+    if name == "gae":
+        raise ValueError("advantage: gae needs the critic's values: call gae.gae_advantages, not compute_advantages")
     return ADVANTAGE_ESTIMATORS.get(name)(rewards, group_ids, eps=eps, norm_by_std=norm_by_std)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.config import GSPO_CLIP
 from relayrl.registry import Registry
 from relayrl.trainer.algorithms.aggregation import masked_mean
 
@@ -89,6 +90,66 @@ def ppo_clip_loss(
             "clip_frac_low": masked_mean((clipped & neg).float(), mask),
             "clip_frac_high": masked_mean((clipped & (advantages > 0)).float(), mask),
             "dual_clip_frac": masked_mean(dual.float(), mask),
+            "approx_kl": masked_mean(-log_ratio.float(), mask),
+        }
+    return loss, metrics
+
+
+SEQ_LOG_RATIO_MAX = 10.0
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = GSPO_CLIP[0],
+    clip_high: float = GSPO_CLIP[1],
+    clip_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the PPO clip on a sequence-level ratio, in its GSPO-token form.
+
+    log s_i   = Σ_t mask · (logprob − old_logprob) / Σ_t mask      (s_i: geometric mean of row i's token ratios)
+    log s_i,t = sg[log s_i] + logprob_t − sg[logprob_t]            (= log s_i in value; gradient ∇ log π_t)
+    s_i,t     = exp(min(log s_i,t, 10))
+    pg1 = −A · s_i,t,  pg2 = −A · clip(s_i,t, 1 − clip_low, 1 + clip_high),  loss = max(pg1, pg2)
+    loss = loss · is_weights                                     (truncated IS weights per token, detached)
+
+    sg is stop-gradient. With a sequence-level advantage (constant over the row) and ``seq-mean-token-mean``
+    aggregation this is GSPO's sequence objective: every token of a row is clipped together, and the row's
+    gradient is s_i · A_i · mean_t ∇ log π_t. ``clip_c`` is accepted for a uniform signature and ignored (GSPO has
+    no dual-clip). The default clip range, 3e-4 / 4e-4, is verl's examples/gspo_trainer's: a geometric mean of
+    token ratios strays from 1 far less than one token's ratio. Metrics as ``ppo_clip_loss`` (clip_frac and its
+    sides, approx_kl = mean(old − new) per token; dual_clip_frac 0).
+    """
+    _check_shapes(mask, logprob=logprob, old_logprob=old_logprob, advantages=advantages, is_weights=is_weights)
+    if not clip_low >= 0:
+        raise ValueError(f"clip_low: must be >= 0, got {clip_low}")
+    if not clip_high >= 0:
+        raise ValueError(f"clip_high: must be >= 0, got {clip_high}")
+
+    log_ratio = logprob - old_logprob
+    valid = mask != 0
+    tokens = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = torch.where(valid, log_ratio * mask, torch.zeros_like(log_ratio)).sum(-1) / tokens
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprob - logprob.detach()
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=SEQ_LOG_RATIO_MAX))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if is_weights is not None:
+        loss = loss * is_weights.detach()
+
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean(clipped.float(), mask),
+            "clip_frac_low": masked_mean((clipped & (advantages < 0)).float(), mask),
+            "clip_frac_high": masked_mean((clipped & (advantages > 0)).float(), mask),
+            "dual_clip_frac": torch.zeros((), device=mask.device),
             "approx_kl": masked_mean(-log_ratio.float(), mask),
         }
     return loss, metrics
