@@ -298,13 +298,28 @@ class TrainerConfig(Section):
     nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
     backend: Literal["fsdp", "megatron"] = "fsdp"
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)  # used when backend is megatron
-    lr: float = Field(1e-6, gt=0)
+    lr: float = Field(1e-6, gt=0)  # the peak learning rate (the schedule's, relayrl/trainer/schedule.py)
+    # the lr over trainer steps after warmup (relayrl/trainer/schedule.py: the formulas): "constant", or a "linear"
+    # or "cosine" decay to min_lr_ratio x lr at the last step. Constant by default: what relayrl always did, and
+    # verl's default; TRL's (transformers') default is linear
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)  # steps the lr rises linearly to trainer.lr over; 0: warmup_ratio decides
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)  # warmup as a fraction of trainer.steps (when warmup_steps is 0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # the floor a linear/cosine decay ends at, x lr (verl's)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch
     epochs: int = Field(1, ge=1)  # passes over the rollout batch
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    # complete checkpoints kept (TRL's save_total_limit; relayrl/trainer/retention.py): older ones are deleted after
+    # each save, never the newest complete one nor checkpoints/best's. None keeps every one: deleting is the user's
+    # choice (a 135M model's checkpoint is 1.7 GB)
+    save_total_limit: int | None = Field(None, ge=1)
+    # recompute each decoder layer's activations in the backward pass instead of keeping them (Hugging Face's
+    # gradient_checkpointing_enable, non-reentrant; FSDP backend): ~1 more forward per step for activation memory
+    # of one layer, for models whose activations do not fit. Off: it costs time where they fit
+    gradient_checkpointing: bool = False
     export_hf: bool = True
     threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/runtime/threads.py)
     cpus: str | None = None  # CPU list the ranks run on, "0-3,8" (relayrl/runtime/cpus.py); None: every CPU allowed
@@ -335,6 +350,20 @@ class TrainerConfig(Section):
     @classmethod
     def _cpu_list(cls, value: object) -> object:
         return _check_cpus(value)
+
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> TrainerConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) exceeds trainer.steps ({self.steps})")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("trainer.warmup_steps and trainer.warmup_ratio: set one of them, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _gradient_checkpointing_backend(self) -> TrainerConfig:
+        if self.gradient_checkpointing and self.backend != "fsdp":
+            raise ValueError(f"trainer.gradient_checkpointing: fsdp backend only, not {self.backend}")
+        return self
 
     @model_validator(mode="after")
     def _padding_free_backend(self) -> TrainerConfig:

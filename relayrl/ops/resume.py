@@ -29,6 +29,7 @@ from relayrl.trainer.metrics import read_metrics
 RESUME_SAFE_KEYS = (
     "trainer.steps",
     "trainer.checkpoint_every",
+    "trainer.save_total_limit",
     "trainer.tensorboard",
     "trainer.wandb",
     "trainer.pull_timeout_s",

@@ -8,6 +8,7 @@ worker, and reports the step. Only rank 0 talks to the controller and the worker
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from relayrl.config import RelayConfig, dump_config
+from relayrl.config import RelayConfig, TrainerConfig, dump_config
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
@@ -30,6 +31,8 @@ from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards
 from relayrl.trainer.on_demand import OnDemandSync
+from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
+from relayrl.trainer.schedule import lr_at, set_lr
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
@@ -43,10 +46,7 @@ log = logging.getLogger(__name__)
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint (its trainer_state.json is written last)."""
-    candidates = sorted(
-        (p for p in (run_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").exists()),
-        key=lambda p: int(p.name.split("_")[1]),
-    )
+    candidates = complete_checkpoints(run_dir / "checkpoints")
     return candidates[-1] if candidates else None
 
 
@@ -79,14 +79,21 @@ def agreed_checkpoint(run_dir: Path) -> Path | None:
     return checkpoint
 
 
-def resume_point(backend, run_dir: Path) -> tuple[int, int]:
+def resume_point(backend, run_dir: Path, cfg: TrainerConfig) -> tuple[int, int]:
     """Collective: load the agreed checkpoint (``agreed_checkpoint``) on every rank; (step, dataset cursor), or
-    (0, 0) when there is none."""
+    (0, 0) when there is none. The lr schedule continues from the checkpoint's step (a pure function of it,
+    relayrl/trainer/schedule.py); a checkpoint whose recorded lr the schedule no longer gives (``trainer.steps``
+    changed on resume, moving a decay's end) is said so."""
     checkpoint = agreed_checkpoint(run_dir)
     if checkpoint is None:
         return 0, 0
     state = backend.load_checkpoint(checkpoint)
     log.info("resumed from %s at step %d (dataset cursor %d)", checkpoint, state["step"], state["data_cursor"])
+    if "lr" in state and not math.isclose(state["lr"], lr_at(state["step"], cfg), rel_tol=1e-9):
+        log.warning(
+            "the lr schedule changed since step %d was checkpointed (its lr %.3g, now %.3g): the new one goes on",
+            state["step"], state["lr"], lr_at(state["step"], cfg),
+        )  # fmt: skip
     return state["step"], state["data_cursor"]
 
 
@@ -131,9 +138,14 @@ def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_ev
     return b""
 
 
-def save_checkpoint(backend, run_dir: Path, step: int, cursor: int) -> None:
+def save_checkpoint(backend, run_dir: Path, step: int, cursor: int, cfg: TrainerConfig) -> None:
+    """Collective: the checkpoint of ``step`` (its trainer_state.json records the lr schedule's state, the step's
+    lr), then rank 0 prunes older ones beyond ``trainer.save_total_limit`` (relayrl/trainer/retention.py)."""
     directory = run_dir / "checkpoints" / f"step_{step}"
-    backend.save_checkpoint(directory, {"step": step, "policy_version": step, "data_cursor": cursor})
+    state = {"step": step, "policy_version": step, "data_cursor": cursor, "lr": lr_at(step, cfg)}
+    backend.save_checkpoint(directory, state)
+    if dist.get_rank() == 0:
+        prune_checkpoints(directory.parent, cfg.save_total_limit)
 
 
 def publish_weights(backend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
@@ -265,7 +277,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
-    start_step, cursor = resume_point(backend, run_dir) if resume else (0, 0)
+    start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)
 
     stub = publisher = writer = syncer = trackers = None
     if rank == 0:
@@ -302,6 +314,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
+        lr = lr_at(step, cfg.trainer)
+        set_lr(backend.optimizer, lr)
         # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)
         verified = sync.synced if rank == 0 and cfg.weight_sync.verify != "off" else []
         (verified,) = broadcast_from_rank0(frozenset(verified))
@@ -337,7 +351,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
                 synced_worker_ids=sync.synced,
             )
             call_with_retry(partial(stub.ReportStep, report, timeout=60), what="ReportStep", deadline_s=600)
-            record = step_record(step, batch_msg, train, sync, step_seconds)
+            record = step_record(step, batch_msg, {**train, "lr": lr}, sync, step_seconds)
             writer.write(record)
             trackers.log(record)
             log.info(
@@ -346,13 +360,13 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             )  # fmt: skip
         every = cfg.trainer.checkpoint_every
         if (every and step % every == 0) or step == cfg.trainer.steps:
-            save_checkpoint(backend, run_dir, step, batch_msg.stats.cursor_end)
+            save_checkpoint(backend, run_dir, step, batch_msg.stats.cursor_end, cfg.trainer)
             saved_step = step
         last_cursor = batch_msg.stats.cursor_end
 
     if stopped:
         if saved_step != step - 1 and step - 1 > start_step:
-            save_checkpoint(backend, run_dir, step - 1, last_cursor)
+            save_checkpoint(backend, run_dir, step - 1, last_cursor, cfg.trainer)
         if rank == 0:
             writer.close()
             trackers.close()

@@ -39,19 +39,19 @@ def shift(by: float):
         for p in backend.model.parameters():
             p.add_(by)
 
-save_checkpoint(backend, shared, 2, cursor=20)  # every rank writes its shards; rank 0 trainer_state.json
+save_checkpoint(backend, shared, 2, 20, cfg.trainer)  # every rank writes its shards; rank 0 trainer_state.json
 shift(0.5)
-save_checkpoint(backend, shared, 4, cursor=40)
+save_checkpoint(backend, shared, 4, 40, cfg.trainer)
 saved = total()
 shift(0.25)
-save_checkpoint(backend, shared, 6, cursor=60)
+save_checkpoint(backend, shared, 6, 60, cfg.trainer)
 if rank == 0:
     (shared / "checkpoints" / "step_6" / "trainer_state.json").unlink()  # incomplete: the save was cut short
 shift(1.0)
 dist.barrier()
 own = shared if rank == 0 else out / "rank1-run"  # rank 1's own run dir: empty
 own.mkdir(parents=True, exist_ok=True)
-step, cursor = resume_point(backend, own)
+step, cursor = resume_point(backend, own, cfg.trainer)
 (out / f"rank{rank}.json").write_text(json.dumps({"step": step, "cursor": cursor, "sum": total(), "saved": saved}))
 dist.barrier()  # as run_trainer ends: a rank that tears its group down while its peer is still in one aborts
 dist.destroy_process_group()

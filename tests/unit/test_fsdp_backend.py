@@ -60,6 +60,47 @@ def one_rank_cases(rank: int, world: int, port: int, model_dir: str, out: str) -
     exit_now(0)
 
 
+def layer_calls(backend: FSDPBackend) -> list[int]:
+    """A counter of the first decoder layer's MLP forward calls (a recomputation in the backward is one more; the
+    recomputation runs no forward hooks, so the count wraps the forward itself)."""
+    calls, mlp = [0], backend.model.model.layers[0].mlp
+    forward = mlp.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
+    return calls
+
+
+def gradient_checkpointing_case(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """The plain module against the same model fully_shard'ed with trainer.gradient_checkpointing, one step each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plain = FSDPBackend(ModelConfig(path=model_dir), TCFG, with_reference=False)
+        checkpointed_cfg = TCFG.model_copy(update={"gradient_checkpointing": True})
+        checkpointed = FSDPBackend(ModelConfig(path=model_dir), checkpointed_cfg, with_reference=False)
+        shard(checkpointed.model)
+        checkpointed.optimizer = torch.optim.AdamW(
+            checkpointed.model.parameters(), lr=TCFG.lr, betas=TCFG.betas, weight_decay=TCFG.weight_decay
+        )
+        calls = [layer_calls(backend) for backend in (plain, checkpointed)]
+        metrics = [train(backend, seed=0) for backend in (plain, checkpointed)]
+        w_plain, w_checkpointed = full_weights(plain), full_weights(checkpointed)
+        result = {
+            "calls": [c[0] for c in calls],
+            "weights": max(float((w_plain[k] - w_checkpointed[k]).abs().max()) for k in w_plain),
+            "loss": abs(metrics[0]["loss"] - metrics[1]["loss"]),
+            "grad_norm": abs(metrics[0]["grad_norm"] - metrics[1]["grad_norm"]),
+        }  # fmt: skip
+        Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    exit_now(0)
+
+
 def checkpoint_case(rank: int, world: int, port: int, model_dir: str, action: str, ckpt: str, out: str) -> None:
     """``save``: step 1, checkpoint, step 2. ``resume``: load the checkpoint, step 2. Rank 0 writes the weights
     after step 2 (equal only if the weights and the AdamW moments both came back) and whether they are sharded."""
@@ -103,3 +144,13 @@ def test_a_checkpoint_resumes_on_another_world_size(tiny_model_dir, tmp_path, sa
     assert runs["save"]["sharded"] == (saved_on > 1) and runs["resume"]["sharded"] == (resumed_on > 1)
     for name, tensor in runs["save"]["weights"].items():
         torch.testing.assert_close(runs["resume"]["weights"][name], tensor, atol=TOLERANCE, rtol=0, msg=name)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "result.json"
+    mp.spawn(gradient_checkpointing_case, args=(1, free_port(), str(tiny_model_dir), str(out)), nprocs=1)
+    result = json.loads(out.read_text())
+    plain_calls, checkpointed_calls = result["calls"]
+    assert checkpointed_calls > plain_calls, result  # each forward with a gradient ran again in the backward
+    assert result["loss"] < 1e-6 and result["grad_norm"] < 1e-5, result
+    assert result["weights"] < TOLERANCE, result

@@ -53,13 +53,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_sharded_model(
-    path: str, dtype: torch.dtype, device: torch.device, *, trainable: bool, lora: LoraConfig | None = None
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    trainable: bool,
+    lora: LoraConfig | None = None,
+    gradient_checkpointing: bool = False,
 ) -> torch.nn.Module:
     """from_pretrained (wrapped by PEFT with ``lora``), then, in a world of more than one rank, fully_shard every
-    decoder layer and the root."""
+    decoder layer and the root. ``gradient_checkpointing``: every decoder layer recomputes its forward in the
+    backward pass (transformers' activation checkpointing, non-reentrant torch.utils.checkpoint)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if lora is not None:
         model = apply_lora(model, lora)
     if dist.get_world_size() > 1:  # one rank: nothing to shard (module docstring)
@@ -83,7 +92,10 @@ class FSDPBackend:
         dtype = DTYPES[model_cfg.dtype]
         self.model_path, self.lora_cfg = model_cfg.path, model_cfg.lora
         self.lora = lora_spec(model_cfg.lora) if model_cfg.lora is not None else None
-        self.model = load_sharded_model(model_cfg.path, dtype, self.device, trainable=True, lora=model_cfg.lora)
+        self.model = load_sharded_model(
+            model_cfg.path, dtype, self.device, trainable=True, lora=model_cfg.lora,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+        )  # fmt: skip
         self.reference = (  # with LoRA too: the reference policy is the base model
             load_sharded_model(model_cfg.path, dtype, self.device, trainable=False) if with_reference else None
         )
