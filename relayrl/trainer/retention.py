@@ -2,13 +2,15 @@
 the oldest complete ``step_N`` checkpoints beyond the newest ``limit``.
 
 Never deleted: the newest complete checkpoint (the one a resume loads, ``latest_checkpoint``), an incomplete one (no
-trainer_state.json: a save in progress or cut short, never counted), and the best one: ``checkpoints/best``
-itself, and the ``step_N`` directory it names when it is a link to one or a file holding its name. A checkpoint is
+trainer_state.json: a save in progress or cut short, never counted), and the best one (the eval's, ``eval.best``):
+anything not named ``step_N``, and the ``step_N`` directory that ``<run dir>/best`` or ``checkpoints/best`` names
+(a link to it, a file holding its name, or a directory whose best.json holds its ``step``). A checkpoint is
 deleted trainer_state.json first, so a deletion cut short leaves an incomplete checkpoint, never one a resume picks.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -30,14 +32,19 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def best_checkpoint(checkpoints: Path) -> str | None:
-    """The name of the ``step_N`` directory ``checkpoints/best`` names (a link to it, or a file holding its name)."""
-    best = checkpoints / BEST
-    if best.is_symlink():
-        return Path(best.readlink()).name
-    if best.is_file():
-        return Path(best.read_text().strip()).name
-    return None
+def best_checkpoints(checkpoints: Path) -> set[str]:
+    """The names of the ``step_N`` directories the best checkpoint names (module docstring)."""
+    names = set()
+    for best in (checkpoints.parent / BEST, checkpoints / BEST):
+        if best.is_symlink():
+            names.add(Path(best.readlink()).name)
+        elif best.is_file():
+            names.add(Path(best.read_text().strip()).name)
+        elif (best / "best.json").is_file():
+            step = json.loads((best / "best.json").read_text()).get("step")
+            if isinstance(step, int):
+                names.add(f"step_{step}")
+    return names
 
 
 def prune_checkpoints(checkpoints: Path, limit: int | None) -> list[Path]:
@@ -46,9 +53,7 @@ def prune_checkpoints(checkpoints: Path, limit: int | None) -> list[Path]:
     if limit is None:
         return []
     complete = complete_checkpoints(checkpoints)
-    protected = {complete[-1].name} if complete else set()
-    if (best := best_checkpoint(checkpoints)) is not None:
-        protected.add(best)
+    protected = ({complete[-1].name} if complete else set()) | best_checkpoints(checkpoints)
     deleted = [p for p in complete[: max(0, len(complete) - limit)] if p.name not in protected]
     for path in deleted:
         (path / "trainer_state.json").unlink()

@@ -55,3 +55,14 @@ def test_the_best_checkpoint_is_exempt(tmp_path: Path) -> None:
     make(tmp_path, 10)
     prune_checkpoints(tmp_path, 1)
     assert names(tmp_path) == ["best", "step_10", "step_8"]
+
+
+def test_the_evals_best_in_the_run_dir_is_exempt(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        make(checkpoints, step)
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text('{"step": 2, "score": 0.5}')
+    prune_checkpoints(checkpoints, 1)
+    assert names(checkpoints) == ["step_2", "step_6"]
+    assert (tmp_path / "best" / "best.json").exists()
