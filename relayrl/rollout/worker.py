@@ -30,7 +30,6 @@ in the spare one (shadow), with no staging buffer and no copy.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.lora import adapted_modules
 from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
+from relayrl.runtime import faults
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.checksum import checksum_method, weights_checksum
@@ -107,19 +107,15 @@ class TokenRate:
         return sum(n for _, n in self._events) / span
 
 
-FAULT_EXIT_DURING_LOAD = "RELAYRL_FAULT_EXIT_DURING_LOAD"
-
-
 def fault_injection(worker_id: str, version: int):
-    """Fault-injection hook for tests: with RELAYRL_FAULT_EXIT_DURING_LOAD=<worker id>@<version> in its
-    environment, the returned progress callback makes that worker die (exit 137, no cleanup) as soon as
-    the first chunk of that version has arrived. None otherwise."""
-    if os.environ.get(FAULT_EXIT_DURING_LOAD) != f"{worker_id}@{version}":
+    """The ``rollout.load`` fault point (relayrl/runtime/faults.py): armed for ``<worker id>/<version>``, a
+    progress callback that ends the worker as soon as the first chunk of that version has arrived. None otherwise."""
+    if not faults.armed("rollout.load", f"{worker_id}/{version}"):
         return None
 
     def die(_received: object) -> None:
-        log.error("fault injection: exiting in the middle of loading version %d", version)
-        os._exit(137)
+        log.error("fault point rollout.load: exiting in the middle of loading version %d", version)
+        faults.crash("rollout.load")
 
     return die
 

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from relayrl.rollout.worker import FAULT_EXIT_DURING_LOAD
+from relayrl.runtime import faults
 from relayrl.runtime.launcher import controller_status
 from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
@@ -56,7 +56,7 @@ def test_joining_worker_serves_the_current_version_from_its_first_trajectory(mak
 
 def test_worker_dying_mid_broadcast_is_dropped_and_the_step_completes(make_config, monkeypatch):
     steps, die_at, timeout_s = 10, 5, 10
-    monkeypatch.setenv(FAULT_EXIT_DURING_LOAD, f"rollout-1@{die_at}")
+    monkeypatch.setenv(faults.ARM, f"rollout.load@rollout-1/{die_at}")  # rollout-1 dies mid-load of version 5
     job, cfg = launch(
         make_config(
             "die",
