@@ -13,6 +13,7 @@ import threading
 import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.controller.ledger import LedgerError
 from relayrl.ops.args import (
     OneLineParser,
     address,
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
+        return 2
+    except LedgerError as err:  # a corrupt line before the ledger's last: a person must look (not a restart)
+        print(f"relayrl: {err}", file=sys.stderr)
         return 2
     if getattr(args, "fast_exit", False):
         exit_now(code)  # a process that finished cleanly skips the interpreter's teardown

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from relayrl.episodes.stats import fill_episode_stats
 from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rewards import RewardRaised, RewardShapeError
 from relayrl.rollout.sampling import SamplingParams
+from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.trainer.partition import minibatch_groups
@@ -70,15 +70,6 @@ class ProgressState:
 def episode_ends(groups: dict[str, list]) -> dict[str, list[str]]:
     """Prompt id -> how each episode of its group ended ("failed: <why>" for a failed one): the ledger's notes."""
     return {pid: [f"failed: {e.reason}" if e.failed else e.end for e in group] for pid, group in groups.items()}
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        json.dump(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 class _Abandoned(Exception):
@@ -181,7 +172,7 @@ class Controller:
         return ProgressState(**json.loads(path.read_text())) if path.exists() else ProgressState()
 
     def _save_progress(self) -> None:
-        write_json_atomic(self.state_dir / "state.json", self.progress.__dict__)
+        atomic_write(self.state_dir / "state.json", json.dumps(self.progress.__dict__))
 
     def _load_batches(self) -> dict[int, controller_pb2.Batch]:
         """Batches produced but not yet reported survive a restart (the trainer may be training one)."""
@@ -202,12 +193,11 @@ class Controller:
             versions.setdefault(sample.prompt_id, Counter()).update(sampled_versions(sample))
         unsettled = [pid for pid in sorted(versions) if (self.ledger.state(pid) or ("",))[0] not in TERMINAL]
         self.ledger.mark(unsettled, TRAINED, step=batch.step, token_versions=versions)
+        self.ledger.sync()  # durable before the file a restart would settle them from goes
         (self._batch_dir / f"step_{batch.step}.pb").unlink(missing_ok=True)
 
     def _persist_batch(self, batch: controller_pb2.Batch) -> None:
-        tmp = self._batch_dir / f"step_{batch.step}.tmp"
-        tmp.write_bytes(batch.SerializeToString())
-        tmp.replace(self._batch_dir / f"step_{batch.step}.pb")
+        atomic_write(self._batch_dir / f"step_{batch.step}.pb", batch.SerializeToString())
 
     def _skip_recorded_draws(self) -> None:
         """A draw is recorded in the ledger at once, the cursor only with the step's report: after a restart, the
@@ -623,6 +613,7 @@ class Controller:
             finished = request.step >= self.cfg.trainer.steps
             if finished:
                 self.state = "finished"
+            self.ledger.sync()  # write-ahead: the step's events are durable before the cursor that passes them
             self._save_progress()
             self._settle_reported(batch)
             self._cond.notify_all()
@@ -663,6 +654,7 @@ class Controller:
             finished = request.step >= self.cfg.trainer.steps
             self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
             self.error = ""
+            self.ledger.sync()  # the rewound events are durable before the cursor moves back
             self._save_progress()
             self._cond.notify_all()
         if finished:  # nothing can Resume a finished run: client prompts must not wait for it
@@ -741,6 +733,7 @@ class Controller:
                 filtered=counts.get(FILTERED, 0),
                 failed=counts.get(FAILED, 0),
                 pending=counts.get(PENDING, 0) + counts.get(QUEUED, 0),
+                torn_tails=self.ledger.torn_tails,
             ),
             last_sync_seconds=self.progress.last_sync_seconds,
             last_sync_unix=self.progress.last_sync_unix,

@@ -75,10 +75,10 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
         numbers = (str(w.policy_version), str(w.in_flight), f"{w.tokens_per_second:.0f}")
         workers.add_row(w.worker_id, w.address, w.engine, w.state, *numbers)
     ledger = Table(title="prompt ledger")
-    for column in ("drawn", "trained", "filtered", "failed", "pending"):
+    for column in ("drawn", "trained", "filtered", "failed", "pending", "torn tails cut"):
         ledger.add_column(column, justify="right")
     c = status.ledger
-    ledger.add_row(*(str(v) for v in (c.dispatched, c.trained, c.filtered, c.failed, c.pending)))
+    ledger.add_row(*(str(v) for v in (c.dispatched, c.trained, c.filtered, c.failed, c.pending, c.torn_tails)))
     return [run, workers, ledger]
 
 

@@ -55,7 +55,7 @@ from relayrl.rollout.external import (
     reject_reserved_options,
 )
 from relayrl.rollout.sampling import SamplingParams
-from relayrl.weightsync.filesystem import atomic_write_text
+from relayrl.runtime.files import atomic_write
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.stats import ReceiveStats
 
@@ -111,7 +111,7 @@ def receive_in_scheduler(model: Any, named_tensors: list[tuple[str, torch.Tensor
         from safetensors.torch import save_file
 
         save_file(target.tensors, request["adapter"])
-    atomic_write_text(Path(f"{request['result']}.rank{rank}.json"), json.dumps(receipt))
+    atomic_write(Path(f"{request['result']}.rank{rank}.json"), json.dumps(receipt))
 
 
 class _Collector:

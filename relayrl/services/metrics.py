@@ -133,6 +133,9 @@ class ControllerCollector(Collector):
         for name in ("trained", "filtered", "failed", "pending"):
             ledger.add_metric([name], getattr(status.ledger, name))
         yield ledger
+        yield _gauge(
+            "relayrl_ledger_torn_tails", "torn last ledger lines cut at a controller start", status.ledger.torn_tails
+        )
         by_state = GaugeMetricFamily("relayrl_workers", "registered rollout workers by state", labels=["state"])
         for name in sorted({w.state for w in status.workers} | {"ready", "draining"}):
             by_state.add_metric([name], sum(w.state == name for w in status.workers))

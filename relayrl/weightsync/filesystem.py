@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relayrl.errors import FailedPrecondition
+from relayrl.runtime.files import atomic_write, fsync_path
 from relayrl.weightsync.manifest import WeightManifest, dtype_name
 from relayrl.weightsync.receiver import LoadFn
 from relayrl.weightsync.stats import ReceiveStats, SendStats
@@ -38,25 +39,6 @@ def version_dir(root: str | os.PathLike[str], version: int) -> Path:
 
 def shard_path(root: str | os.PathLike[str], version: int, bucket: int) -> Path:
     return version_dir(root, version) / f"bucket-{bucket:05d}.safetensors"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write tmp + fsync + os.replace + fsync(dir): readers see the old or the new file, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
 
 
 def _shard_tensors(manifest: WeightManifest, index: int, tensors: Mapping[str, torch.Tensor]) -> dict:
@@ -88,11 +70,11 @@ def write_weights(
     for bucket in manifest.buckets:
         path = shard_path(root, manifest.version, bucket.index)
         save_file(_shard_tensors(manifest, bucket.index, tensors), str(path))
-        _fsync(path)
+        fsync_path(path)
     stored = replace(manifest, transport="filesystem", path=str(Path(root).resolve()))
-    atomic_write_text(vdir / "manifest.json", stored.to_json())
-    _fsync(vdir)
-    atomic_write_text(Path(root) / MARKER, json.dumps({"version": manifest.version}))
+    atomic_write(vdir / "manifest.json", stored.to_json())
+    fsync_path(vdir)
+    atomic_write(Path(root) / MARKER, json.dumps({"version": manifest.version}))
     _prune(Path(root), vdir, keep)
     return SendStats(time.perf_counter() - start, manifest.total_bytes, len(manifest.buckets), 0)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
+from relayrl.runtime import faults
 from relayrl.runtime.launcher import controller_status
 from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
@@ -80,6 +81,42 @@ def test_up_restarts_a_dead_worker_controller_and_trainer_rank(make_config):
     after_kill = max(r["step_seconds"] for r in records[10:12])  # the kill lands in step 11 (or 12)
     print(json.dumps({"median_step_s": median, "step_after_worker_kill_s": after_kill}))
     assert after_kill <= 3 * median  # its chunk re-dispatched, no collective timeout paid
+
+
+@pytest.mark.timeout(900)
+def test_up_restarts_a_controller_killed_mid_ledger_write_on_its_torn_ledger_and_loses_no_settled_prompt(
+    make_config, monkeypatch, tmp_path
+):
+    """The controller dies (fault point ``ledger.write``: exit 137, as a SIGKILL) halfway through writing step 2's
+    trained events, after state.json recorded the step. ``relayrl up`` restarts it on a ledger whose last line is
+    torn: it cuts that line (a WARNING naming the file and line; a note in the ledger), settles step 2 from its
+    batch file and answers the trainer's repeated report; the run completes with every step's prompts trained
+    exactly once and no prompt left without a final state."""
+    steps, groups = 5, 4
+    monkeypatch.setenv(faults.ARM, "ledger.write@trained/2")
+    monkeypatch.setenv(faults.ONCE, str(tmp_path / "fired"))  # the restarted controller does not die again
+    config = make_config(
+        "torn",
+        trainer={"steps": steps},
+        controller={"dynamic_sampling": False, "train_batch_groups": groups},
+        supervisor=RESTART_FAST,
+    )
+    cfg = load_config(config)
+    with running_up(config) as up:
+        code, err = finish(up)
+    assert code == 0, err
+    controller = supervised_roles(cfg)["controller"]
+    assert controller["restarts"] == 1 and controller["exit_codes"] == [faults.EXIT_CODE], controller
+    log = (cfg.run_dir / "logs" / "controller.log").read_text()
+    assert "fault point ledger.write" in log and "ledger.jsonl:" in log and "torn last line cut" in log, log[-3000:]
+    ledger = cfg.run_dir / "controller" / "ledger.jsonl"
+    notes = [e for e in map(json.loads, ledger.read_text().splitlines()) if e.get("note") == "torn tail cut"]
+    assert len(notes) == 1, notes
+    contiguous_records(cfg, steps)
+    trained = trained_counts(cfg)
+    assert sum(trained.values()) == len(trained) == steps * groups  # step 2's prompts too, none twice
+    unfinished = [pid for pid, fates in ledger_fates(cfg).items() if fates[-1] not in {"trained", "filtered", "failed"}]
+    assert not unfinished, unfinished[:5]
 
 
 @pytest.mark.timeout(1500)

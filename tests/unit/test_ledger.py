@@ -24,3 +24,53 @@ def test_trained_events_carry_each_groups_tokens_per_version_and_replay(tmp_path
     assert again.state("a") == (TRAINED, "", 4)
     with pytest.raises(LedgerError, match="already trained"):
         again.mark(["a"], FILTERED)
+
+
+def written(path, states: list[tuple[str, str]]) -> str:
+    """A ledger file with one event per (id, state), as the controller writes them."""
+    ledger = Ledger(path)
+    for pid, state in states:
+        ledger.mark([pid], state, step=1)
+    ledger.close()
+    return path.read_text()
+
+
+def test_a_torn_last_line_is_cut_noted_and_counted_and_the_log_goes_on(tmp_path, caplog):
+    """A crash, a full disk or a lost host cuts the last line (``{"id": "p2", "state": "trai``): replay cuts it
+    off (WARNING naming the file and line), notes the cut in the log and counts it; the next event starts a line
+    of its own, and a second replay sees the same state and the same count."""
+    path = tmp_path / "ledger.jsonl"
+    whole = written(path, [("p1", QUEUED), ("p1", TRAINED)])
+    path.write_text(whole + '{"id": "p2", "state": "trai')
+    with caplog.at_level("WARNING", logger="relayrl.controller.ledger"):
+        ledger = Ledger(path)
+    assert f"{path}:3: torn last line cut" in caplog.text
+    assert ledger.torn_tails == 1 and ledger.state("p1") == (TRAINED, "", 1) and ledger.state("p2") is None
+    ledger.mark(["p2"], QUEUED, step=2)
+    ledger.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]  # every line whole again
+    assert lines[2] == {"note": "torn tail cut", "line": 3, "bytes": len('{"id": "p2", "state": "trai')}
+    again = Ledger(path)
+    assert again.torn_tails == 1 and again.state("p2") == (QUEUED, "", 2)
+
+
+def test_a_whole_last_event_without_its_newline_is_kept_and_the_next_starts_a_line(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    path.write_text(written(path, [("p1", QUEUED)]).removesuffix("\n"))
+    ledger = Ledger(path)
+    ledger.mark(["p2"], QUEUED)
+    ledger.close()
+    assert Ledger(path).torn_tails == 0 and [json.loads(line)["id"] for line in path.read_text().splitlines()] == [
+        "p1",
+        "p2",
+    ]
+
+
+@pytest.mark.parametrize("bad", ['{"id": "p2", "state": "trai', "[1, 2]", "\0\0\0"])
+def test_a_corrupt_line_before_the_last_is_refused_naming_the_file_and_line(tmp_path, bad):
+    path = tmp_path / "ledger.jsonl"
+    lines = written(path, [("p1", QUEUED), ("p3", QUEUED)]).splitlines(keepends=True)
+    path.write_text(lines[0] + bad + "\n" + lines[1])
+    with pytest.raises(LedgerError) as err:
+        Ledger(path)
+    assert str(err.value).startswith(f"{path}:2: corrupt ledger line") and "\n" not in str(err.value)
