@@ -216,15 +216,15 @@ def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.ops.preflight import check_tokenizer, preflight
+    from relayrl.ops.preflight import heavy_checks, preflight
     from relayrl.runtime.launcher import run_local, start_forks
     from relayrl.services.channels import configure_client
 
     cfg, changes = _loaded(args)
     preflight(cfg, load_tokenizer=False)
-    forks = start_forks(cfg)  # its imports run beside the tokenizer's load (seconds of a core each)
+    forks = start_forks(cfg)  # its imports run beside the heavy checks' (seconds of a core each)
     try:
-        check_tokenizer(cfg.model)
+        heavy_checks(cfg)
     except BaseException:  # refused: nothing of the run may go on
         if forks is not None:
             forks.kill()

@@ -9,14 +9,12 @@ the request message, and an error status (never a dead server) for anything an e
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
-import sys
 
 from relayrl.config import ConfigError, SecurityConfig
 from relayrl.env.base import Environment
 from relayrl.env.sessions import SessionTable
+from relayrl.imports import SpecImportError, import_attr
 from relayrl.services.server import GrpcServer, guarded
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
@@ -51,16 +49,13 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
 def load_environment(spec: str) -> type[Environment]:
     """The class named by ``module:Class`` (ConfigError naming ``spec`` when it is not an Environment). The working
     directory is searched too, as ``python -m`` would (the ``relayrl`` script alone does not put it on sys.path)."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ConfigError(f"environment {spec!r}: expected module:Class (e.g. relayrl.env.examples.guess:GuessNumber)")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"environment {spec!r}: cannot import {module_name} ({err})") from None
-    cls = getattr(module, class_name, None)
+        cls = import_attr(spec, "environment")
+    except SpecImportError as err:
+        raise ConfigError(str(err)) from None
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(
             f"environment {spec!r}: {class_name} is not a relayrl.env.Environment subclass in {module_name}"

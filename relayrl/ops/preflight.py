@@ -3,10 +3,13 @@ run directory is created (``relayrl up``, ``relayrl check``).
 
 Each failure is a ConfigError whose one line starts with the key: the GPUs and CPUs the roles are placed on,
 the model (a local Hugging Face directory with weights, whose tokenizer loads; a hub id ``org/name``; or a
-``builtin:``), the dataset (a file or directory that exists, of a type relayrl reads, with the prompt and answer
-columns in its first JSON row; or a hub dataset id), the reward function (importable, of a form relayrl calls),
-the engine (installed, at a supported version), the controller's port (free, when fixed), the TLS files
-(readable PEM), and last the model's tokenizer (it loads: the one check that imports transformers and torch).
+``builtin:``), the dataset (a file or directory that exists, of a type relayrl reads; a JSONL file's every line a
+JSON object, the prompt and answer columns in its first; or a hub dataset id), the reward function (importable
+from PYTHONPATH or the working directory, as the roles import it, of a form relayrl calls), the eval sets (as
+the dataset), the environment (``environment.serve`` importable, each of ``environment.servers`` listening), the
+engine (installed, at a supported version), the controller's port (free, when fixed), the TLS files (readable
+PEM), and last the two that import torch: every registry name in the config (advantage estimator, policy loss,
+aggregation, KL estimator: the trainer's registries, whatever they hold) and the model's tokenizer (it loads).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import json
 import re
+import socket
 from pathlib import Path
 
 from relayrl.config import (
@@ -22,9 +26,7 @@ from relayrl.config import (
     BUILTIN_MODELS,
     ConfigError,
     DataConfig,
-    ModelConfig,
     RelayConfig,
-    RewardConfig,
 )
 from relayrl.ops.placement import node_devices, place
 from relayrl.runtime.ports import port_in_use
@@ -38,28 +40,43 @@ HUB_DATASET_ID = re.compile(rf"^({_NAME}/)?{_NAME}$")  # name or org/name
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
+# How long a listed environment server has to accept a TCP connection (it is up before the run starts).
+CONNECT_TIMEOUT_S = 2.0
+
+
 def preflight(cfg: RelayConfig, *, load_tokenizer: bool = True) -> None:
-    """Every check below, in order (the machine's GPUs and CPUs first: they need nothing loaded; the tokenizer
-    last: loading it imports transformers and torch); the first failure is raised. ``load_tokenizer=False``
-    leaves that last one to the caller (``relayrl up`` starts its fork server first, to import beside it)."""
-    place(cfg, node_devices(cfg.supervisor.gpus))  # GPU over-subscription
-    check_role_cpus(cfg)  # CPUs a role is pinned to that are not here
-    check_model(cfg.model)
-    check_data(cfg.data)
-    check_reward(cfg.controller.reward)
-    check_eval(cfg)
-    check_engine(cfg.rollout.engine)
-    check_port(cfg)
-    check_tls(cfg)
+    """Every check of ``CHECKS``, in order (the machine's GPUs and CPUs first: they need nothing loaded), then
+    ``HEAVY_CHECKS`` (they import torch and transformers); the first failure is raised. ``load_tokenizer=False``
+    leaves the heavy ones to the caller (``heavy_checks``: ``relayrl up`` starts its fork server first, to import
+    beside them)."""
+    for check in CHECKS:
+        check(cfg)
     if load_tokenizer:
-        check_tokenizer(cfg.model)
+        heavy_checks(cfg)
+
+
+def heavy_checks(cfg: RelayConfig) -> None:
+    """The checks that import torch (the trainer's registries) and transformers (the tokenizer)."""
+    for check in HEAVY_CHECKS:
+        check(cfg)
+
+
+def check_placement(cfg: RelayConfig) -> None:
+    """The roles' GPUs fit this node (relayrl.ops.placement)."""
+    place(cfg, node_devices(cfg.supervisor.gpus))
+
+
+def check_cpus(cfg: RelayConfig) -> None:
+    """The CPUs a role is pinned to are on this machine (relayrl.runtime.threads)."""
+    check_role_cpus(cfg)
 
 
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def check_model(model: ModelConfig) -> None:
+def check_model(cfg: RelayConfig) -> None:
+    model = cfg.model
     if model.path in BUILTIN_MODELS:
         return
     path = Path(model.path)
@@ -74,8 +91,9 @@ def check_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.path: {model.path}: no such directory, and not a hub id (org/name) or a builtin:")
 
 
-def check_tokenizer(model: ModelConfig) -> None:
+def check_tokenizer(cfg: RelayConfig) -> None:
     """A local model directory's tokenizer loads as the roles load it (``AutoTokenizer``)."""
+    model = cfg.model
     path = Path(model.path)
     if model.path in BUILTIN_MODELS or not path.is_dir():
         return
@@ -87,7 +105,11 @@ def check_tokenizer(model: ModelConfig) -> None:
         raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
 
 
-def check_data(data: DataConfig, key: str = "data") -> None:
+def check_data(cfg: RelayConfig) -> None:
+    check_data_section(cfg.data, "data")
+
+
+def check_data_section(data: DataConfig, key: str) -> None:
     """``key``: the section's dotted path in the config (``data``, ``eval.sets.NAME``), named by each error."""
     if data.path in BUILTIN_DATA:
         return
@@ -98,25 +120,34 @@ def check_data(data: DataConfig, key: str = "data") -> None:
         if path.suffix not in FILE_BUILDERS:
             raise ConfigError(f"{key}.path: unsupported file type {path.suffix!r} (use {sorted(FILE_BUILDERS)})")
         if path.suffix == ".jsonl":
-            _check_first_row(path, data, key)
+            _check_rows(path, data, key)
     elif not path.is_dir() and (path.suffix in FILE_BUILDERS or not HUB_DATASET_ID.match(data.path)):
         raise ConfigError(f"{key}.path: {data.path}: no such file or directory, and not a hub dataset id or a builtin:")
 
 
-def _check_first_row(path: Path, data: DataConfig, section: str) -> None:
-    with path.open() as rows:
-        line = next((line for line in rows if line.strip()), None)
-    if line is None:
+def _check_rows(path: Path, data: DataConfig, section: str) -> None:
+    """Every non-blank line is a JSON object (the loader fails on the first that is not, naming no line); the
+    first holds the prompt and answer columns."""
+    row = None
+    with path.open(encoding="utf-8", errors="replace") as rows:
+        for number, line in enumerate(rows, 1):
+            if not line.strip():
+                continue
+            try:
+                parsed = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{section}.path: {path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(f"{section}.path: {path}:{number}: not a JSON object (a {type(parsed).__name__})")
+            row = parsed if row is None else row
+    if row is None:
         raise ConfigError(f"{section}.path: {path} has no rows")
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{section}.path: {path}: the first row is not JSON ({err.msg})") from None
     for key in ("prompt_key", "answer_key"):
         column = getattr(data, key)
-        if not isinstance(row, dict) or column not in row:
-            found = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"{section}.{key}: column {column!r} not in the first row of {path} (found: {found})")
+        if column not in row:
+            raise ConfigError(
+                f"{section}.{key}: column {column!r} not in the first row of {path} (found: {sorted(row)})"
+            )
 
 
 def check_eval(cfg: RelayConfig) -> None:
@@ -129,7 +160,7 @@ def check_eval(cfg: RelayConfig) -> None:
 
     ecfg = cfg.eval
     for name, data in ecfg.sets.items():
-        check_data(data, f"eval.sets.{name}")
+        check_data_section(data, f"eval.sets.{name}")
     if ecfg.answer_extractor is not None and ecfg.answer_extractor not in ANSWER_EXTRACTORS:
         known = ", ".join(ANSWER_EXTRACTORS.names())
         raise ConfigError(f"eval.answer_extractor: unknown extractor {ecfg.answer_extractor!r} (known: {known})")
@@ -148,20 +179,63 @@ def check_eval(cfg: RelayConfig) -> None:
             raise ConfigError(f"eval.best.metric: {ecfg.best.metric!r} is not reported (reported: {', '.join(known)})")
 
 
-def check_reward(cfg: RewardConfig) -> None:
+def check_reward(cfg: RelayConfig) -> None:
     """``controller.reward``: the function resolves and has a form (relayrl.rewards.check_reward, the controller's
     own check at its start)."""
     from relayrl.rewards import check_reward as controller_check
 
     try:
-        controller_check(cfg)
+        controller_check(cfg.controller.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
-def check_engine(engine: str) -> None:
+def check_environment(cfg: RelayConfig) -> None:
+    """``environment.serve`` imports as its servers import it; every ``environment.servers`` address accepts a
+    connection (a server started elsewhere is up before the run starts)."""
+    env = cfg.environment
+    if env is None:
+        return
+    if env.serve:
+        from relayrl.env.server import load_environment
+
+        try:
+            load_environment(env.serve)
+        except ConfigError as err:
+            raise ConfigError(f"environment.serve: {err}") from None
+    for i, address in enumerate(env.servers):
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as err:
+            why = err.strerror or type(err).__name__
+            raise ConfigError(f"environment.servers: [{i}] {address}: no server listens there ({why})") from None
+
+
+# config key -> (module, registry attribute): every name the trainer looks up in a registry at its start
+REGISTRY_KEYS = {
+    "algorithm.advantage": ("relayrl.trainer.algorithms.advantages", "ADVANTAGE_ESTIMATORS"),
+    "algorithm.policy_loss": ("relayrl.trainer.algorithms.policy_loss", "POLICY_LOSSES"),
+    "algorithm.loss_agg": ("relayrl.trainer.algorithms.aggregation", "LOSS_AGGREGATIONS"),
+    "algorithm.kl_estimator": ("relayrl.trainer.algorithms.kl", "KL_ESTIMATORS"),
+}
+
+
+def check_registry_names(cfg: RelayConfig) -> None:
+    """Each key of ``REGISTRY_KEYS`` names an entry of its registry (as registered when the check runs: a new
+    estimator needs no change here). ConfigError naming the key and the known names."""
+    for key, (module, attr) in REGISTRY_KEYS.items():
+        section, field = key.split(".")
+        name = getattr(getattr(cfg, section), field)
+        registry = getattr(importlib.import_module(module), attr)
+        if name not in registry:
+            raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; known: {', '.join(registry.names())}")
+
+
+def check_engine(cfg: RelayConfig) -> None:
     """vllm/sglang: installed (distribution metadata, else an importable module: a source tree or a test's stand-in,
     whose ``__version__`` the engine checks at start) at a version in SUPPORTED_VERSIONS."""
+    engine = cfg.rollout.engine
     if engine == "hf":
         return
     from relayrl.rollout.external import SUPPORTED_VERSIONS, install_hint, version_supported
@@ -197,3 +271,19 @@ def check_tls(cfg: RelayConfig) -> None:
             raise ConfigError(f"security.{key}: {path}: cannot read ({err.strerror})") from None
         if b"-----BEGIN " not in text:
             raise ConfigError(f"security.{key}: {path} is not PEM (no -----BEGIN line)")
+
+
+# what `relayrl up` and `relayrl check` run before anything starts, in order (cheap first), then the heavy ones
+CHECKS = (
+    check_placement,
+    check_cpus,
+    check_model,
+    check_data,
+    check_reward,
+    check_eval,
+    check_environment,
+    check_engine,
+    check_port,
+    check_tls,
+)
+HEAVY_CHECKS = (check_registry_names, check_tokenizer)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 
+from relayrl.imports import import_attr
 from relayrl.registry import Registry
 
 RewardFn = Callable[[str, str], float]
@@ -83,11 +83,7 @@ def resolve_reward(spec: str) -> RewardFn:
     """A registered name, or ``module:function`` imported on the spot. Raises ValueError naming spec."""
     if ":" not in spec:
         return REWARDS.get(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward function {spec!r} cannot be imported: {err}") from None
+    fn = import_attr(spec, "reward function")  # SpecImportError (a ValueError): one line naming spec
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn

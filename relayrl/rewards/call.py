@@ -17,8 +17,6 @@ from relayrl.config import RewardConfig
 from relayrl.rewards.builtin import resolve_reward
 from relayrl.rewards.signature import Form, RewardSignature, reward_signature
 
-QUOTES = "'\""  # around a KeyError's message
-
 
 class RewardShapeError(ValueError):
     """A reward function returned something other than one finite float per response: a bug that would repeat,
@@ -162,4 +160,4 @@ def check_reward(cfg: RewardConfig) -> RewardCaller:
     try:
         return load_reward(cfg.fn, cfg.form)
     except (KeyError, ValueError) as err:
-        raise ValueError(f"controller.reward.fn: {str(err).strip(QUOTES)}") from None
+        raise ValueError(f"controller.reward.fn: {err.args[0]}") from None

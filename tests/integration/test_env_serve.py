@@ -121,7 +121,7 @@ def test_a_busy_port_is_one_line_and_exit_2() -> None:
     ("spec", "message"),
     [
         ("relayrl.env.examples.guess", "expected module:Class"),
-        ("relayrl.env.examples.nothing:X", "cannot import relayrl.env.examples.nothing"),
+        ("relayrl.env.examples.nothing:X", "cannot be imported: no module named 'relayrl.env.examples.nothing' on"),
         ("relayrl.env.examples.guess:secret_for", "secret_for is not a relayrl.env.Environment subclass"),
     ],
 )

@@ -261,6 +261,10 @@ def busy_port():
 def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory(
     tmp_path: Path, tiny_model_dir: Path, busy_port: int
 ) -> None:
+    """Every start-up check (relayrl.ops.preflight: CHECKS and HEAVY_CHECKS) refuses its cases in `relayrl check`,
+    and the first case of each in `relayrl up` (which runs the same checks), before a run directory exists."""
+    from relayrl.ops.preflight import CHECKS, HEAVY_CHECKS
+
     no_config = tmp_path / "not-a-model"
     no_config.mkdir()
     bad_tokenizer = tmp_path / "bad-tokenizer"  # the last check, after the fork server started, refuses it
@@ -272,31 +276,77 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     bad_rows = tmp_path / "rows.jsonl"
     bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
-    cases = [
-        (["model.path=/nonexistent/model"], "model.path: /nonexistent/model: no such directory, and not a hub id"),
-        ([f"model.path={no_config}"], f"model.path: {no_config} has no config.json"),
-        ([f"model.path={no_weights}"], f"model.path: {no_weights} has no weights (no *.safetensors or"),
-        ([f"model.path={bad_tokenizer}"], f"model.path: the tokenizer in {bad_tokenizer} does not load"),
-        (["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file or directory"),
-        ([f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
-        (["controller.reward.fn=no_such_module:score"], "controller.reward.fn: reward function 'no_such_module:score'"),
-        (["controller.reward.fn=json:dumps"], "controller.reward.fn: reward function json:dumps(obj, skipkeys"),
-        (["controller.reward.fn=exact_mtch"], "controller.reward.fn: unknown reward function 'exact_mtch'"),
-        (["rollout.engine=sglang"], "rollout.engine: sglang is not installed: pip install 'relayrl[sglang]'"),
-        ([f"controller.port={busy_port}"], f"controller.port: 127.0.0.1:{busy_port} is in use"),
+    broken_row = tmp_path / "broken.jsonl"
+    broken_row.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n\n{"prompt": "2 + 2 =", \n')
+    (tmp_path / "typo_reward.py").write_text("def reward(response, answer)\n    return 1.0\n")
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        nobody = closed.getsockname()[1]
+    cases = [  # (the check that refuses it, --set values, what its one line says)
+        ("check_placement", ["supervisor.gpus=1"], "supervisor.gpus: the run needs 3 GPUs"),
+        ("check_cpus", ["trainer.cpus=4095"], "trainer.cpus: "),
+        ("check_model", ["model.path=/nonexistent/model"], "model.path: /nonexistent/model: no such directory"),
+        ("check_model", [f"model.path={no_config}"], f"model.path: {no_config} has no config.json"),
+        ("check_model", [f"model.path={no_weights}"], f"model.path: {no_weights} has no weights (no *.safetensors"),
+        ("check_data", ["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file"),
+        ("check_data", [f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
+        ("check_data", [f"data.path={broken_row}"], f"data.path: {broken_row}:3: not JSON"),
         (
+            "check_reward",
+            ["controller.reward.fn=no_such_module:score"],
+            "controller.reward.fn: reward function 'no_such_module:score' cannot be imported: no module named "
+            f"'no_such_module' on PYTHONPATH ({ROOT}) and the working directory ({tmp_path})",
+        ),
+        (
+            "check_reward",
+            ["controller.reward.fn=typo_reward:reward"],
+            f"reward function 'typo_reward:reward' cannot be imported: {tmp_path / 'typo_reward.py'}:1: SyntaxError",
+        ),
+        ("check_reward", ["controller.reward.fn=json:dumps"], "controller.reward.fn: reward function json:dumps(obj"),
+        ("check_reward", ["controller.reward.fn=exact_mtch"], "controller.reward.fn: unknown reward function"),
+        (
+            "check_eval",
+            ["eval.sets.heldout.path=/nonexistent/heldout.jsonl"],
+            "eval.sets.heldout.path: /nonexistent/heldout.jsonl: no such file",
+        ),
+        (
+            "check_environment",
+            ["environment.serve=count_env:CountEnv"],
+            "environment.serve: environment 'count_env:CountEnv' cannot be imported: no module named 'count_env' on "
+            "PYTHONPATH",
+        ),
+        (
+            "check_environment",
+            [f"environment.servers=[127.0.0.1:{nobody}]"],
+            f"environment.servers: [0] 127.0.0.1:{nobody}: no server listens there",
+        ),
+        ("check_engine", ["rollout.engine=sglang"], "rollout.engine: sglang is not installed: pip install"),
+        ("check_port", [f"controller.port={busy_port}"], f"controller.port: 127.0.0.1:{busy_port} is in use"),
+        (
+            "check_tls",
             [f"security.tls_cert={tmp_path / 'cert.pem'}", f"security.tls_key={tmp_path / 'key.pem'}"],
             f"security.tls_cert: {tmp_path / 'cert.pem'}: cannot read (No such file or directory)",
         ),
+        (
+            "check_registry_names",
+            ["algorithm.advantage=gea"],
+            "algorithm.advantage: unknown advantage estimator 'gea'; known: ",
+        ),
+        ("check_registry_names", ["algorithm.policy_loss=ppo_clp"], "algorithm.policy_loss: unknown policy loss"),
+        ("check_tokenizer", [f"model.path={bad_tokenizer}"], f"model.path: the tokenizer in {bad_tokenizer} does not"),
     ]
+    assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
     runs = tmp_path / "runs"
 
-    def refused(case: tuple[list[str], str]) -> tuple[str, str]:
-        sets = [f"run.dir={runs}", f"model.path={tiny_model_dir}", *case[0]]
-        return relayrl("up", str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), case[1]
+    def refused(command_and_case: tuple[str, tuple[str, list[str], str]]) -> tuple[str, str]:
+        command, (_, sets, expected) = command_and_case
+        sets = [f"run.dir={runs}", f"model.path={tiny_model_dir}", *sets]
+        return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
 
+    first_of_each = list({case[0]: case for case in reversed(cases)}.values())
+    runs_of = [("check", case) for case in cases] + [("up", case) for case in first_of_each]
     with ThreadPoolExecutor(4) as pool:
-        for line, expected in pool.map(refused, cases):
+        for line, expected in pool.map(refused, runs_of):
             assert expected in line, line
     assert not runs.exists()
     ok = subprocess.run(
