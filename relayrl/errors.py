@@ -34,6 +34,8 @@ class ResourceExhausted(RelayError):
 
 # While an operator has paused the run, UNAVAILABLE details start with this (the trainer keeps waiting).
 PAUSED_DETAIL = "run paused by an operator"
+# While the batch a trainer pulls is still being generated, UNAVAILABLE details start with this (a normal wait).
+NOT_READY_DETAIL = "no batch for step"
 
 
 class Unavailable(RelayError):

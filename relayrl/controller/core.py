@@ -38,7 +38,7 @@ from relayrl.controller.workers import DRAINING, WorkerRegistry
 from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.episodes.stats import fill_episode_stats
-from relayrl.errors import PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rewards import RewardRaised, RewardShapeError
 from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.files import atomic_write
@@ -551,7 +551,7 @@ class Controller:
             if remaining <= 0:
                 if self.state == "paused":
                     raise Unavailable(f"{PAUSED_DETAIL}: no batch for step {step} until Resume; retry")
-                raise Unavailable(f"no batch for step {step} within {timeout_s:.0f}s; retry")
+                raise Unavailable(f"{NOT_READY_DETAIL} {step} within {timeout_s:.0f}s; retry")
             self._cond.wait(min(remaining, 1.0))
 
     def pull_batch(self, step: int, timeout_s: float) -> controller_pb2.Batch:

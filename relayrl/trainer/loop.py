@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from relayrl.config import RelayConfig, TrainerConfig, dump_config
 from relayrl.episodes.stats import step_episode_metrics
-from relayrl.errors import PAUSED_DETAIL, rpc_error_text
+from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.runtime.threads import torch_threads
 from relayrl.services.channels import open_channel
@@ -111,11 +111,19 @@ class ShutdownFlag:
         STOPPING.set()
 
 
+def wait_level(details: str, waited_s: float, deadline_s: float) -> int:
+    """How loud a wait for a batch is: INFO while the controller says it is not ready yet (being generated) and
+    the wait is within the first half of ``deadline_s``; WARNING otherwise (a stall, or no controller)."""
+    normal = details.startswith(NOT_READY_DETAIL) and waited_s < deadline_s / 2
+    return logging.INFO if normal else logging.WARNING
+
+
 def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_every_s: float = 30.0) -> bytes:
-    """The serialized batch for ``step``, or b"" once a shutdown was requested. While it waits, a
-    warning every ``warn_every_s`` says why (a wait is never silent)."""
+    """The serialized batch for ``step``, or b"" once a shutdown was requested. While it waits, a line every
+    ``warn_every_s`` says why (a wait is never silent), at ``wait_level``."""
     request = controller_pb2.PullBatchRequest(step=step, timeout_s=2)
-    deadline = time.monotonic() + deadline_s
+    started = time.monotonic()
+    deadline = started + deadline_s
     warn_at = time.monotonic() + warn_every_s
     while not stop.requested:
         try:
@@ -129,7 +137,8 @@ def pull_or_stop(stub, step: int, deadline_s: float, stop: ShutdownFlag, warn_ev
             if now > deadline:
                 raise TimeoutError(f"no batch for step {step} within {deadline_s:.0f}s") from None
             if now > warn_at:
-                log.warning(
+                log.log(
+                    wait_level(err.details() or "", now - started, deadline_s),
                     "no batch for step %d yet (%s: %s); waiting up to %.0fs more",
                     step, err.code().name, err.details(), deadline - now,
                 )  # fmt: skip

@@ -5,6 +5,7 @@ TensorBoard/W&B mirrors."""
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 from types import SimpleNamespace
 from unittest import mock
@@ -16,7 +17,7 @@ from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.ops import commands, k8s, render
 from relayrl.ops.parser import add_operator_commands
 from relayrl.ops.scaler import LocalScaler
-from relayrl.trainer.loop import pull_or_stop
+from relayrl.trainer.loop import pull_or_stop, wait_level
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.sync import SyncResult
 from relayrl.trainer.trackers import StepTrackers, scalars
@@ -370,3 +371,22 @@ def test_a_trainer_waiting_for_a_batch_says_why_then_gets_it(caplog):
         payload = pull_or_stop(stub, 4, deadline_s=60, stop=SimpleNamespace(requested=False), warn_every_s=0)
     assert controller_pb2.Batch.FromString(payload).batch_id == "b4"
     assert "no batch for step 4 yet (UNAVAILABLE: controller restarting)" in caplog.text
+
+
+class NotReady(Unavailable):
+    def details(self):
+        return "no batch for step 4 within 2s; retry"  # the controller's answer while the batch generates
+
+
+def test_a_normal_wait_for_a_batch_is_info_and_a_long_one_a_warning(caplog):
+    stub = mock.MagicMock()
+    batch = controller_pb2.Batch(batch_id="b4")
+    stub.PullBatch.side_effect = [NotReady(), NotReady(), batch]
+    with caplog.at_level("INFO", logger="relayrl.trainer.loop"):
+        pull_or_stop(stub, 4, deadline_s=60, stop=SimpleNamespace(requested=False), warn_every_s=0)
+    assert [r.levelname for r in caplog.records] == ["INFO", "INFO"]
+    assert "no batch for step 4 yet (UNAVAILABLE: no batch for step 4 within 2s" in caplog.text
+    not_ready = NotReady().details()
+    assert wait_level(not_ready, 299, 600) == logging.INFO
+    assert wait_level(not_ready, 300, 600) == logging.WARNING  # half the deadline gone: a stall
+    assert wait_level("controller restarting", 1, 600) == logging.WARNING
