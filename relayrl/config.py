@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from relayrl.rollout.sampling import MIN_TEMPERATURE, temperature_ok
+from relayrl.rollout.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, temperature_ok
 from relayrl.runtime.address import AddressError, parse_address, parse_host
 from relayrl.runtime.cpus import parse_cpu_list
 
@@ -142,6 +142,11 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling; 1 samples the whole vocabulary
     max_tokens: int = Field(16, ge=1)  # most tokens sampled per response (finish reason `length` there)
     stop_token_ids: list[int] = Field(default_factory=list)  # tokens that end a response, besides EOS
+    # strings that end a response once its decoded text holds one (vLLM's and SGLang's stop): its token ids keep every
+    # sampled token, the one that completed the string included (what was sampled is what trains); the text the
+    # reward function reads ends before the string (relayrl/rollout/sampling.py: stop_text)
+    stop: list[str] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the reward function's text keeps the stop string (vLLM's name)
     min_tokens: int = Field(0, ge=0)  # EOS/stop tokens masked until this many tokens (vLLM's min_tokens)
     ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)  # most rows decoded together; every concurrent Generate call shares them
@@ -176,6 +181,16 @@ class RolloutConfig(Section):
     @classmethod
     def _cpu_list(cls, value: object) -> object:
         return _check_cpus(value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        for string in value:
+            if not string or len(string) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has 1 to {MAX_STOP_CHARS} characters, got {string!r}")
+        return value
 
     @field_validator("temperature")
     @classmethod

@@ -114,7 +114,10 @@ class Controller:
             max_threads=ccfg.max_workers * self.registry.max_in_flight,  # a thread per call every worker may hold
             straggler_factor=ccfg.straggler_factor,
         )
-        self.scorer = Scorer(ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row)
+        self.scorer = Scorer(
+            ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row,
+            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output,
+        )  # fmt: skip
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -123,6 +126,8 @@ class Controller:
             stop_token_ids=tuple(cfg.rollout.stop_token_ids),
             min_tokens=cfg.rollout.min_tokens,
             ignore_eos=cfg.rollout.ignore_eos,
+            stop=tuple(cfg.rollout.stop),
+            include_stop_str_in_output=cfg.rollout.include_stop_str_in_output,
         )
         # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
         self.episodes = (

@@ -17,6 +17,7 @@ from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
+from relayrl.rollout.sampling import stop_text
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
 
@@ -70,17 +71,27 @@ class Scorer:
     """``row_of(prompt_id)``: the dataset row of a drawn prompt, read only when the reward function asks for it."""
 
     def __init__(
-        self, cfg: RewardConfig, tokenizer, max_tokens: int, row_of: Callable[[str], Mapping[str, Any]]
+        self,
+        cfg: RewardConfig,
+        tokenizer,
+        max_tokens: int,
+        row_of: Callable[[str], Mapping[str, Any]],
+        *,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.stop, self.include_stop = tuple(stop), include_stop
         self.reward: RewardCaller = check_reward(cfg)
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.row_of = row_of
 
     def decode_all(self, completions: list[common_pb2.Completion]) -> list[str]:
-        """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``)."""
-        return decode_sequences(self.tokenizer, [c.token_ids for c in completions])
+        """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``), cut at its
+        stop string as vLLM cuts its text (``stop_text``: rollout.stop, rollout.include_stop_str_in_output)."""
+        texts = decode_sequences(self.tokenizer, [c.token_ids for c in completions])
+        return [stop_text(t, self.stop, self.include_stop) for t in texts] if self.stop else texts
 
     def task_scores(self, inputs: GroupInputs, *, episodes: bool) -> list[float]:
         """The group's task scores (module docstring); RewardRaised / RewardShapeError from the function."""

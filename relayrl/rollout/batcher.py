@@ -125,8 +125,10 @@ class _Request:
         banned: torch.Tensor,
         should_abort: Callable[[], bool] | None,
         device: torch.device,
+        stop_strings: Callable[[list[int]], bool] | None = None,
     ) -> None:
         self.prompts, self.params, self.stop_ids, self.banned = prompts, params, stop_ids, banned
+        self.stop_strings = stop_strings
         self._should_abort = should_abort
         self.cancelled = False
         self.updated = False  # alive at an in-flight weight update: its rows report per-token versions
@@ -238,9 +240,11 @@ class ContinuousBatcher:
         stop_ids: frozenset[int],
         banned: torch.Tensor,
         should_abort: Callable[[], bool] | None = None,
+        stop_strings: Callable[[list[int]], bool] | None = None,
     ) -> RequestHandle:
-        """Queue a request; ``stop_ids`` end a row, ``banned`` ids are masked while a row is under min_tokens."""
-        request = _Request(prompts, params, stop_ids, banned, should_abort, self.runner.device)
+        """Queue a request; ``stop_ids`` end a row, and so does ``stop_strings(token_ids)`` turning true (its stop
+        strings, ``SamplingParams.stop``); ``banned`` ids are masked while a row is under min_tokens."""
+        request = _Request(prompts, params, stop_ids, banned, should_abort, self.runner.device, stop_strings)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -364,7 +368,7 @@ class ContinuousBatcher:
         tokens, token_list = self._sample(rows, logits)
         keep = []
         for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
-            if token in row.request.stop_ids:
+            if token in row.request.stop_ids or (row.request.stop_strings and row.request.stop_strings(row.token_ids)):
                 reason = "stop"
             elif len(row.token_ids) == row.request.params.max_tokens:
                 reason = "length"

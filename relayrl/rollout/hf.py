@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, GenerationConfig
@@ -145,7 +146,8 @@ class HFEngine(InferenceEngine):
         come together."""
         held_back = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=self.device)
         stop_ids = stop_token_set(self.eos_token_ids, params)
-        yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort).batches()
+        stop_strings = StopStrings(self.tokenizer, params.stop, params.min_tokens) if params.stop else None
+        yield from self._batcher.submit(prompts, params, stop_ids, held_back, should_abort, stop_strings).batches()
 
     def pause_in_flight(self) -> None:
         """See ``InferenceEngine.pause_in_flight``: the decode loop parks between two steps (module docstring)."""
@@ -340,6 +342,25 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+class StopStrings:
+    """``checker(token_ids)``: whether a row's response now holds one of ``stop`` (``SamplingParams.stop``), called
+    after each sampled token; never before ``min_tokens`` tokens (vLLM's detokenizer neither). The text checked is
+    ``tokenizer.decode(skip_special_tokens=True)`` of the row's newest ``window`` tokens: an occurrence completed
+    now holds the newest token (an older one ended the row before), and a string of c characters spans at most 4c
+    byte-level tokens, so the window (4 x the longest string, plus 8 tokens of slack for a partial character at its
+    start) holds it."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], min_tokens: int = 0) -> None:
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, tuple(stop), min_tokens
+        self.window = 4 * max(len(s) for s in stop) + 8
+
+    def __call__(self, token_ids: list[int]) -> bool:
+        if len(token_ids) <= self.min_tokens:
+            return False
+        text = self.tokenizer.decode(token_ids[-self.window :], skip_special_tokens=True)
+        return any(s in text for s in self.stop)
 
 
 def stop_token_set(eos_token_ids: frozenset[int], params: SamplingParams) -> frozenset[int]:

@@ -19,6 +19,9 @@ from relayrl.errors import InvalidArgument, ResourceExhausted
 from relayrl.v1 import common_pb2
 
 MIN_TEMPERATURE = 1e-2
+# stop strings a request may carry, and their length: each is searched for in every row's text at every step
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def temperature_ok(temperature: float) -> bool:
@@ -36,6 +39,10 @@ class SamplingParams:
     vLLM's two equal-work knobs: ``min_tokens`` masks EOS and the stop tokens until that many tokens are out
     (the logprob reported stays that of the unmasked softmax, vLLM's default raw log-probs), and ``ignore_eos``
     lets EOS be sampled without ending the response (stop tokens still end it).
+    ``stop`` strings end a response once its decoded text (past ``min_tokens``) contains one, as vLLM's ``stop``
+    does: the token ids keep every sampled token (the one that completed the string included: what the policy
+    sampled is what is trained) and the response's text ends before the string (``stop_text``), or after it with
+    ``include_stop_str_in_output``.
     """
 
     n: int = 1
@@ -46,6 +53,8 @@ class SamplingParams:
     seed: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -60,6 +69,8 @@ class SamplingParams:
             seed=msg.seed if msg.HasField("seed") else None,
             min_tokens=msg.min_tokens,
             ignore_eos=msg.ignore_eos,
+            stop=tuple(msg.stop),
+            include_stop_str_in_output=msg.include_stop_str_in_output,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -73,7 +84,28 @@ class SamplingParams:
             seed=self.seed,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
+            stop=list(self.stop),
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+
+def first_stop(text: str, stop: Sequence[str]) -> tuple[int, int] | None:
+    """(start, end) of the stop string occurrence in ``text`` that is completed first (the smallest end; on a tie
+    the earlier string of ``stop``): where an engine checking after every token stopped. None: no stop string."""
+    found = [(i + len(s), i) for s in stop if (i := text.find(s)) >= 0]
+    if not found:
+        return None
+    end, start = min(found, key=lambda pair: pair[0])
+    return start, end
+
+
+def stop_text(text: str, stop: Sequence[str], include: bool = False) -> str:
+    """A response's text as vLLM returns it: cut before the first completed stop string (after it with
+    ``include``, vLLM's ``include_stop_str_in_output``); ``text`` when it holds none."""
+    found = first_stop(text, stop)
+    if found is None:
+        return text
+    return text[: found[1] if include else found[0]]
 
 
 @dataclass(frozen=True)
@@ -129,6 +161,11 @@ def _validate_params(params: SamplingParams, *, vocab_size: int, limits: Generat
     bad = _first_outside_vocab(params.stop_token_ids, vocab_size)
     if bad is not None:
         raise InvalidArgument("params.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ResourceExhausted("params.stop", MAX_STOP_STRINGS, len(params.stop))
+    for i, string in enumerate(params.stop):
+        if not string or len(string) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"params.stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters, got {len(string)}")
 
 
 def _validate_prompt(

@@ -249,6 +249,10 @@ class SGLangEngine(InferenceEngine):
             "presence_penalty": 0.0,
             "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": params.ignore_eos,
+            # SGLang matches stop strings in the decoded tail of output_ids, which keep the token that completed one;
+            # no_stop_trim keeps the string in the text (vLLM's include_stop_str_in_output)
+            "stop": list(params.stop) or None,
+            "no_stop_trim": params.include_stop_str_in_output,
             "sampling_seed": sampling_seed,
         }
 

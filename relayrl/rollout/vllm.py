@@ -240,7 +240,11 @@ class VLLMEngine(InferenceEngine):
             ignore_eos=params.ignore_eos,
             seed=None if params.seed is None else params.seed + sample_index,
             logprobs=0,
-            detokenize=False,
+            # vLLM matches stop strings in its detokenized text (it refuses stop with detokenize off); the token ids
+            # it returns keep every sampled token, the one that completed the string included
+            stop=list(params.stop),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            detokenize=bool(params.stop),
             output_kind=self._final_only,
         )
 

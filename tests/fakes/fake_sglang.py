@@ -18,7 +18,10 @@ and ``sglang.srt.distributed.parallel_state``'s rank functions. Logprobs: log so
 teacher-forced forward. ``sampling_seed`` counts only with ``enable_deterministic_inference`` (then 42 when
 unset), as in SGLang. docs/engines.md lists each behaviour with its upstream file.
 
-Not emulated (NotImplementedError): penalties, top-k, min-p, n > 1, stop strings, single (unbatched) input;
+Stop strings as SGLang's ``Req.check_finished`` (sglang/srt/managers/schedule_batch.py): after the stop tokens,
+each string of ``stop`` in order is looked for in the decoded output; a match ends the request with
+``{"type": "stop", "matched": <string>}`` and ``output_ids`` keep every token (the text is not emulated: "").
+Not emulated (NotImplementedError): penalties, top-k, min-p, n > 1, single (unbatched) input;
 SGLang's fused parameter names and TP shards (every fake scheduler shares one full model with Hugging Face
 names). Tests read ``Engine.server_args``, ``generate_calls``, ``steps``, ``tokenizer_manager.aborted``.
 """
@@ -109,7 +112,6 @@ _NEUTRAL = {
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
     "n": (1,),
-    "stop": (None,),
 }
 
 
@@ -459,6 +461,11 @@ class Engine:
         item.versions.append(self.weight_version)
         if token in stop_token_set(self.hf.eos_token_ids, relay):
             return {"type": "stop", "matched": token}
+        stops = params.get("stop") or []
+        text = self.hf.tokenizer.decode(item.tokens) if stops else ""
+        for stop in [stops] if isinstance(stops, str) else stops:
+            if stop in text:
+                return {"type": "stop", "matched": stop}
         if len(item.tokens) >= relay.max_tokens:
             return {"type": "length", "length": relay.max_tokens}
         return None

@@ -17,7 +17,7 @@ follow ``logprobs_mode`` ("raw_logprobs"; "processed_logprobs": after the min-to
 top-p mask) by a teacher-forced forward.
 
 Not emulated (refused with NotImplementedError where a caller could ask for it): n > 1, penalties, top-k,
-min-p, stop strings, top-n logprobs, output kinds other than FINAL_ONLY, pipeline parallelism. Tests read
+min-p, top-n logprobs, output kinds other than FINAL_ONLY, pipeline parallelism. Tests read
 ``LLM.init_kwargs``, ``llm_engine.added`` / ``aborted`` / ``steps`` and ``LLM.fake_probe`` (test-only).
 """
 
@@ -42,6 +42,7 @@ from typing_extensions import NotRequired
 from fakes.common import FusedShardModel, PrefixCache, run_on_ranks, vllm_top_p_mask
 from relayrl.rollout.hf import DTYPES, eos_token_ids, sample_step, stop_token_set
 from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
+from relayrl.rollout.sampling import first_stop, stop_text
 
 __version__ = "0.33.0+fake"
 # What a test puts into sys.modules to stand in for vLLM.
@@ -93,6 +94,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -138,6 +140,11 @@ class SamplingParams:
                 all(isinstance(t, int) for t in self.stop_token_ids),
                 f"stop_token_ids must contain only integers, got {self.stop_token_ids}.",
             ),
+            (all(self.stop), "stop cannot contain an empty string."),
+            (
+                not self.stop or self.detokenize,
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -152,7 +159,6 @@ class SamplingParams:
             "repetition_penalty": 1.0,
             "top_k": 0,
             "min_p": 0.0,
-            "stop": [],
             "prompt_logprobs": None,
             "output_kind": RequestOutputKind.FINAL_ONLY,
         }
@@ -459,7 +465,7 @@ class EngineCore:
         torch.set_num_threads(1)
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES["float32" if dtype == "auto" else dtype])
         self.hf.eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model)
         self.eos = eos_token_ids(tokenizer, self.hf.generation_config)
         self.max_model_len = kwargs.get("max_model_len") or self.hf.config.max_position_embeddings
         self.max_num_seqs = kwargs.get("max_num_seqs") or 256
@@ -663,6 +669,8 @@ class EngineCore:
             r.versions.append(self.weight_version)
             if token in stop_token_set(frozenset(self.eos), relay):
                 outputs.append(self._finish(r, "stop", token if token in relay.stop_token_ids else None))
+            elif (matched := self._stop_string(r)) is not None:
+                outputs.append(self._finish(r, "stop", matched))
             elif len(r.output) >= relay.max_tokens:
                 outputs.append(self._finish(r, "length", None))
             else:
@@ -682,7 +690,21 @@ class EngineCore:
             self._synced = loads
             self.epoch += 1
 
-    def _finish(self, r: _Request, reason: str, stop_reason: int | None) -> RequestOutput:
+    def _stop_string(self, r: _Request) -> str | None:
+        """The stop string the output's detokenized text now holds, as vLLM's detokenizer checks after each token
+        (vllm/v1/engine/detokenizer.py; it ends the request as "stop" with the string as its stop_reason)."""
+        if not r.params.stop:
+            return None
+        found = first_stop(self._text(r), r.params.stop)
+        return None if found is None else self._text(r)[found[0] : found[1]]
+
+    def _text(self, r: _Request) -> str:
+        """The output's text: detokenized (skip_special_tokens) when the request asks for it, else ""."""
+        if not r.params.detokenize:
+            return ""
+        return self.tokenizer.decode(r.output, skip_special_tokens=r.params.skip_special_tokens)
+
+    def _finish(self, r: _Request, reason: str, stop_reason: int | str | None) -> RequestOutput:
         if self.prefix_caching:  # a finished request's full blocks stay cached
             self.cache.insert(r.prompt + r.output, r.kv_epochs, r.cache_key())
         logprobs = None
@@ -692,9 +714,12 @@ class EngineCore:
                 {token: Logprob(float(row[token]), rank=int((row > row[token]).sum()) + 1)}
                 for token, row in zip(r.output, rows, strict=True)
             ]
+        text = self._text(r)
+        if isinstance(stop_reason, str):  # vLLM cuts the text at the stop string; the token ids stay whole
+            text = stop_text(text, [stop_reason], r.params.include_stop_str_in_output)
         completion = CompletionOutput(
             index=0,
-            text="",
+            text=text,
             token_ids=list(r.output),
             cumulative_logprob=sum(p[t].logprob for t, p in zip(r.output, logprobs)) if logprobs else None,
             logprobs=logprobs,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.engine import EngineCompletion
@@ -178,3 +178,21 @@ def assert_continued_across_update(
         before, after = slice(None, frozen_at), slice(frozen_at, None)
         assert c.logprobs[before] == pytest.approx(recompute(old, prompt, c.token_ids, 1.0)[before], abs=1e-4)
         assert c.logprobs[after] == pytest.approx(recompute(trained, prompt, c.token_ids, 1.0)[after], abs=1e-4)
+
+
+def assert_stop_string_ends_the_sample(engine: Any, model_dir: Path) -> None:
+    """Stop strings (``SamplingParams.stop``) as vLLM applies them: with ``stop`` = (a string completed late, one
+    completed at token ``cut`` of the greedy response), the sample ends at the first string completed, finish "stop",
+    its token ids and logprobs the greedy ones up to and including the token that completed it."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=12)
+    (free,) = engine.generate(PROMPTS[1:2], greedy)
+    texts = [tokenizer.decode(free.token_ids[:k], skip_special_tokens=True) for k in range(len(free.token_ids) + 1)]
+    text = texts[-1]
+    change = next(i for i in range(1, len(text)) if text[i] != text[i - 1])
+    early, late = text[change - 1 : change + 1], text[-2:]  # on the sharp tiny model: "02" and "22"
+    cut = next(k for k, t in enumerate(texts) if early in t)
+    assert 1 < cut < next(k for k, t in enumerate(texts) if late in t)  # the premise: early completes first
+    (stopped,) = engine.generate(PROMPTS[1:2], dataclasses.replace(greedy, stop=(late, early)))
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:cut]
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-6)

@@ -19,6 +19,7 @@ from engine_testing import (
     PROMPTS,
     accepted,
     assert_concurrent_calls_exact,
+    assert_stop_string_ends_the_sample,
     assert_trainer_logprobs,
     by_key,
     documented,
@@ -135,12 +136,17 @@ def test_arguments_reach_sglang_as_documented(engine: SGLangEngine, model_dir: P
         "presence_penalty": 0.0,
         "stop_token_ids": [5, 9],
         "ignore_eos": False,
+        "stop": None,
+        "no_stop_trim": False,
     }
     assert seeded["sampling_params"] == [{**neutral, "sampling_seed": 11 + s} for _ in range(2) for s in range(2)]
     drawn = [item.pop("sampling_seed") for item in unseeded["sampling_params"]]
     assert unseeded["sampling_params"] == [neutral, neutral] and len(set(drawn)) == 2
     list(engine.generate(PROMPTS[:1], dataclasses.replace(params, ignore_eos=True)))
     assert engine.engine.generate_calls[-1]["sampling_params"][0]["ignore_eos"] is True
+    list(engine.generate(PROMPTS[:1], dataclasses.replace(params, stop=("x",), include_stop_str_in_output=True)))
+    sent = engine.engine.generate_calls[-1]["sampling_params"][0]
+    assert (sent["stop"], sent["no_stop_trim"]) == (["x"], True)
 
 
 def test_seedless_samples_differ_under_deterministic_inference(engine: SGLangEngine) -> None:
@@ -224,6 +230,10 @@ def test_closing_ends_the_fakes_scheduler_task(fake, model_dir: Path) -> None:
     assert scheduler is not None and not scheduler.done()  # waiting for the next request
     eng.close()
     assert scheduler.done()
+
+
+def test_stop_strings_end_the_sample_as_vllm_does(engine: SGLangEngine, model_dir: Path) -> None:
+    assert_stop_string_ends_the_sample(engine, model_dir)
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:

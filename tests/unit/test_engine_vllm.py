@@ -19,6 +19,7 @@ from engine_testing import (
     PROMPTS,
     accepted,
     assert_concurrent_calls_exact,
+    assert_stop_string_ends_the_sample,
     assert_trainer_logprobs,
     by_key,
     documented,
@@ -187,6 +188,8 @@ def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path,
             "ignore_eos": False,
             "seed": 11 + s,
             "logprobs": 0,
+            "stop": [],
+            "include_stop_str_in_output": False,
             "detokenize": False,
             "output_kind": fake_vllm.RequestOutputKind.FINAL_ONLY,
         }
@@ -201,6 +204,14 @@ def test_arguments_reach_vllm_as_documented(engine: VLLMEngine, model_dir: Path,
     assert len({request_id for request_id, _, _ in added}) == 4
     list(engine.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=2, seed=None)))
     assert [kw["seed"] for kw in made[4:]] == [None, None]
+    list(engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2, stop=("x",), include_stop_str_in_output=True)))
+    assert {k: made[-1][k] for k in ("stop", "include_stop_str_in_output", "detokenize")} == {
+        "stop": ["x"], "include_stop_str_in_output": True, "detokenize": True,  # vLLM refuses stop without detokenize
+    }  # fmt: skip
+
+
+def test_stop_strings_end_the_sample_as_vllm_does(engine: VLLMEngine, model_dir: Path) -> None:
+    assert_stop_string_ends_the_sample(engine, model_dir)
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine: VLLMEngine) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_testing import sharp_tiny_model
+from engine_testing import assert_stop_string_ends_the_sample, sharp_tiny_model
 from transformers import AutoModelForCausalLM
 
 from relayrl.rollout.engine import ENGINES, EngineCompletion, create_engine
@@ -90,6 +90,20 @@ def test_eos_ends_with_stop_and_max_tokens_with_length(engine) -> None:
             assert c.token_ids[-1] == EOS and EOS not in c.token_ids[:-1]
         else:
             assert len(c.token_ids) == params.max_tokens and EOS not in c.token_ids
+
+
+def test_stop_strings_end_the_sample_as_vllm_does(engine, model_dir) -> None:
+    assert_stop_string_ends_the_sample(engine, model_dir)
+
+
+def test_stop_strings_wait_for_min_tokens(engine) -> None:
+    """The greedy response to PROMPTS[1] is "000000000222": "02" completes at token 10, so with min_tokens 10 the
+    first check that may end the row is at token 11 (whose text holds "02" too)."""
+    params = SamplingParams(temperature=0, max_tokens=12, stop=("02",))
+    (plain,) = engine.generate(PROMPTS[1:2], params)
+    (held,) = engine.generate(PROMPTS[1:2], dataclasses.replace(params, min_tokens=10))
+    assert (len(plain.token_ids), len(held.token_ids)) == (10, 11)
+    assert plain.finish_reason == held.finish_reason == "stop"
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine) -> None:

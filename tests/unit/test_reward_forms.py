@@ -235,6 +235,16 @@ def test_the_scorer_sorts_a_group_by_sample_index(tmp_path, monkeypatch) -> None
     assert [c.sample_index for c in group.completions] == [0, 1, 2] and group.scores == [1.0, 2.0, 3.0]
 
 
+def test_the_reward_reads_the_text_cut_at_its_stop_string(tmp_path, monkeypatch) -> None:
+    """rollout.stop: the response's ids keep the stop string (it was sampled), the reward's text ends before it
+    (vLLM's text), or after it with rollout.include_stop_str_in_output."""
+    s, _ = scorer(tmp_path, monkeypatch, "def fn(responses):\n    return [float(len(r)) for r in responses]\n")
+    texts = ["4</a>x", "44", "4\n\n</a>"]
+    for include, lengths in ((False, [1.0, 2.0, 1.0]), (True, [5.0, 2.0, 3.0])):
+        s.stop, s.include_stop = ("</a>", "\n\n"), include
+        assert s.group(RECORD, completions(texts)).scores == lengths
+
+
 EPISODES = [
     EpisodeOutcome([{"role": "user", "content": "guess"}, {"role": "assistant", "content": "<answer>4</answer>"}], 1.0),
     EpisodeOutcome([{"role": "user", "content": "guess"}, {"role": "assistant", "content": "7"}], 0.0),

@@ -7,7 +7,15 @@ import math
 import pytest
 
 from relayrl.errors import InvalidArgument, ResourceExhausted
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
+from relayrl.rollout.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    GenerationLimits,
+    SamplingParams,
+    first_stop,
+    stop_text,
+    validate_request,
+)
 from relayrl.v1 import common_pb2
 
 VOCAB, CONTEXT = 100, 64
@@ -20,7 +28,10 @@ def validate(prompts=PROMPTS, **params) -> None:
 
 
 def test_proto_round_trip_keeps_every_field() -> None:
-    params = SamplingParams(n=4, temperature=0.5, top_p=0.25, max_tokens=7, stop_token_ids=(3, 9), seed=0)
+    params = SamplingParams(
+        n=4, temperature=0.5, top_p=0.25, max_tokens=7, stop_token_ids=(3, 9), seed=0, stop=("</a>", "\n\n"),
+        include_stop_str_in_output=True,
+    )  # fmt: skip
     assert SamplingParams.from_proto(params.to_proto()) == params
     unseeded = SamplingParams(seed=None)
     assert not unseeded.to_proto().HasField("seed")
@@ -67,6 +78,8 @@ def test_valid_request_passes() -> None:
         ([[1] * 40], {"max_tokens": 30}, "params.max_tokens", ["40", "30", str(CONTEXT)]),
         (PROMPTS, {"stop_token_ids": (5, VOCAB + 3)}, "params.stop_token_ids", [str(VOCAB + 3)]),
         (PROMPTS, {"stop_token_ids": (-1,)}, "params.stop_token_ids", ["-1"]),
+        (PROMPTS, {"stop": ("a", "")}, "params.stop[1]", ["0"]),
+        (PROMPTS, {"stop": ("x" * (MAX_STOP_CHARS + 1),)}, "params.stop[0]", [str(MAX_STOP_CHARS + 1)]),
     ],
 )
 def test_invalid_argument_names_the_field(prompts, params, field, words) -> None:
@@ -84,9 +97,25 @@ def test_invalid_argument_names_the_field(prompts, params, field, words) -> None
         ([[1]] * 5, {}, "prompts"),
         (PROMPTS, {"n": 9}, "params.n"),
         (PROMPTS, {"max_tokens": 33}, "params.max_tokens"),
+        (PROMPTS, {"stop": ("a",) * (MAX_STOP_STRINGS + 1)}, "params.stop"),
     ],
 )
 def test_limits_raise_resource_exhausted(prompts, params, field) -> None:
     with pytest.raises(ResourceExhausted) as err:
         validate(prompts=prompts, **params)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "include", "expected"),
+    [
+        ("x = 1</a> and </a>", ("</a>",), False, "x = 1"),  # vLLM's default: the string is not in the text
+        ("x = 1</a> and </a>", ("</a>",), True, "x = 1</a>"),  # include_stop_str_in_output
+        ("ab\n\ncd</a>", ("</a>", "\n\n"), False, "ab"),  # the string completed first wins, not the first listed
+        ("abcd", ("bcd", "bc"), False, "a"),  # "bc" completes at the 3rd character, before "bcd"
+        ("no stop here", ("</a>",), False, "no stop here"),
+    ],
+)
+def test_stop_text_cuts_as_vllm_does(text, stop, include, expected) -> None:
+    assert stop_text(text, stop, include) == expected
+    assert (first_stop(text, stop) is None) == (expected == text)
