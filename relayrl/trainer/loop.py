@@ -29,7 +29,7 @@ from relayrl.services.channels import open_channel
 from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
-from relayrl.trainer.metrics import MetricsWriter, plot_rewards
+from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.schedule import lr_at, set_lr
@@ -390,6 +390,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         writer.close()
         trackers.close()
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{cfg.run.name}: reward per step")
+        plot_training(run_dir / "metrics.jsonl", run_dir / "metrics.png", title=f"{cfg.run.name}: training metrics")
         syncer.stop()
         publisher.close()
     dist.barrier()

@@ -1,4 +1,4 @@
-"""metrics.jsonl (one line per trainer step; the source of truth) and the reward curve PNG."""
+"""metrics.jsonl (one line per trainer step; the source of truth), the reward curve PNG and the training metrics PNG."""
 
 from __future__ import annotations
 
@@ -78,6 +78,53 @@ def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | 
     ax.set_title(title or metrics_path.parent.name)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path
+
+
+# metrics.png's panels: (metrics.jsonl key, title); a key no step recorded is left out
+TRAINING_PANELS = (
+    ("loss", "policy loss"),
+    ("kl", "KL to the reference (k-estimator)"),
+    ("entropy", "token entropy"),
+    ("response_len_mean", "mean response length (tokens)"),
+    ("clip_frac", "clip fraction"),
+    ("lr", "learning rate"),
+)
+
+
+def training_panels(records: list[dict]) -> list[tuple[str, str]]:
+    """The TRAINING_PANELS some record holds, in order."""
+    return [(key, name) for key, name in TRAINING_PANELS if any(key in r for r in records)]
+
+
+def plot_training(metrics_path: Path, out_path: Path, title: str = "") -> Path | None:
+    """One panel per TRAINING_PANELS key some step recorded, against the step; None without data."""
+    records = read_metrics(metrics_path)
+    panels = training_panels(records)
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = 3
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(11, 3.2 * rows), dpi=110, squeeze=False)
+    for ax, (key, name) in zip(axes.flat, panels):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], color="tab:blue", marker="." if len(points) < 30 else None
+        )
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(title or metrics_path.parent.name)
     fig.tight_layout()
     fig.savefig(out_path)
     plt.close(fig)
