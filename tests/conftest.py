@@ -18,11 +18,23 @@ TESTS = Path(__file__).resolve().parent
 SLICES = {"unit", "integration", "e2e", "security", "fuzz", "deploy", "slurm", "docs"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+HEAVY = "heavy"  # minutes on a 2-core machine: out of the default run (make test); `pytest -m heavy` runs them
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{HEAVY}: too slow for make test; run with -m {HEAVY} (cost: bench/results)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = item.path.resolve().relative_to(TESTS).parts
         if len(parts) > 1 and parts[0] in SLICES:
             item.add_marker(parts[0])
+    if HEAVY not in (config.getoption("markexpr") or ""):  # selected by name only through -m
+        heavy = [item for item in items if item.get_closest_marker(HEAVY)]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if not item.get_closest_marker(HEAVY)]
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Run under torchrun with 2 ranks: one training step (two mini-batches, every loss term) on the same batch
-and weights with the FSDP backend, then the Megatron backend at TP=2, at PP=2 and at DP=2. Rank 0 writes
+and weights with the FSDP backend, then the Megatron backend at TP=2, at PP=2 and at DP=2; with 8 ranks: FSDP,
+then Megatron at TP=2 x PP=2 x DP=2 (the gpu-megatron overlay's layout). Rank 0 writes
 JSON (argv[2]): losses, gradient norms and metrics, and for Megatron the checksums of the weights the
 publisher's arena receives and of the Megatron HF export, and their largest difference to FSDP's HF
 export. argv[1]: the tiny model dir."""
@@ -24,10 +25,9 @@ from relayrl.weightsync.checksum import weights_checksum
 # Every term of the loss: PPO clip, KL to the reference model, the entropy bonus (its vocab-parallel gradient).
 ALGORITHM = AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01)
 COMPARED = ("loss", "grad_norm", "entropy", "ref_kl", "ppo_kl", "clip_frac")
-LAYOUTS = {  # 2 ranks each: TP=2, PP=2, and DP=2 (TP = PP = 1)
-    "tp2": MegatronConfig(tensor_parallel=2),
-    "pp2": MegatronConfig(pipeline_parallel=2),
-    "dp2": MegatronConfig(),
+LAYOUTS = {  # world size -> label -> layout (DP: the ranks left over)
+    2: {"tp2": MegatronConfig(tensor_parallel=2), "pp2": MegatronConfig(pipeline_parallel=2), "dp2": MegatronConfig()},
+    8: {"tp2_pp2_dp2": MegatronConfig(tensor_parallel=2, pipeline_parallel=2)},
 }
 
 
@@ -82,12 +82,12 @@ def main(model_dir: str, out: str) -> None:
     from relayrl.models.tiny import build_tokenizer
 
     batch = make_batch(len(build_tokenizer()))
-    base = {"lr": 1e-3, "mini_batches": 2, "nproc": 2}
+    base = {"lr": 1e-3, "mini_batches": 2, "nproc": dist.get_world_size()}
     work = Path(out).parent
     metrics, _ = one_step(model_dir, TrainerConfig(**base), batch, work / "fsdp")
     results = {"fsdp": {key: metrics[key] for key in COMPARED}}
     reference = exported(work / "fsdp") if dist.get_rank() == 0 else None
-    for label, layout in LAYOUTS.items():
+    for label, layout in LAYOUTS[dist.get_world_size()].items():
         trainer = TrainerConfig(**base, backend="megatron", megatron=layout)
         metrics, received = one_step(model_dir, trainer, batch, work / label)
         ps.destroy_model_parallel()
