@@ -6,6 +6,7 @@ Unknown keys are errors that name the key's full path; ``--set a.b=c`` overrides
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -233,8 +234,21 @@ class RewardConfig(Section):
     # with an environment: the score is the episode's reward ("env", fn unused), that plus fn's value
     # ("env_plus_fn", e.g. a format bonus), or fn's value alone ("fn": it may read env_reward and override it)
     with_env: Literal["env", "env_plus_fn", "fn"] = "env"
+    # several reward functions with weights (TRL's reward_funcs + reward_weights; relayrl/rewards/weighted.py): name
+    # (registry name or "module:function") -> weight; the score is the weighted sum, each function's mean logged apart
+    # as rewards/<name>. Set, fn is unused; empty: fn alone, weight 1
+    fns: dict[str, float] = Field(default_factory=dict)
     overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong punishment; 0 disables it
     overlong_penalty: float = Field(1.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _named_finite_weights(self) -> RewardConfig:
+        names = [spec.rpartition(":")[2] for spec in self.fns]
+        if len(set(names)) < len(names):
+            raise ValueError(f"controller.reward.fns: two functions share a name ({', '.join(names)}): rewards/<name>")
+        if any(not math.isfinite(w) for w in self.fns.values()):
+            raise ValueError("controller.reward.fns: every weight is a finite number")
+        return self
 
 
 def _host(value: str) -> str:

@@ -72,6 +72,15 @@ def episode_ends(groups: dict[str, list]) -> dict[str, list[str]]:
     return {pid: [f"failed: {e.reason}" if e.failed else e.end for e in group] for pid, group in groups.items()}
 
 
+def reward_means(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Each reward function's mean value over the samples of ``groups`` that it scored."""
+    values: dict[str, list[float]] = {}
+    for group in groups:
+        for name, part in group.parts.items():
+            values.setdefault(name, []).extend(part)
+    return {name: sum(v) / len(v) for name, v in values.items() if v}
+
+
 class _Abandoned(Exception):
     """The run was rewound while a batch was being built: that batch is void."""
 
@@ -530,6 +539,7 @@ class Controller:
             samples_aborted=build.aborted,
         )
         fill_episode_stats(stats, build.episodes)
+        stats.reward_means.update(reward_means(build.all_groups))
         target = filler.target_groups if build.streamed else None
         return controller_pb2.Batch(
             batch_id=f"{build.step}-{uuid.uuid4().hex[:8]}",

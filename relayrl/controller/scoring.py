@@ -17,6 +17,7 @@ from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
+from relayrl.rewards.weighted import weighted_rewards
 from relayrl.rollout.sampling import stop_text
 from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
@@ -28,6 +29,7 @@ class ScoredGroup:
     completions: list[common_pb2.Completion]
     scores: list[float]  # task reward
     rewards: list[float]  # score + overlong penalty: what advantages are computed from
+    parts: dict[str, list[float]] = field(default_factory=dict)  # each reward function's values (unweighted), by name
     episodes: list = field(default_factory=list)  # agentic runs: the group's Episodes (relayrl/episodes/loop.py)
     response_tokens: int = field(init=False)  # sum of the responses' lengths (the batch's statistics)
 
@@ -82,7 +84,8 @@ class Scorer:
     ) -> None:
         self.cfg = cfg
         self.stop, self.include_stop = tuple(stop), include_stop
-        self.reward: RewardCaller = check_reward(cfg)
+        self.reward: RewardCaller = check_reward(cfg)  # fn's caller (a client's SubmitPrompts may name it)
+        self.rewards = weighted_rewards(cfg)  # what scores a group: fns weighted, else fn
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.row_of = row_of
@@ -93,14 +96,15 @@ class Scorer:
         texts = decode_sequences(self.tokenizer, [c.token_ids for c in completions])
         return [stop_text(t, self.stop, self.include_stop) for t in texts] if self.stop else texts
 
-    def task_scores(self, inputs: GroupInputs, *, episodes: bool) -> list[float]:
-        """The group's task scores (module docstring); RewardRaised / RewardShapeError from the function."""
+    def task_scores(self, inputs: GroupInputs, *, episodes: bool) -> tuple[list[float], dict[str, list[float]]]:
+        """The group's task scores (module docstring; the reward functions' weighted sum where they score) and each
+        function's values by name; RewardRaised / RewardShapeError from a function."""
         if episodes and self.cfg.with_env == "env":
-            return [float(r) for r in inputs.env_rewards]
-        scores = self.reward(inputs)
+            return [float(r) for r in inputs.env_rewards], {}
+        scores, parts = self.rewards(inputs)
         if episodes and self.cfg.with_env == "env_plus_fn":
-            return [float(e) + s for e, s in zip(inputs.env_rewards, scores)]
-        return scores
+            return [float(e) + s for e, s in zip(inputs.env_rewards, scores)], parts
+        return scores, parts
 
     def shaped(self, score: float, response_len: int) -> float:
         """score + DAPO soft overlong penalty over the last ``overlong_buffer`` tokens."""
@@ -135,9 +139,9 @@ class Scorer:
         completions = [completions[i] for i in order]
         if episodes is not None:
             episodes = [episodes[i] for i in order]
-        row = self.row_of(record.prompt_id) if self.reward.signature.wants("row") else {}
+        row = self.row_of(record.prompt_id) if self.rewards.wants("row") else {}
         texts = self.decode_all(completions) if episodes is None else []
         inputs = group_inputs(record.text, record.answer, row, texts, episodes)
-        scores = self.task_scores(inputs, episodes=episodes is not None)
+        scores, parts = self.task_scores(inputs, episodes=episodes is not None)
         rewards = [self.shaped(s, len(c.token_ids)) for s, c in zip(scores, completions)]
-        return ScoredGroup(record, completions, scores, rewards)
+        return ScoredGroup(record, completions, scores, rewards, parts)

@@ -188,9 +188,11 @@ def check_reward(cfg: RelayConfig) -> None:
     """``controller.reward``: the function resolves and has a form (relayrl.rewards.check_reward, the controller's
     own check at its start)."""
     from relayrl.rewards import check_reward as controller_check
+    from relayrl.rewards.weighted import weighted_rewards
 
     try:
         controller_check(cfg.controller.reward)
+        weighted_rewards(cfg.controller.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

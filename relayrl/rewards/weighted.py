@@ -1,0 +1,48 @@
+"""Several reward functions with weights (``controller.reward.fns``, TRL's ``reward_funcs`` + ``reward_weights``):
+a response's score is sum_i w_i x f_i(response), each f_i's value kept apart (logged as ``rewards/<name>``).
+
+A function's name is its registry name, or the function part of ``module:function``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relayrl.config import RewardConfig
+from relayrl.rewards.call import GroupInputs, RewardCaller, load_reward
+
+
+def reward_name(spec: str) -> str:
+    """``exact_match`` -> ``exact_match``; ``pkg.mod:format_bonus`` -> ``format_bonus``."""
+    return spec.rpartition(":")[2]
+
+
+@dataclass(frozen=True)
+class WeightedRewards:
+    """``rewards(group) -> (scores, parts)``: each response's weighted sum, and each function's values by name."""
+
+    callers: tuple[tuple[str, float, RewardCaller], ...]  # (name, weight, caller)
+
+    def wants(self, argument: str) -> bool:
+        """Some function asks for ``argument`` (``row``: the dataset row is read only then)."""
+        return any(caller.signature.wants(argument) for _, _, caller in self.callers)
+
+    def __call__(self, group: GroupInputs) -> tuple[list[float], dict[str, list[float]]]:
+        parts = {name: caller(group) for name, _, caller in self.callers}
+        scores = [0.0] * len(group.responses)
+        for name, weight, _ in self.callers:
+            scores = [s + weight * v for s, v in zip(scores, parts[name], strict=True)]
+        return scores, parts
+
+
+def weighted_rewards(cfg: RewardConfig) -> WeightedRewards:
+    """The start-up check and the callers of ``controller.reward``: ``fns`` (each weighted), else ``fn`` with weight 1.
+    ValueError starting with the key when a function does not resolve or has no form."""
+    specs = cfg.fns or {cfg.fn: 1.0}
+    key = "controller.reward.fns" if cfg.fns else "controller.reward.fn"
+    callers = []
+    for spec, weight in specs.items():
+        try:
+            callers.append((reward_name(spec), weight, load_reward(spec, cfg.form)))
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{key}: {err.args[0]}") from None
+    return WeightedRewards(tuple(callers))
