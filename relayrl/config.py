@@ -474,6 +474,28 @@ GSPO_CLIP = (3e-4, 4e-4)
 GROUP_LOCAL_ADVANTAGES = frozenset({"grpo", "rloo"})
 
 
+class CriticConfig(Section):
+    """The value model ``algorithm.advantage: gae`` trains beside the policy (docs/algorithms.md: PPO with a critic).
+
+    By default it is a second copy of the policy's backbone (``model.path``) with a scalar head in place of the LM
+    head, as verl and OpenRLHF initialise theirs: the pretrained features carry over and a model already matches
+    the policy's tokenizer. It is a separate model, not a head on the policy's trunk: the policy's update stays
+    exactly the critic-free one, and no coefficient has to balance two losses on shared weights."""
+
+    path: str | None = None  # the critic backbone's Hugging Face directory (same tokenizer); null: model.path
+    lr: float = Field(1e-5, gt=0)  # the critic's AdamW lr (verl critic.optim.lr 1e-5; OpenRLHF 9e-6)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)  # the critic's own gradient-norm clip
+    # value clip, in reward units (verl / OpenRLHF 0.5, TRL 0.2): V stays within this of the step's starting values
+    cliprange_value: float = Field(0.5, gt=0)
+    # multiplies the value loss before its backward (TRL's vf_coef 0.1 balances a joint optimizer; with a separate
+    # critic and optimizer, as verl, 1): under AdamW it acts only through grad_clip and eps
+    loss_coef: float = Field(1.0, gt=0)
+    # the first warmup_steps steps train the critic only, the policy frozen (verl trainer.critic_warmup, OpenRLHF
+    # --critic.freezing_steps, slime --num-critic-only-steps): GAE with lam < 1 bootstraps from the critic
+    warmup_steps: int = Field(0, ge=0)
+
+
 class WeightSyncConfig(Section):
     """How trainer rank 0 publishes each new policy to the rollout workers (docs/weight-sync.md)."""
 
@@ -671,6 +693,7 @@ class RelayConfig(Section):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)  # used when algorithm.advantage is gae
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
@@ -702,6 +725,17 @@ class RelayConfig(Section):
             )
         if self.model.lora is not None and trainer.backend != "fsdp":
             raise ValueError(f"model.lora: LoRA trains on trainer.backend fsdp only, not {trainer.backend}")
+        if self.algorithm.advantage == "gae" and trainer.backend != "fsdp":
+            raise ValueError(
+                f"algorithm.advantage: gae trains a critic on trainer.backend fsdp only, not {trainer.backend}"
+            )
+        if self.algorithm.advantage == "gae" and self.model.lora is not None:
+            raise ValueError("algorithm.advantage: gae's critic is not built for model.lora (docs/algorithms.md)")
+        if self.critic.warmup_steps >= trainer.steps and self.algorithm.advantage == "gae":
+            raise ValueError(
+                f"critic.warmup_steps ({self.critic.warmup_steps}) leaves no policy step of trainer.steps "
+                f"({trainer.steps})"
+            )
         if self.rollout.n < 2 and self.algorithm.advantage in {"grpo", "rloo", "reinforce_pp_baseline"}:
             raise ValueError(f"rollout.n must be >= 2 for the group-relative advantage {self.algorithm.advantage!r}")
         if self.controller.reward.overlong_buffer >= self.rollout.max_tokens:

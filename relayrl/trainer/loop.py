@@ -94,6 +94,8 @@ def resume_point(backend, run_dir: Path, cfg: TrainerConfig) -> tuple[int, int]:
             "the lr schedule changed since step %d was checkpointed (its lr %.3g, now %.3g): the new one goes on",
             state["step"], state["lr"], lr_at(state["step"], cfg),
         )  # fmt: skip
+    if backend.critic is not None:  # what was loaded, to compare with what was saved (state_digest)
+        log.info("critic state resumed: sha256 %s", backend.critic.digest())
     return state["step"], state["data_cursor"]
 
 
@@ -232,6 +234,7 @@ def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozen
                 train = train_on_batch(
                     backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
                     norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                    critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
                 )  # fmt: skip
             train["streamed"] = float(part.streamed)
             train["train_wait_seconds"] = waited
@@ -284,7 +287,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     torch.set_num_threads(torch_threads(cfg, "trainer"))
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
-    backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0)
+    critic = cfg.critic if cfg.algorithm.advantage == "gae" else None
+    backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0, critic=critic)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)
@@ -342,6 +346,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
                 train = train_on_batch(
                     backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
                     norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                    critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
                 )  # fmt: skip
                 done = time.perf_counter()  # train_seconds: batch in hand to trained, without pull and sync
                 train.update(streamed=0.0, train_wait_seconds=pulled - began, train_seconds=done - pulled)

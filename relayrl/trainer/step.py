@@ -25,14 +25,16 @@ weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from relayrl.config import AlgorithmConfig, TrainerConfig
+from relayrl.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.critic_step import CriticUpdate, gae_targets
 from relayrl.trainer.partition import split_sizes
 
 METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
@@ -83,7 +85,8 @@ def backward_rows(
     detached logprobs, the masked loss pieces and the policy-loss metrics."""
     m = mask[shard].to(backend.device)
     logprob, entropy = backend.logprobs(batch.input_ids[shard], batch.attention_mask[shard], temperature)
-    adv = advantages[shard].to(backend.device).unsqueeze(-1).expand_as(logprob)
+    adv = advantages[shard].to(backend.device)
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprob)  # [B] per response, or GAE's per token
     if old is None:  # the starting weights, not updated yet this step: this forward is pi_old (module docstring)
         old = logprob.detach()
     is_weights = None
@@ -149,12 +152,13 @@ class StepMetrics:
         # A mini-batch's loss (and KL term) is the sum of its data-parallel shares; each share is held by the
         # world / dp_size ranks of one model replica. Mean over the optimizer steps.
         replicas = dist.get_world_size() // backend.dp_size
+        steps = max(len(self.grad_norms), 1)  # none while a critic warms up (the policy frozen)
         for i, name in enumerate(SHARES):
-            metrics[name] = float(self.shares[i]) / replicas / len(self.grad_norms)
-        metrics["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+            metrics[name] = float(self.shares[i]) / replicas / steps
+        metrics["grad_norm"] = sum(self.grad_norms) / steps
         metrics["logprob_mismatch"] = float(self.mismatch_sums[0]) / max(float(self.mismatch_sums[1]), 1.0)
         metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
-        metrics["old_logprobs_from_engine"] = sum(self.engine_old) / len(self.engine_old)  # share of mini-batches
+        metrics["old_logprobs_from_engine"] = sum(self.engine_old) / max(len(self.engine_old), 1)  # of mini-batches
         metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
         padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed
         dist.all_reduce(padding)
@@ -178,17 +182,34 @@ def train_on_batch(
     temperature: float,
     norm_len: int,
     minibatch_groups: Sequence[int] | None = None,
+    critic_cfg: CriticConfig | None = None,
+    critic_only: bool = False,
 ) -> dict[str, float]:
     """One step on the whole batch. ``minibatch_groups``: groups per mini-batch (the batch's own partition,
-    Batch.minibatch_groups); None or empty: ``tcfg.mini_batches`` even ones."""
+    Batch.minibatch_groups); None or empty: ``tcfg.mini_batches`` even ones. With a critic (``backend.critic``,
+    ``algorithm.advantage: gae``; relayrl/trainer/critic_step.py) the advantages are GAE's from its values at the
+    starting weights, and each mini-batch's policy update is followed by the critic's; ``critic_only`` (its warmup
+    steps) trains the critic alone, the policy frozen."""
     rank, world = backend.dp_rank, backend.dp_size  # data-parallel: with TP/PP, several ranks share rows
-    advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     mask = loss_mask(batch, alg.overlong_filter)
     sizes = list(minibatch_groups or split_sizes(len(torch.unique(batch.group_ids)), tcfg.mini_batches))
     minibatches = minibatch_rows(batch.group_ids, sizes)
     shards = [rows[rank::world] for rows in minibatches]
+    critic = None
+    if backend.critic is not None:
+        began = time.perf_counter()
+        targets = gae_targets(backend, batch, shards, mask, alg)
+        critic = CriticUpdate(backend, batch, mask, targets, critic_cfg, time.perf_counter() - began)
+        advantages = targets[0]
+    else:
+        advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
 
     metrics = StepMetrics()
+    if critic is not None and critic_only:  # the critic's warmup: the policy is neither forwarded nor stepped
+        for _ in range(tcfg.epochs):
+            for rows, shard in zip(minibatches, shards):
+                critic.train(shard, float(mask[rows].sum().clamp(min=1)))
+        return {**metrics.finish(backend, alg), **critic.finish(), "policy_frozen": 1.0}
     metrics.engine_old = [engine_old(alg.old_logprobs, batch.exact_rollout[rows]) for rows in minibatches]
     with torch.no_grad():  # the trainer's old logprobs: this step's weights before any update (module docstring)
         old: list[torch.Tensor | None] = []
@@ -222,4 +243,7 @@ def train_on_batch(
             if epoch == 0 and (k == 0 or not metrics.engine_old[k]):  # trainer logprobs at the starting weights
                 trainer_old = logprob if metrics.engine_old[k] else old[k]
                 metrics.add_mismatch(trainer_old, batch.rollout_logprobs[shard], pieces["mask"])
-    return metrics.finish(backend, alg)
+            if critic is not None:
+                critic.train(shard, float(mask[rows].sum().clamp(min=1)))
+    out = metrics.finish(backend, alg)
+    return out if critic is None else {**out, **critic.finish(), "policy_frozen": 0.0}

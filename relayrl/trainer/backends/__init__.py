@@ -4,17 +4,22 @@ Both expose the same interface to the training step: ``device``, ``weight_names`
 (the data-parallel rank and size the step shards rows by), ``logprobs``, ``step``,
 ``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``, and ``lora`` (the
 adapter's spec when ``model.lora`` trains one, FSDP only: then ``weight_specs``/``gather_weights`` take a ``kind``,
-"base" or "adapter"; else None).
+"base" or "adapter"; else None), and ``critic`` (the value model under ``algorithm.advantage: gae``, FSDP only;
+else None).
 """
 
 from __future__ import annotations
 
-from relayrl.config import ModelConfig, TrainerConfig
+from relayrl.config import CriticConfig, ModelConfig, TrainerConfig
+from relayrl.trainer.backends.critic import FSDPCritic
 from relayrl.trainer.backends.fsdp import FSDPBackend
 
 
-def create_backend(model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool):
-    """The backend ``cfg.backend`` names (Megatron-core is imported only when chosen: an optional extra)."""
+def create_backend(
+    model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool, critic: CriticConfig | None = None
+):
+    """The backend ``cfg.backend`` names (Megatron-core is imported only when chosen: an optional extra), with a
+    value model as ``backend.critic`` where ``critic`` is given (FSDP only: the config refuses it elsewhere)."""
     if cfg.backend == "megatron":
         try:
             from relayrl.trainer.backends.megatron import MegatronBackend
@@ -23,7 +28,10 @@ def create_backend(model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference
                 f"trainer.backend: megatron needs megatron-core (pip install 'relayrl[megatron]'): {err}"
             ) from err
         return MegatronBackend(model_cfg, cfg, with_reference=with_reference)
-    return FSDPBackend(model_cfg, cfg, with_reference=with_reference)
+    backend = FSDPBackend(model_cfg, cfg, with_reference=with_reference)
+    if critic is not None:
+        backend.critic = FSDPCritic(critic, model_cfg, cfg, backend.device)
+    return backend
 
 
 __all__ = ["FSDPBackend", "create_backend"]

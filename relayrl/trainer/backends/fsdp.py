@@ -116,6 +116,7 @@ class FSDPBackend:
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
+        self.critic = None  # the value model (relayrl/trainer/backends/critic.py) under algorithm.advantage: gae
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -213,14 +214,23 @@ class FSDPBackend:
     def save_checkpoint(self, directory: Path, trainer_state: dict) -> None:
         """Sharded model + optimizer with torch.distributed.checkpoint, then trainer_state.json (rank 0). With LoRA
         only the adapter and its optimizer state: the frozen base is ``model.path``."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(directory))
         write_trainer_state(directory, trainer_state)
 
-    def load_checkpoint(self, directory: Path) -> dict:
+    def _checkpoint_state(self) -> dict:
+        """What a checkpoint holds: the policy's model and optimizer state, and the critic's (``critic``,
+        ``critic_optim``) where one trains."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = self.critic.state_dicts()
+        return state
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=str(directory))
+        if self.critic is not None:
+            self.critic.load_state_dicts(state["critic"], state["critic_optim"])
         set_state_dict(
             self.model,
             self.optimizer,
@@ -233,7 +243,9 @@ class FSDPBackend:
     def export_hf(self, directory: Path, tokenizer) -> None:
         """A Hugging Face model directory loadable with from_pretrained (rank 0 writes; collective). With LoRA:
         ``directory/adapter``, a PEFT adapter directory, and (``model.lora.export_merged``) ``directory/merged``,
-        the base with the adapter merged in."""
+        the base with the adapter merged in. A critic goes to ``directory/critic`` (a token-classification model)."""
+        if self.critic is not None:
+            self.critic.export_hf(directory / "critic", tokenizer)
         if self.lora is not None:
             self._export_adapter(directory, tokenizer)
             return

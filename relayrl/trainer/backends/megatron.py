@@ -71,6 +71,7 @@ class MegatronBackend:
         load = [*self.units, *filter(None, [tied_output_unit(self.hf_config, self.pp)])]
         self.model = self._build(hf_params, load, trainable=True)
         self.reference = self._build(hf_params, load, trainable=False) if with_reference else None
+        self.critic = None  # no value model here: the config refuses algorithm.advantage gae on megatron
         del hf_model, hf_params
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, cfg)
