@@ -13,7 +13,9 @@ Workloads:
   ``max_staleness`` 0 (groups streamed to the trainer, and whole batches) and 1 (old logprobs of the stale
   batches the trainer's, and the engine's: ``algorithm.old_logprobs=rollout``); on two or more cores also with
   the trainer and the worker pinned to disjoint halves of them (``trainer.cpus``/``rollout.cpus``: ``k0-split``,
-  ``k1-rollout-split``), as on two machines. Same number of steps for every system.
+  ``k1-rollout-split``), as on two machines; and PPO with a learned critic at K = 0 (``k0-gae``: GAE, the critic's
+  forward and updates), against GRPO's whole-batch K = 0 run of the same round (``critic_vs_grpo``). Same number of
+  steps for every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
 - ``long-tail`` (not run by default): a model whose responses have geometric lengths with mean ~48 tokens,
@@ -152,6 +154,8 @@ def workload(name: str, args: argparse.Namespace, workdir: Path) -> Workload:
         "k0-whole": ["controller.max_staleness=0", "trainer.stream=off"],
         "k1": ["controller.max_staleness=1"],  # stale batches' old logprobs: the trainer's (decoupled PPO)
         "k1-rollout": ["controller.max_staleness=1", "algorithm.old_logprobs=rollout"],  # the engine's (bypass)
+        # PPO with a learned critic (GAE): k0-whole plus the critic's forward and update (CRITIC_PAIRS)
+        "k0-gae": ["controller.max_staleness=0", "trainer.stream=off", "algorithm.advantage=gae", "critic.lr=0.003"],
     }
     if (pinned := pinned_halves()) is not None:  # trainer and worker on disjoint cores: what overlap hides there
         variants["k0-split"] = ["controller.max_staleness=0", "trainer.stream=off", *pinned]
@@ -375,6 +379,8 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
     }
     if "sync_seconds" in steady[0]:
         out["sync_s"] = statistics.fmean(r["sync_seconds"] for r in steady)
+    if "critic_update_seconds" in steady[0]:  # a critic's forward at the starting weights and its updates
+        out["critic_s"] = statistics.fmean(r["critic_values_seconds"] + r["critic_update_seconds"] for r in steady)
     if out["train_s"] is not None:  # 1.0: a step costs only its longer phase (perfect overlap); ~2: none
         out["step_vs_longer_phase"] = out["s_per_step"] / max(out["generation_s"], out["train_s"])
     if expect_equal_work:
@@ -390,7 +396,8 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
 
 
 MEDIAN_KEYS = ("s_per_step", "samples_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
-               "response_len_mean", "step_vs_longer_phase", "cores_busy", "control_plane_share")  # fmt: skip
+               "critic_s", "response_len_mean", "step_vs_longer_phase", "cores_busy",
+               "control_plane_share")  # fmt: skip
 
 
 def median_of(rows: list[dict], key: str) -> float | None:
@@ -433,7 +440,10 @@ def aggregate(rows: list[dict]) -> dict:
             else None,  # a step is comparable only when both generate the same samples per step
             "wall_to_target_speedup": _ratio(trl.get("wall_s_to_target"), entry.get("wall_s_to_target")),
         }
-    return {"systems": systems, "trl_baseline": baseline, "relayrl_vs_trl": ratios, "overlap": overlap(rows)}
+    return {
+        "systems": systems, "trl_baseline": baseline, "relayrl_vs_trl": ratios, "overlap": overlap(rows),
+        "critic_vs_grpo": critic_cost(rows),
+    }  # fmt: skip
 
 
 OVERLAP_PAIRS = {  # K = 1 variant -> the K = 0 variant whose phases ran alone on the same cores, same work
@@ -459,6 +469,27 @@ def overlap(rows: list[dict]) -> dict:
             "phases_alone_from": k0,
             "step_vs_phases_alone": statistics.median(vs_alone),
             "speedup_vs_k0": statistics.median(speedups),
+            "rounds": len(pairs),
+        }
+    return out
+
+
+CRITIC_PAIRS = {"relayrl-k0-gae": "relayrl-k0-whole"}  # PPO with a critic -> the same run with GRPO
+
+
+def critic_cost(rows: list[dict]) -> dict:
+    """Per variant of ``CRITIC_PAIRS``, over the rounds where both ran: medians of its s/step and train s over
+    GRPO's (``step_ratio``, ``train_ratio``) and of the critic's seconds per step (its forward and updates)."""
+    out = {}
+    for ppo, grpo in CRITIC_PAIRS.items():
+        pairs = same_round_pairs(rows, ppo, grpo)
+        if not pairs:
+            continue
+        out[ppo] = {
+            "vs": grpo,
+            "step_ratio": statistics.median(a["s_per_step"] / b["s_per_step"] for a, b in pairs),
+            "train_ratio": statistics.median(a["train_s"] / b["train_s"] for a, b in pairs),
+            "critic_s_per_step": statistics.median(a["critic_s"] for a, _ in pairs),
             "rounds": len(pairs),
         }
     return out

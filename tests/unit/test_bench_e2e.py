@@ -10,6 +10,7 @@ import pytest
 
 from relayrl.bench.cpu import CpuSampler, cpu_seconds, tree_cpu_by_role
 from relayrl.bench.e2e import (
+    CRITIC_PAIRS,
     DEMO_CONFIG,
     WORKLOADS,
     Run,
@@ -88,6 +89,33 @@ def test_ratios_by_round_pair_each_run_with_the_trl_run_of_its_round() -> None:
     assert ratios["samples_per_s"] == pytest.approx(4.0 / ((2.0 + 4 / 3) / 2))  # the ratio of medians: 2.4
 
 
+def test_critic_cost_pairs_ppo_with_grpo_of_the_same_round() -> None:
+    """PPO with a critic against GRPO's whole-batch run: medians over rounds of the s/step and train s ratios and of
+    the critic's seconds (its forward plus updates, from the records)."""
+
+    def critic_records(step_s: float, train_s: float, critic: tuple[float, float] | None) -> list[dict]:
+        recs = records([0.0] * 5, step_s=step_s)
+        for r in recs:
+            r["train_seconds"] = train_s
+            if critic is not None:
+                r["critic_values_seconds"], r["critic_update_seconds"] = critic
+        return recs
+
+    rows = [
+        summarize(Run("w", system, rnd, 90.0, 60.0, 0, critic_records(s, t, c), Path("log")), ARGS, 8, False)
+        for system, rnd, s, t, c in [
+            ("relayrl-k0-whole", 1, 1.0, 0.5, None), ("relayrl-k0-gae", 1, 1.5, 1.0, (0.1, 0.4)),
+            ("relayrl-k0-whole", 2, 2.0, 1.0, None), ("relayrl-k0-gae", 2, 2.0, 1.5, (0.2, 0.2)),
+            ("relayrl-k0-gae", 3, 9.0, 9.0, (1.0, 1.0)),  # no GRPO partner in round 3: left out
+        ]
+    ]  # fmt: skip
+    out = aggregate(rows)["critic_vs_grpo"]["relayrl-k0-gae"]
+    assert out["vs"] == "relayrl-k0-whole" and out["rounds"] == 2
+    assert out["step_ratio"] == pytest.approx((1.5 + 1.0) / 2)
+    assert out["train_ratio"] == pytest.approx((2.0 + 1.5) / 2)
+    assert out["critic_s_per_step"] == pytest.approx((0.5 + 0.4) / 2)
+
+
 def test_overlap_compares_a_k1_step_with_the_phases_k0_ran_alone() -> None:
     """K = 1 s/step over max(generation, training) of the same round's K = 0 run (1.0 s of training, 0.5 of
     generation in these records); rounds without their K = 0 partner are left out."""
@@ -164,7 +192,8 @@ def test_every_variant_of_every_workload_is_a_valid_config_and_variants_select_t
     for wl in loads:
         for variant, sets in wl.variants.items():
             cfg = load_config(DEMO_CONFIG, [*wl.overrides, *sets])
-            check_mirrorable(cfg)
+            if f"relayrl-{variant}" not in CRITIC_PAIRS:  # PPO with a critic is compared with relayrl's GRPO
+                check_mirrorable(cfg)
             assert cfg.trainer.steps == 3, (wl.name, variant)
     picked = select_variants(loads, ["default", "k0-whole", "k1-rollout"])
     assert [list(wl.variants) for wl in picked] == [["k0-whole", "k1-rollout"], ["default"], ["default"]]
