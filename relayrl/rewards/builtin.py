@@ -79,6 +79,14 @@ def math_answer(response: str, answer: str) -> float:
     return float(normalize_number(predicted) == normalize_number(reference))
 
 
+@REWARDS.register("first_number")
+def first_number(response: str, answer: str) -> float:
+    """1.0 when the first number in the response equals the reference numerically ("7", "7.", "The sum is 7"
+    pass for 7; "3 + 4 = 7" does not: its first number is 3), else 0.0."""
+    match = _NUMBER.search(response)
+    return float(match is not None and normalize_number(match.group(0)) == normalize_number(answer))
+
+
 def resolve_reward(spec: str) -> RewardFn:
     """A registered name, or ``module:function`` imported on the spot. Raises ValueError naming spec."""
     if ":" not in spec:
