@@ -118,11 +118,30 @@ class DataConfig(Section):
     answer_key: str = "answer"
     chat_template: Literal["auto", "never", "always"] = "auto"
     shuffle: bool = True
+    # a system turn before every prompt (chat template only; relayrl/data/dataset.py), e.g. the answer format asked
+    # for: TRL's conversational datasets carry one per row, verl's a row's prompt messages. None: no system turn
+    system_prompt: str | None = None
+    # the user turn, built from the row's columns by str.format, e.g. "{prompt}\nAnswer in <answer></answer> tags."
+    # None: the prompt_key column as is
+    prompt_template: str | None = None
+    # the longest prompt in tokens after the template (TRL's max_prompt_length, verl's data.max_prompt_length); None:
+    # no limit (the engine refuses a prompt whose prompt + rollout.max_tokens exceeds the model's context)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    # a longer prompt: "filter" (never generated: the ledger records it filtered, with its length; the batch's
+    # prompts_too_long counts it) or "truncate_left" (TRL's way: its first tokens are cut, its end with the generation
+    # prompt kept; prompts_truncated counts it). filter by default: a cut prompt may have lost the question
+    long_prompts: Literal["filter", "truncate_left"] = "filter"
 
     @field_validator("path")
     @classmethod
     def _known_builtin(cls, value: str) -> str:
         return _check_builtin(value, BUILTIN_DATA)
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_the_template(self) -> DataConfig:
+        if self.system_prompt is not None and self.chat_template == "never":
+            raise ValueError("data.system_prompt: a system turn needs the chat template (data.chat_template is never)")
+        return self
 
 
 class GenerationLimitsConfig(Section):

@@ -103,6 +103,8 @@ class _Build:
     reward_error: RewardShapeError | None = None  # a reward function's wrong return: the round stops, the run fails
     filtered: dict[str, list[str]] = field(default_factory=dict)  # reason -> prompt ids: the round's, to record
     episodes: list = field(default_factory=list)  # agentic runs: every episode that ended (BatchStats 35-42)
+    too_long: int = 0  # prompts drawn and filtered as longer than data.max_prompt_tokens
+    truncated: int = 0  # prompts drawn and cut to data.max_prompt_tokens
 
 
 class Controller:
@@ -337,6 +339,7 @@ class Controller:
             while not filler.is_full:
                 records = self._draw(ccfg.prompts_per_gen_batch, epoch)
                 build.drawn += [r.prompt_id for r in records]
+                records = self._fit(build, records)
                 by_id = {r.prompt_id: r for r in records}
 
                 def on_group(prompt_id, completions, by_id=by_id):
@@ -404,6 +407,16 @@ class Controller:
         batch = self._batch_message(build, kept, time.monotonic() - start)
         batch.stats.cursor_start, batch.stats.cursor_end = cursor_start, self.progress.cursor
         return batch
+
+    def _fit(self, build: _Build, records: list[PromptRecord]) -> list[PromptRecord]:
+        """The drawn prompts to generate: one longer than data.max_prompt_tokens is filtered (the ledger records its
+        length) or was cut to it (data.long_prompts); both are counted in the batch's stats."""
+        build.truncated += sum(1 for r in records if r.tokens_cut)
+        for record in records:
+            if record.too_long:
+                build.filtered.setdefault(record.too_long, []).append(record.prompt_id)
+                build.too_long += 1
+        return [r for r in records if not r.too_long]
 
     def _fail_pending(self, build: _Build, reason: str) -> None:
         """Fail the build's drawn prompts that are still pending (not yet settled), with ``reason``."""
@@ -537,6 +550,8 @@ class Controller:
             groups_stale=build.stale,
             groups_failed=build.failed,
             samples_aborted=build.aborted,
+            prompts_too_long=build.too_long,
+            prompts_truncated=build.truncated,
         )
         fill_episode_stats(stats, build.episodes)
         stats.reward_means.update(reward_means(build.all_groups))

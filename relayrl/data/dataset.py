@@ -4,6 +4,7 @@ resumable epoch-shuffled cursor."""
 from __future__ import annotations
 
 import random
+import string
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ class PromptRecord:
     text: str
     token_ids: list[int]
     answer: str
+    tokens_cut: int = 0  # tokens cut from the prompt's start (data.long_prompts truncate_left)
+    too_long: str = ""  # why the prompt is not generated (data.long_prompts filter); "": it is
 
 
 def load_rows(cfg: DataConfig) -> datasets.Dataset:
@@ -45,22 +48,38 @@ def _uses_template(tokenizer: Any, mode: str) -> bool:
     return mode == "always" or (mode == "auto" and bool(getattr(tokenizer, "chat_template", None)))
 
 
-def render_prompt(tokenizer: Any, text: str, mode: str) -> list[int]:
-    """Token ids of the prompt: the chat template (as a user turn + generation prompt) when
-    ``mode`` is "always", or "auto" and the tokenizer has one; else the raw text."""
+def render_prompt(tokenizer: Any, text: str, mode: str, system: str | None = None) -> list[int]:
+    """Token ids of the prompt: the chat template (``system`` as a system turn, then the text as a user turn, then
+    the generation prompt) when ``mode`` is "always", or "auto" and the tokenizer has one; else the raw text."""
     if _uses_template(tokenizer, mode):
+        system_turn = [{"role": "system", "content": system}] if system is not None else []
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            [*system_turn, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return encode_texts(tokenizer, [text])[0]
 
 
-def render_prompts(tokenizer: Any, texts: list[str], mode: str) -> list[list[int]]:
+def render_prompts(tokenizer: Any, texts: list[str], mode: str, system: str | None = None) -> list[list[int]]:
     """``render_prompt`` of each text; raw texts are encoded by ``encode_texts``."""
     if _uses_template(tokenizer, mode):
-        return [render_prompt(tokenizer, text, mode) for text in texts]
+        return [render_prompt(tokenizer, text, mode, system) for text in texts]
     return encode_texts(tokenizer, texts)
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a ``data.prompt_template`` reads (its ``{name}`` fields)."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+
+
+def fit_prompt(ids: list[int], cfg: DataConfig) -> tuple[list[int], int, str]:
+    """(token ids, tokens cut, why it is not generated) of a rendered prompt under ``data.max_prompt_tokens``."""
+    limit = cfg.max_prompt_tokens
+    if limit is None or len(ids) <= limit:
+        return ids, 0, ""
+    if cfg.long_prompts == "truncate_left":
+        return ids[-limit:], len(ids) - limit, ""
+    return ids, 0, f"prompt too long: {len(ids)} tokens > data.max_prompt_tokens {limit}"
 
 
 class PromptDataset:
@@ -77,6 +96,15 @@ class PromptDataset:
                 raise ValueError(f"{field}: column {key!r} not in the dataset (columns: {self.rows.column_names})")
         if len(self.rows) == 0:
             raise ValueError(f"data.path: {cfg.path} has no rows")
+        if cfg.system_prompt is not None and not _uses_template(tokenizer, cfg.chat_template):
+            raise ValueError("data.system_prompt: a system turn needs a chat template, and the tokenizer has none")
+        self.fields = template_fields(cfg.prompt_template) if cfg.prompt_template is not None else [cfg.prompt_key]
+        unknown = [name for name in self.fields if name not in self.rows.column_names]
+        if unknown or not self.fields:
+            raise ValueError(
+                f"data.prompt_template: reads {unknown or 'no column'}, not a column of the dataset "
+                f"(columns: {self.rows.column_names}; write {{column}})"
+            )
         self._order_cache: tuple[int, list[int]] | None = None
         self._rendered: dict[int, tuple[str, array, str]] = {}  # row -> (text, token ids, answer)
         self._rendered_tokens = 0
@@ -109,8 +137,17 @@ class PromptDataset:
         records = []
         for (epoch, _), row in zip(draws, row_indices):
             text, ids, answer = rendered[row]
-            records.append(PromptRecord(prompt_id=f"{epoch}:{row}", text=text, token_ids=list(ids), answer=answer))
+            ids, cut, too_long = fit_prompt(list(ids), self.cfg)
+            records.append(PromptRecord(f"{epoch}:{row}", text, ids, answer, tokens_cut=cut, too_long=too_long))
         return records
+
+    def _texts(self, rows: dict[str, list]) -> list[str]:
+        """The user turn of each row: ``data.prompt_template`` filled from its columns, else its prompt column."""
+        template = self.cfg.prompt_template
+        if template is None:
+            return [str(text) for text in rows[self.cfg.prompt_key]]
+        columns = [rows[name] for name in self.fields]
+        return [template.format(**dict(zip(self.fields, values))) for values in zip(*columns)]
 
     def _render(self, row_indices: list[int]) -> dict[int, tuple[str, array | list[int], str]]:
         """(text, token ids, answer) of each row; rows not in the cache are read and rendered, then cached while
@@ -125,8 +162,8 @@ class PromptDataset:
                 rendered[row] = cached
         if missing:
             rows = self.rows[missing]  # {column: [values]}
-            texts = [str(text) for text in rows[self.cfg.prompt_key]]
-            token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template)
+            texts = self._texts(rows)
+            token_ids = render_prompts(self.tokenizer, texts, self.cfg.chat_template, self.cfg.system_prompt)
             answers = [str(answer) for answer in rows[self.cfg.answer_key]]
             for row, text, ids, answer in zip(missing, texts, token_ids, answers, strict=True):
                 rendered[row] = (text, ids, answer)

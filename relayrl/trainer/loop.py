@@ -256,6 +256,8 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "groups_stale": stats.groups_stale,
         "groups_failed": stats.groups_failed,
         "samples_aborted": stats.samples_aborted,
+        "prompts_too_long": stats.prompts_too_long,
+        "prompts_truncated": stats.prompts_truncated,
         "gen_batches": stats.gen_batches,
         "response_len_mean": stats.response_len_mean,
         "samples_trained": len(batch.samples),

@@ -74,7 +74,7 @@ class Sample(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchStats(_message.Message):
-    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end", "episodes", "turns_mean", "turns_median", "env_seconds_mean", "tool_parse_errors", "episode_ends", "env_metrics", "observation_tokens_mean", "samples_aborted", "reward_means")
+    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end", "episodes", "turns_mean", "turns_median", "env_seconds_mean", "tool_parse_errors", "episode_ends", "env_metrics", "observation_tokens_mean", "samples_aborted", "reward_means", "prompts_too_long", "prompts_truncated")
     class EpisodeEndsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class BatchStats(_message.Message):
     OBSERVATION_TOKENS_MEAN_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_ABORTED_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEANS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     groups_kept: int
     groups_filtered: int
     gen_batches: int
@@ -144,7 +146,9 @@ class BatchStats(_message.Message):
     observation_tokens_mean: float
     samples_aborted: int
     reward_means: _containers.ScalarMap[str, float]
-    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., episodes: _Optional[int] = ..., turns_mean: _Optional[float] = ..., turns_median: _Optional[float] = ..., env_seconds_mean: _Optional[float] = ..., tool_parse_errors: _Optional[int] = ..., episode_ends: _Optional[_Mapping[str, int]] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., observation_tokens_mean: _Optional[float] = ..., samples_aborted: _Optional[int] = ..., reward_means: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    prompts_too_long: int
+    prompts_truncated: int
+    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., episodes: _Optional[int] = ..., turns_mean: _Optional[float] = ..., turns_median: _Optional[float] = ..., env_seconds_mean: _Optional[float] = ..., tool_parse_errors: _Optional[int] = ..., episode_ends: _Optional[_Mapping[str, int]] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., observation_tokens_mean: _Optional[float] = ..., samples_aborted: _Optional[int] = ..., reward_means: _Optional[_Mapping[str, float]] = ..., prompts_too_long: _Optional[int] = ..., prompts_truncated: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "step", "samples", "stats", "temperature", "minibatch_groups")
