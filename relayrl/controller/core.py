@@ -157,11 +157,13 @@ class Controller:
         self._epoch = 0  # bumped by rewind(): batches begun in an older epoch are void
         self._batch_dir = self.state_dir / "batches"
         self._batch_dir.mkdir(exist_ok=True)
+        self._settled: list[Path] = []  # files of reported batches whose TRAINED events are not fsynced yet
         self._batches: dict[int, controller_pb2.Batch] = self._load_batches()
         self._streams: dict[int, list[controller_pb2.Sample]] = {}  # step being built streamed -> kept samples
         self._next_step = max([self.progress.trainer_step, *self._batches]) + 1
         self._skip_recorded_draws()
         self._fail_unfinished_prompts()
+        self._sync_ledger()
         self._threads = [
             threading.Thread(target=self._produce_loop, name="producer", daemon=True),
             threading.Thread(target=self._reap_loop, name="reaper", daemon=True),
@@ -181,6 +183,7 @@ class Controller:
             thread.join(timeout=5)
         if self.episodes is not None:
             self.episodes.close()
+        self._sync_ledger()
         self.ledger.close()
 
     def _load_progress(self) -> ProgressState:
@@ -203,14 +206,21 @@ class Controller:
 
     def _settle_reported(self, batch: controller_pb2.Batch) -> None:
         """The second half of a report, after state.json records it (the commit point): the batch's prompts
-        become TRAINED in the ledger (those a crash left unsettled), then its file goes."""
+        become TRAINED in the ledger (those a crash left unsettled); its file goes once they are durable."""
         versions: dict[str, Counter[int]] = {}
         for sample in batch.samples:
             versions.setdefault(sample.prompt_id, Counter()).update(sampled_versions(sample))
         unsettled = [pid for pid in sorted(versions) if (self.ledger.state(pid) or ("",))[0] not in TERMINAL]
         self.ledger.mark(unsettled, TRAINED, step=batch.step, token_versions=versions)
-        self.ledger.sync()  # durable before the file a restart would settle them from goes
-        (self._batch_dir / f"step_{batch.step}.pb").unlink(missing_ok=True)
+        self._settled.append(self._batch_dir / f"step_{batch.step}.pb")  # deleted by the next _sync_ledger
+
+    def _sync_ledger(self) -> None:
+        """fsync the ledger, then delete the files of the batches settled before it: a restart settles a batch
+        from its file until its TRAINED events are durable (one fsync a step, with the report's write-ahead one)."""
+        self.ledger.sync()
+        for path in self._settled:
+            path.unlink(missing_ok=True)
+        self._settled.clear()
 
     def _persist_batch(self, batch: controller_pb2.Batch) -> None:
         atomic_write(self._batch_dir / f"step_{batch.step}.pb", batch.SerializeToString())
@@ -643,7 +653,7 @@ class Controller:
             finished = request.step >= self.cfg.trainer.steps
             if finished:
                 self.state = "finished"
-            self.ledger.sync()  # write-ahead: the step's events are durable before the cursor that passes them
+            self._sync_ledger()  # write-ahead: the step's events are durable before the cursor that passes them
             self._save_progress()
             self._settle_reported(batch)
             self._cond.notify_all()
@@ -684,7 +694,7 @@ class Controller:
             finished = request.step >= self.cfg.trainer.steps
             self.state = "finished" if finished else "paused" if self.state == "paused" else "running"
             self.error = ""
-            self.ledger.sync()  # the rewound events are durable before the cursor moves back
+            self._sync_ledger()  # the rewound events are durable before the cursor moves back
             self._save_progress()
             self._cond.notify_all()
         if finished:  # nothing can Resume a finished run: client prompts must not wait for it

@@ -43,7 +43,7 @@ class Ledger:
         self._path = Path(path) if path else None
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             self._replay()
 
     def _replay(self) -> None:
@@ -147,7 +147,7 @@ class Ledger:
     def sync(self) -> None:
         """Make every event written so far durable (fsync): before a state that relies on them is saved, and
         before the batch file a replay would recover them from is deleted."""
-        if self._path is not None:
+        if self._path is not None and self._fd is not None:  # a closed ledger was synced as it closed
             os.fsync(self._fd)
 
     def state(self, prompt_id: str) -> tuple[str, str, int] | None:
@@ -171,8 +171,11 @@ class Ledger:
             return len(self._entries)
 
     def close(self) -> None:
-        if self._path is not None:
+        """fsync and close (again: nothing)."""
+        if self._path is not None and self._fd is not None:
+            self.sync()
             os.close(self._fd)
+            self._fd = None
 
 
 def _event(raw: bytes) -> dict | None:
