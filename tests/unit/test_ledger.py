@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +76,18 @@ def test_a_corrupt_line_before_the_last_is_refused_naming_the_file_and_line(tmp_
     with pytest.raises(LedgerError) as err:
         Ledger(path)
     assert str(err.value).startswith(f"{path}:2: corrupt ledger line") and "\n" not in str(err.value)
+
+
+def test_a_controller_on_a_ledger_with_a_corrupt_middle_line_exits_2_with_one_line_naming_it(make_config, tmp_path):
+    """``relayrl controller serve`` as a user (or the supervisor) starts it: exit 2, one stderr line that names the
+    file and the line (a damaged file needs a person, not a traceback)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    ledger = state / "ledger.jsonl"
+    ledger.write_text('{"id": "p1", "state": "queued"}\n{"id": "p2", "sta\n{"id": "p3", "state": "queued"}\n')
+    argv = [sys.executable, "-m", "relayrl.cli", "--log-level", "error", "controller", "serve"]
+    argv += ["--config", str(make_config()), "--state-dir", str(state), "--port", "0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
+    assert lines[0].startswith(f"relayrl: {ledger}:2: corrupt ledger line"), lines
