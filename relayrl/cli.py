@@ -14,6 +14,7 @@ import grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
 from relayrl.controller.ledger import LedgerError
+from relayrl.cores.threads import pin_role, yield_cores_to_generation
 from relayrl.ops.args import (
     OneLineParser,
     address,
@@ -24,19 +25,18 @@ from relayrl.ops.args import (
     positive_int,
 )
 from relayrl.ops.parser import add_operator_commands
+from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
 from relayrl.runtime.procs import announce, exit_now, stop_with_parent
-from relayrl.runtime.threads import pin_role, yield_cores_to_generation
-from relayrl.services.retry import STOPPING
 
 
 def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
     """The validated config, with the demo assets it asks for built; its ``security`` section also becomes this
     process's client security. ``port_flag``: the flag (or key) naming the port this process binds, refused
     when it is busy before anything is built or loaded."""
-    from relayrl.data.assets import prepare_assets
-    from relayrl.services.channels import configure_client
+    from relayrl.models.assets import prepare_assets
+    from relayrl.rpc.channels import configure_client
 
     cfg = load_config(args.config, args.set)
     if port_flag == "controller.port":
@@ -189,7 +189,7 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
 
     pin_role(cfg, "trainer")  # before any thread starts (relayrl/runtime/cpus.py)
-    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/runtime/threads.py)
+    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/cores/threads.py)
     try:
         return run_trainer(cfg, controller, resume=args.resume or restarted)
     except grpc.RpcError as err:
@@ -216,9 +216,9 @@ def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from relayrl.launcher import run_local, start_forks
     from relayrl.ops.preflight import heavy_checks, preflight
-    from relayrl.runtime.launcher import run_local, start_forks
-    from relayrl.services.channels import configure_client
+    from relayrl.rpc.channels import configure_client
 
     cfg, changes = _loaded(args)
     preflight(cfg, load_tokenizer=False)
@@ -260,7 +260,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_check_engine(args: argparse.Namespace, rest: list[str]) -> int:
-    from relayrl.rollout.check import main
+    from relayrl.check_engine import main
 
     return main(rest)
 

@@ -13,9 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from relayrl.rollout.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, temperature_ok
 from relayrl.runtime.address import AddressError, parse_address, parse_host
 from relayrl.runtime.cpus import parse_cpu_list
+from relayrl.wire.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, temperature_ok
 
 
 class ConfigError(ValueError):
@@ -72,7 +72,7 @@ class LoraConfig(Section):
         return value
 
 
-# `builtin:` paths name the built-in assets (relayrl/data/assets.py): models built once per machine into the asset
+# `builtin:` paths name the built-in assets (relayrl/models/assets.py): models built once per machine into the asset
 # cache ($RELAYRL_CACHE, else ~/.cache/relayrl), the digits task into <run dir>/assets; nothing else is ever built,
 # whatever path is missing.
 BUILTIN = "builtin:"
@@ -167,13 +167,13 @@ class RolloutConfig(Section):
     stop_token_ids: list[int] = Field(default_factory=list)  # tokens that end a response, besides EOS
     # strings that end a response once its decoded text holds one (vLLM's and SGLang's stop): its token ids keep every
     # sampled token, the one that completed the string included (what was sampled is what trains); the text the
-    # reward function reads ends before the string (relayrl/rollout/sampling.py: stop_text)
+    # reward function reads ends before the string (relayrl/wire/sampling.py: stop_text)
     stop: list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False  # the reward function's text keeps the stop string (vLLM's name)
     min_tokens: int = Field(0, ge=0)  # EOS/stop tokens masked until this many tokens (vLLM's min_tokens)
     ignore_eos: bool = False  # EOS does not end a response: equal-work benchmarks (vLLM's ignore_eos)
     max_batch_size: int = Field(256, ge=1)  # most rows decoded together; every concurrent Generate call shares them
-    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/runtime/threads.py)
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per worker process (relayrl/cores/threads.py)
     cpus: str | None = None  # CPU list the workers run on, "0-3,8" (relayrl/runtime/cpus.py); None: every CPU allowed
     limits: GenerationLimitsConfig = Field(default_factory=GenerationLimitsConfig)
     engine_options: dict[str, Any] = Field(default_factory=dict)  # passed to the engine as is
@@ -372,7 +372,7 @@ class TrainerConfig(Section):
     # of one layer, for models whose activations do not fit. Off: it costs time where they fit
     gradient_checkpointing: bool = False
     export_hf: bool = True
-    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/runtime/threads.py)
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank (relayrl/cores/threads.py)
     cpus: str | None = None  # CPU list the ranks run on, "0-3,8" (relayrl/runtime/cpus.py); None: every CPU allowed
     # Stream kept groups to the trainer while the rest of the batch generates (relayrl/trainer/stream.py):
     # "auto" where the result is exactly the whole-batch update (see stream_blockers), "on" refuses a config
@@ -484,11 +484,11 @@ class AlgorithmConfig(Section):
         return self
 
 
-# GSPO's clip range (low, high), verl's examples/gspo_trainer: the default of relayrl/trainer/algorithms/policy_loss.py
+# GSPO's clip range (low, high), verl's examples/gspo_trainer: the default of relayrl/algorithms/policy_loss.py
 GSPO_CLIP = (3e-4, 4e-4)
 
 
-# Advantages computed from each group alone (relayrl/trainer/algorithms/advantages.py): a group's advantages
+# Advantages computed from each group alone (relayrl/algorithms/advantages.py): a group's advantages
 # do not depend on the rest of the batch, so groups can be trained as they arrive.
 GROUP_LOCAL_ADVANTAGES = frozenset({"grpo", "rloo"})
 

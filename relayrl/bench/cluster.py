@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.config import load_config
-from relayrl.runtime.launcher import LocalJob, controller_status, wait_until
+from relayrl.launcher import LocalJob, controller_status, wait_until
 from relayrl.runtime.ports import free_port
 
 

@@ -46,14 +46,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relayrl.bench.load import rss_mib
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
+from relayrl.client.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.config import ControllerConfig, load_config
-from relayrl.controller.workers import WORKER_CHANNEL_OPTIONS
-from relayrl.data.assets import prepare_assets
 from relayrl.errors import rpc_error_text
+from relayrl.launcher import LocalJob, controller_status, wait_until
+from relayrl.models.assets import prepare_assets
 from relayrl.ops.args import OneLineParser, existing_dir
-from relayrl.runtime.launcher import LocalJob, controller_status, wait_until
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
-from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 TARGET_TRAJECTORIES_PER_S = 10_000  # issue #9: the control plane on the 2-core development machine

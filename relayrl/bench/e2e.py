@@ -58,7 +58,7 @@ from pathlib import Path
 
 from relayrl.bench.cpu import CpuSampler
 from relayrl.config import RelayConfig, load_config
-from relayrl.data.assets import prepare_assets
+from relayrl.models.assets import prepare_assets
 from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.runtime.cpus import format_cpu_list
 from relayrl.runtime.procs import kill_tree

@@ -38,16 +38,16 @@ import grpc
 import yaml
 from transformers import AutoTokenizer
 
+from relayrl.client.workers import WorkerRegistry
 from relayrl.config import parse_config
-from relayrl.controller.workers import WorkerRegistry
 from relayrl.data.dataset import PromptRecord
 from relayrl.env import EnvironmentClient
 from relayrl.env.examples.slow import DELAY_ENV
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.models.tiny_chat import write_tiny_chat_model
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
-from relayrl.services.channels import open_channel
+from relayrl.wire.sampling import SamplingParams
 
 SLOW_ENV = "relayrl.env.examples.slow:SlowGuessNumber"
 MODES = ("all_fast", "one_slow")

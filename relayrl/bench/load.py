@@ -26,9 +26,9 @@ import yaml
 
 from relayrl.bench.cluster import local_cluster
 from relayrl.config import load_config
-from relayrl.data.assets import prepare_assets
+from relayrl.models.assets import prepare_assets
 from relayrl.ops.args import OneLineParser, address, existing_dir, existing_file, positive_int
-from relayrl.services.channels import configure_client, open_channel
+from relayrl.rpc.channels import configure_client, open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 Prompt = controller_pb2.SubmitPromptsRequest.Prompt

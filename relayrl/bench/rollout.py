@@ -36,8 +36,8 @@ import yaml
 
 from relayrl.bench.cpu import cpu_seconds
 from relayrl.ops.args import OneLineParser, existing_dir, positive_int
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
-from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 Completions = list[tuple[list[int], common_pb2.Completion]]  # (prompt token ids, completion)
@@ -138,7 +138,7 @@ def logprob_parity_max(model_dir: Path, completions: Completions) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+    from relayrl.algorithms.logprobs import logprobs_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     worst = 0.0

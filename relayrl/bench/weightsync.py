@@ -73,7 +73,6 @@ import torch
 
 from relayrl.config import WeightSyncConfig
 from relayrl.ops.args import OneLineParser, existing_dir
-from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.v1 import common_pb2 as pb
 from relayrl.weightsync import (
     BufferPair,
@@ -93,6 +92,7 @@ from relayrl.weightsync import (
 from relayrl.weightsync.fingerprint import Fingerprinter, phase_for
 from relayrl.weightsync.manifest import Spec, dtype_from_name, dtype_name, nbytes_of
 from relayrl.weightsync.packing import transfer_chunks
+from relayrl.wire.lora import LoraAdapterSpec
 
 MIB = 1 << 20
 PER_LAYER = 12  # q/k/v/o weights, q/k/v biases, gate/up/down, two norms

@@ -14,7 +14,7 @@ from relayrl.client.aio import AsyncRelayClient
 from relayrl.client.options import ClientConfigError, ClientOptions
 from relayrl.client.sync import RelayClient
 from relayrl.client.types import Completion, Prompt
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.wire.sampling import SamplingParams
 
 __all__ = [
     "AsyncRelayClient",

@@ -17,8 +17,8 @@ from grpc import aio
 from relayrl.client.options import ClientOptions, is_retryable
 from relayrl.client.sync import MAX_PROMPTS_PER_CALL
 from relayrl.client.types import Completion, Prompt, SubmitProgress, as_prompts, submit_request
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
+from relayrl.wire.sampling import SamplingParams
 
 
 class AsyncRelayClient:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from relayrl.rpc.channels import message_options
 from relayrl.runtime.address import AddressError, parse_address
-from relayrl.services.channels import message_options
 
 ENV_ADDRESS = "RELAYRL_CONTROLLER"
 ENV_TOKEN = "RELAYRL_AUTH_TOKEN"

@@ -6,8 +6,8 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2, controller_pb2
+from relayrl.wire.sampling import SamplingParams
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",

@@ -1,1 +1,2 @@
-"""Controller logic: ledger, worker registry, dispatch, rewards, batch production (no gRPC here)."""
+"""Controller logic: ledger, dispatch, rewards, batch production (no gRPC here; the worker registry is
+``client/workers.py``)."""

@@ -27,6 +27,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from relayrl.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
+from relayrl.algorithms.partition import minibatch_groups
+from relayrl.algorithms.version_mix import sampled_versions
+from relayrl.client.workers import DRAINING, WorkerRegistry
 from relayrl.config import RelayConfig
 from relayrl.controller.dispatch import Dispatcher, PromptJob
 from relayrl.controller.fanout import fan_out
@@ -34,19 +38,15 @@ from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TERMINA
 from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
-from relayrl.controller.workers import DRAINING, WorkerRegistry
 from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.episodes.stats import fill_episode_stats
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from relayrl.rewards import RewardRaised, RewardShapeError
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
-from relayrl.trainer.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
-from relayrl.trainer.partition import minibatch_groups
-from relayrl.trainer.version_mix import sampled_versions
 from relayrl.v1 import controller_pb2, rollout_pb2
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 STATS_PER_ROUND = 128  # Stats calls per poll (a call to an idle channel costs controller CPU): larger fleets in turns

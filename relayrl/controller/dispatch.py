@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from relayrl.client.workers import WorkerHandle, WorkerRegistry
 from relayrl.controller.latency import LatencyHistogram
-from relayrl.controller.workers import WorkerHandle, WorkerRegistry
 from relayrl.errors import rpc_error_text
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.v1 import common_pb2, rollout_pb2
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from relayrl.controller.workers import WorkerHandle
+from relayrl.client.workers import WorkerHandle
 from relayrl.errors import rpc_error_text
 
 

@@ -13,14 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.algorithms.overlong import overlong_penalty
 from relayrl.config import RewardConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
 from relayrl.rewards.weighted import weighted_rewards
-from relayrl.rollout.sampling import stop_text
-from relayrl.trainer.algorithms.overlong import overlong_penalty
 from relayrl.v1 import common_pb2
+from relayrl.wire.sampling import stop_text
 
 
 @dataclass

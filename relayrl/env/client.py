@@ -26,8 +26,8 @@ from relayrl.env.messages import message_to_proto, messages_from_proto, tools_fr
 from relayrl.env.sessions import SessionTable
 from relayrl.env.types import EnvError, Reset, Step
 from relayrl.errors import InvalidArgument, RelayError
-from relayrl.services.auth import ClientSecurity
-from relayrl.services.channels import FAST_RECONNECT, open_aio_channel, open_channel
+from relayrl.rpc.auth import ClientSecurity
+from relayrl.rpc.channels import FAST_RECONNECT, open_aio_channel, open_channel
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
 
@@ -111,7 +111,7 @@ class EnvironmentClient(_EnvironmentCalls):
     """An ``EnvironmentService`` at ``address`` (host:port); every call has the deadline ``timeout_s``.
 
     ``security``: a SecurityConfig or ClientSecurity (token, TLS); None: this process's configured client
-    security (relayrl/services/channels.py)."""
+    security (relayrl/rpc/channels.py)."""
 
     def __init__(
         self, address: str, *, timeout_s: float, security: SecurityConfig | ClientSecurity | None = None

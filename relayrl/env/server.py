@@ -2,7 +2,7 @@
 
 One process holds its sessions in memory (relayrl/env/sessions.py), so a session lives in the process that
 answered its Reset: a pool of processes is a list of addresses, one per process, and a caller keeps each episode
-on the server it reset it on. The server adds what every relayrl server has (relayrl/services/server.py):
+on the server it reset it on. The server adds what every relayrl server has (relayrl/rpc/server.py):
 grpc.health.v1, reflection, the bearer token and TLS of ``security``, INVALID_ARGUMENT for bytes that are not
 the request message, and an error status (never a dead server) for anything an environment raises.
 """
@@ -15,7 +15,7 @@ from relayrl.config import ConfigError, SecurityConfig
 from relayrl.env.base import Environment
 from relayrl.env.sessions import SessionTable
 from relayrl.imports import SpecImportError, import_attr
-from relayrl.services.server import GrpcServer, guarded
+from relayrl.rpc.server import GrpcServer, guarded
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
 

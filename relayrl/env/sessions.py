@@ -26,7 +26,7 @@ from relayrl.env.messages import message_from_proto, messages_to_proto, tools_to
 from relayrl.env.runner import EnvironmentFailed, Runner
 from relayrl.env.types import Reset, Step
 from relayrl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, RelayError, ResourceExhausted
-from relayrl.services.validate import check_length
+from relayrl.rpc.validate import check_length
 from relayrl.v1 import environment_pb2 as pb
 
 log = logging.getLogger(__name__)

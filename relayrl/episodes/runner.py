@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.client.workers import WorkerRegistry
 from relayrl.config import RelayConfig
-from relayrl.controller.workers import WorkerRegistry
 from relayrl.data.dataset import PromptRecord
 from relayrl.episodes.envpool import EnvironmentPool
 from relayrl.episodes.loop import Episode, EpisodeLimits, EpisodeLoop

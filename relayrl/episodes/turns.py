@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from relayrl.controller.workers import WorkerHandle, WorkerRegistry
+from relayrl.client.workers import WorkerHandle, WorkerRegistry
 from relayrl.episodes.loop import GenerationFailed
 from relayrl.errors import rpc_error_text
-from relayrl.rollout.sampling import SamplingParams
-from relayrl.services.channels import FAST_RECONNECT, open_aio_channel
+from relayrl.rpc.channels import FAST_RECONNECT, open_aio_channel
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from relayrl.wire.sampling import SamplingParams
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Operating a running job: the operator commands, their output, and scaling (local and Kubernetes)."""
+"""Operating a job: the operator commands and their output, supervision, placement, scaling (local, Kubernetes,
+Slurm) and the environment servers of ``relayrl up``."""

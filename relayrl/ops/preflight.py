@@ -28,9 +28,9 @@ from relayrl.config import (
     DataConfig,
     RelayConfig,
 )
+from relayrl.cores.threads import check_role_cpus
 from relayrl.ops.placement import node_devices, place
 from relayrl.runtime.ports import port_in_use
-from relayrl.runtime.threads import check_role_cpus
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 HUB_MODEL_ID = re.compile(rf"^{_NAME}/{_NAME}$")  # org/name
@@ -67,7 +67,7 @@ def check_placement(cfg: RelayConfig) -> None:
 
 
 def check_cpus(cfg: RelayConfig) -> None:
-    """The CPUs a role is pinned to are on this machine (relayrl.runtime.threads)."""
+    """The CPUs a role is pinned to are on this machine (relayrl.cores.threads)."""
     check_role_cpus(cfg)
 
 
@@ -221,10 +221,10 @@ def check_environment(cfg: RelayConfig) -> None:
 
 # config key -> (module, registry attribute): every name the trainer looks up in a registry at its start
 REGISTRY_KEYS = {
-    "algorithm.advantage": ("relayrl.trainer.algorithms.advantages", "ADVANTAGE_ESTIMATORS"),
-    "algorithm.policy_loss": ("relayrl.trainer.algorithms.policy_loss", "POLICY_LOSSES"),
-    "algorithm.loss_agg": ("relayrl.trainer.algorithms.aggregation", "LOSS_AGGREGATIONS"),
-    "algorithm.kl_estimator": ("relayrl.trainer.algorithms.kl", "KL_ESTIMATORS"),
+    "algorithm.advantage": ("relayrl.algorithms.advantages", "ADVANTAGE_ESTIMATORS"),
+    "algorithm.policy_loss": ("relayrl.algorithms.policy_loss", "POLICY_LOSSES"),
+    "algorithm.loss_agg": ("relayrl.algorithms.aggregation", "LOSS_AGGREGATIONS"),
+    "algorithm.kl_estimator": ("relayrl.algorithms.kl", "KL_ESTIMATORS"),
 }
 
 

@@ -42,7 +42,7 @@ import torch
 from relayrl.rollout.engine import EngineCompletion, FinishReason
 from relayrl.rollout.intra_op import start_intra_op_owner
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

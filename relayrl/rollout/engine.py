@@ -2,7 +2,7 @@
 
 A rollout worker talks to one ``InferenceEngine``: it generates completions with per-token logprobs and
 exposes its live weights so a weight update can be loaded in place. Requests reach ``generate`` already
-validated (``relayrl.rollout.sampling.validate_request``). The worker calls ``generate`` from several threads at
+validated (``relayrl.wire.sampling.validate_request``). The worker calls ``generate`` from several threads at
 once (one per Generate call) and expects the engine to batch them (continuous batching); it never runs
 ``load_weights`` (or a weight update) while a ``generate`` call is in flight (pause, load, resume).
 """
@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -48,33 +49,6 @@ class PrefillCounts:
 
     computed: int
     reused: int
-
-
-@dataclass(frozen=True)
-class LoraAdapterSpec:
-    """A LoRA adapter's shape (``common_pb2.LoraSpec``): delta W = scale * B @ A with scale alpha / rank, or
-    alpha / sqrt(rank) with rsLoRA (PEFT's LoraConfig)."""
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool = False
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
-
-    def peft_config(self) -> dict:
-        """The adapter's ``adapter_config.json`` as PEFT writes it (the fields vLLM's ``PEFTHelper`` and SGLang's
-        ``LoRAConfig`` read)."""
-        return {
-            "peft_type": "LORA",
-            "r": self.rank,
-            "lora_alpha": self.alpha,
-            "target_modules": list(self.target_modules),
-            "use_rslora": self.use_rslora,
-            "bias": "none",
-        }
 
 
 class InferenceEngine(ABC):

@@ -27,7 +27,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.checksum import ChecksumParts, manifest_checksum
 from relayrl.weightsync.errors import WeightMismatch, WeightSyncError, WeightSyncTimeout
 from relayrl.weightsync.filesystem import read_weights
@@ -36,6 +35,7 @@ from relayrl.weightsync.manifest import WeightManifest, dtype_from_name, dtype_n
 from relayrl.weightsync.packing import BufferPair
 from relayrl.weightsync.receiver import receive_weights
 from relayrl.weightsync.stats import ReceiveStats
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.rollout.batcher import ContinuousBatcher
-from relayrl.rollout.engine import EngineCompletion, InferenceEngine, LoraAdapterSpec, PrefillCounts
+from relayrl.rollout.engine import EngineCompletion, InferenceEngine, PrefillCounts
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.lora import AdapterSlots
 from relayrl.rollout.padding import cached_prefix_layout, left_pad, left_pad_kv, position_ids
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
-from relayrl.rollout.sampling import SamplingParams
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

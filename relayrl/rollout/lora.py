@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from relayrl.rollout.engine import LoraAdapterSpec
+from relayrl.wire.lora import LoraAdapterSpec
 
 LORA_ATTR = "relayrl_lora"
 PEFT_PREFIX = "base_model.model."

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine, LoraAdapterSpec
+from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
 from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
@@ -54,10 +54,11 @@ from relayrl.rollout.external import (
     refuse_unmatched_logprobs,
     reject_reserved_options,
 )
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.runtime.files import atomic_write
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.stats import ReceiveStats
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

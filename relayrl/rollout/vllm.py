@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from relayrl.errors import InvalidArgument
-from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine, LoraAdapterSpec
+from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
 from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
@@ -45,12 +45,13 @@ from relayrl.rollout.external import (
     tensors_from_wire,
     tensors_to_wire,
 )
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import read_weights, remove_tree
 from relayrl.weightsync.manifest import WeightManifest
 from relayrl.weightsync.receiver import receive_weights
 from relayrl.weightsync.stats import ReceiveStats
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,6 @@ import torch
 from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.lora import adapted_modules
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
 from relayrl.runtime import faults
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.arena import WeightArena
@@ -54,6 +53,7 @@ from relayrl.weightsync.manifest import LayoutCache, UnknownLayout, WeightManife
 from relayrl.weightsync.packing import BufferPair
 from relayrl.weightsync.receiver import receive_into, receive_weights
 from relayrl.weightsync.stats import ReceiveStats
+from relayrl.wire.sampling import GenerationLimits, SamplingParams, validate_request
 
 log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}

@@ -1,2 +1,2 @@
-"""Process plumbing shared by every role: the local launcher and its fork server, thread and CPU placement,
-garbage-collector and heap settings, process-tree helpers and ports. Nothing here knows about RL."""
+"""Process plumbing shared by every role, below the config: the fork server, CPU lists and pinning, garbage-collector
+and heap settings, process-tree helpers, addresses and ports. Nothing here knows about RL or the config."""

@@ -5,7 +5,7 @@ comma-separated CPU numbers and inclusive ranges, ``"0-3,8"``. A role pins itsel
 its process (``sched_setaffinity`` of each task in ``/proc/self/task``; threads started later inherit it), so
 under ``relayrl up`` the roles can be given disjoint cores, as on separate machines, or one NUMA node each. Every
 trainer rank pins itself (``trainer run``), under torchrun too, to the whole list: the kernel places the ranks
-within it. A pinned role's ``auto`` torch threads count those CPUs (``relayrl/runtime/threads.py``).
+within it. A pinned role's ``auto`` torch threads count those CPUs (``relayrl/cores/threads.py``).
 """
 
 from __future__ import annotations

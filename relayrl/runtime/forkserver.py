@@ -14,7 +14,7 @@ Contract:
   death stops no role.
 - The server forks only with no Python thread but its main one running, and never touches CUDA or gRPC
   channels: native pools that exist at import (OpenBLAS, jemalloc) have their own ``pthread_atfork`` handlers.
-  The launcher starts no fork server on a GPU host (``relayrl.runtime.launcher.start_forks``).
+  The launcher starts no fork server on a GPU host (``relayrl.launcher.start_forks``).
 - An environment that differs from the server's in anything but ``RUNTIME_ENV`` is not forked
   (``ForkServer.spawn`` returns None and the launcher starts a fresh interpreter): libraries read some variables
   once when they load, OMP_WAIT_POLICY by libgomp when torch loads, for one.

@@ -67,7 +67,7 @@ def exit_now(code: int) -> NoReturn:
 
 PARENT_ENV = "RELAYRL_PARENT_PID"  # set by ``relayrl up`` for its children; read once, never inherited further
 PR_SET_PDEATHSIG = 1
-ORPHAN_GRACE_S = 60.0  # twice the launcher's own per-role stop grace (relayrl/runtime/launcher.py)
+ORPHAN_GRACE_S = 60.0  # twice the launcher's own per-role stop grace (relayrl/launcher.py)
 
 
 def stop_with_parent(*, watchdog_s: float | None = ORPHAN_GRACE_S) -> None:

@@ -18,11 +18,9 @@ from relayrl.data.dataset import render_prompt
 from relayrl.errors import PAUSED_DETAIL, InvalidArgument, Unavailable
 from relayrl.ops.supervise import read_restarts
 from relayrl.rewards import RewardCaller, RewardRaised, load_reward
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams, validate_request
-from relayrl.services.channels import configure_client
-from relayrl.services.metrics import ControllerCollector, MetricsEndpoint
-from relayrl.services.server import GrpcServer, guarded
-from relayrl.services.validate import (
+from relayrl.rpc.channels import configure_client
+from relayrl.rpc.server import GrpcServer, guarded
+from relayrl.rpc.validate import (
     check_count,
     check_length,
     check_number,
@@ -30,7 +28,9 @@ from relayrl.services.validate import (
     check_report_step,
     check_submit_prompts,
 )
+from relayrl.services.metrics import ControllerCollector, MetricsEndpoint
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
+from relayrl.wire.sampling import GenerationLimits, SamplingParams, validate_request
 
 log = logging.getLogger(__name__)
 _DONE = object()

@@ -12,16 +12,16 @@ import grpc
 import torch
 
 from relayrl.config import RelayConfig
+from relayrl.cores.threads import torch_threads
 from relayrl.errors import FailedPrecondition
-from relayrl.rollout.sampling import GenerationLimits
 from relayrl.rollout.worker import RolloutWorker
-from relayrl.runtime.threads import torch_threads
-from relayrl.services.channels import configure_client, open_channel
+from relayrl.rpc.channels import configure_client, open_channel
+from relayrl.rpc.server import GrpcServer, guarded
+from relayrl.rpc.validate import check_init_weight_sync, check_length
 from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
 from relayrl.services.registration import Registration
-from relayrl.services.server import GrpcServer, guarded
-from relayrl.services.validate import check_init_weight_sync, check_length
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.wire.sampling import GenerationLimits
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
    rank alike (whitening is batch-wide): token advantages for the policy, returns for the critic.
 2. ``CriticUpdate.train``: after the policy's update of a mini-batch, the critic's on the same rows: the clipped
    value loss against those returns and starting values, aggregated with the mini-batch's global token count
-   (relayrl/trainer/algorithms/value_loss.py: no per-micro-batch normalisation), times ``critic.loss_coef`` and the
+   (relayrl/algorithms/value_loss.py: no per-micro-batch normalisation), times ``critic.loss_coef`` and the
    data-parallel size (the gradient reduction averages over ranks), then the critic's own optimizer step.
 3. ``CriticUpdate.finish``: metrics reduced over ranks (collective).
 """
@@ -17,14 +17,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from relayrl.config import AlgorithmConfig, CriticConfig
-from relayrl.trainer.algorithms import (
+from relayrl.algorithms import (
     clipped_value_loss,
     explained_variance,
     gae_advantages,
     masked_mean,
     terminal_rewards,
 )
+from relayrl.config import AlgorithmConfig, CriticConfig
 from relayrl.trainer.batch import TrainBatch
 
 

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from relayrl.algorithms.version_mix import version_mix
 from relayrl.config import RelayConfig, TrainerConfig, dump_config
+from relayrl.cores.threads import torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
+from relayrl.rpc.channels import open_channel
+from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.runtime.gcfreeze import freeze_startup_heap
-from relayrl.runtime.threads import torch_threads
-from relayrl.services.channels import open_channel
-from relayrl.services.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
@@ -37,7 +38,6 @@ from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
-from relayrl.trainer.version_mix import version_mix
 from relayrl.trainer.world import init_world, world_backend
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 

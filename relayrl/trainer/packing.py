@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 
 log = logging.getLogger(__name__)
 

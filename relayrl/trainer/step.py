@@ -31,11 +31,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from relayrl.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
+from relayrl.algorithms.partition import split_sizes
 from relayrl.config import AlgorithmConfig, CriticConfig, TrainerConfig
-from relayrl.trainer.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.critic_step import CriticUpdate, gae_targets
-from relayrl.trainer.partition import split_sizes
 
 METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
 SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: each rank holds a share

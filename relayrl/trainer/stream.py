@@ -2,7 +2,7 @@
 
 The result is ``train_on_batch`` on the whole batch up to float rounding: the same ordered groups, the same
 mini-batch partition (the batch's ``minibatch_groups``: the plan for ``train_batch_groups``, see
-relayrl/trainer/partition.py), per-group advantages, the same clip and grad clip. Mini-batch k's rows are
+relayrl/algorithms/partition.py), per-group advantages, the same clip and grad clip. Mini-batch k's rows are
 forwarded and backwarded as their groups arrive, in chunks of whole groups (a quarter of the mini-batch or
 more, CHUNKS_PER_MINIBATCH; at least one row per data-parallel rank, since ``rollout.n`` >= the ranks: every
 rank makes the same collective calls), with un-normalised loss sums (``agg_loss`` with UNIT_COUNTS). Once its
@@ -29,13 +29,13 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
+from relayrl.algorithms import compute_advantages
+from relayrl.algorithms.aggregation import UNIT_COUNTS, agg_denominator
+from relayrl.algorithms.partition import minibatch_groups, split_sizes
 from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
-from relayrl.services.retry import RETRYABLE
-from relayrl.trainer.algorithms import compute_advantages
-from relayrl.trainer.algorithms.aggregation import UNIT_COUNTS, agg_denominator
+from relayrl.rpc.retry import RETRYABLE
 from relayrl.trainer.batch import to_train_batch
-from relayrl.trainer.partition import minibatch_groups, split_sizes
 from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatch_counts
 from relayrl.v1 import controller_pb2
 

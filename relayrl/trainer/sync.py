@@ -42,11 +42,10 @@ from google.protobuf.message import Message
 
 from relayrl.config import WeightSyncConfig
 from relayrl.errors import rpc_error_text
-from relayrl.rollout.engine import LoraAdapterSpec
+from relayrl.rpc.channels import open_channel
+from relayrl.rpc.retry import call_with_retry
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.repeats import RepeatedWarning
-from relayrl.services.channels import open_channel
-from relayrl.services.retry import call_with_retry
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.arena import WeightArena, arena_placement
 from relayrl.weightsync.checksum import weights_checksum
@@ -56,6 +55,7 @@ from relayrl.weightsync.fingerprint import phase_for
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import ManifestBuilder, Spec, WeightManifest
 from relayrl.weightsync.sender import WeightSender
+from relayrl.wire.lora import LoraAdapterSpec
 
 log = logging.getLogger(__name__)
 

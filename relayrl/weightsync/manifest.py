@@ -22,8 +22,8 @@ from itertools import pairwise
 import torch
 from google.protobuf import json_format
 
-from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.v1 import common_pb2 as pb
+from relayrl.wire.lora import LoraAdapterSpec
 
 ALIGN = 256
 DEFAULT_BUCKET_BYTES = 512 << 20

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import load_config
-from relayrl.data.assets import builtin_model_path
+from relayrl.models.assets import builtin_model_path
 from relayrl.runtime.procs import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]

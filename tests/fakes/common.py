@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+from relayrl.algorithms.logprobs import logprobs_from_logits
 
 
 class FakeEngineModel:

@@ -39,7 +39,7 @@ import torch
 
 from fakes.common import FakeEngineModel, PrefixCache, run_on_ranks, token_logprobs
 from relayrl.rollout.hf import HFEngine, sample_step, stop_token_set
-from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
+from relayrl.wire.sampling import SamplingParams as RelaySamplingParams
 
 __version__ = "0.5.23+fake"
 # What a test puts into sys.modules to stand in for SGLang (the adapter's loader imports the last one).

@@ -41,8 +41,8 @@ from typing_extensions import NotRequired
 
 from fakes.common import FusedShardModel, PrefixCache, run_on_ranks, vllm_top_p_mask
 from relayrl.rollout.hf import DTYPES, eos_token_ids, sample_step, stop_token_set
-from relayrl.rollout.sampling import SamplingParams as RelaySamplingParams
-from relayrl.rollout.sampling import first_stop, stop_text
+from relayrl.wire.sampling import SamplingParams as RelaySamplingParams
+from relayrl.wire.sampling import first_stop, stop_text
 
 __version__ = "0.33.0+fake"
 # What a test puts into sys.modules to stand in for vLLM.

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relayrl.env import EnvironmentClient
-from relayrl.services.channels import open_channel
+from relayrl.rpc.channels import open_channel
 from relayrl.v1 import environment_pb2 as pb
 from tests.integration.test_env_serve import read_lines
 

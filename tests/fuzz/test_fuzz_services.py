@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from relayrl.bench.cluster import local_cluster
-from relayrl.services.channels import open_channel
+from relayrl.rpc.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 from .strategies import FLOATS, SHORT_TEXT, TEXT, messages, raw_bytes

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relayrl.config import load_config
+from relayrl.launcher import LocalJob, controller_status, start_job
 from relayrl.ops.placement import GPU_DRIVER_NODES
-from relayrl.runtime.launcher import LocalJob, controller_status, start_job
 from relayrl.runtime.procs import descendants, kill_tree
 from relayrl.trainer.metrics import read_metrics
 

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from relayrl.runtime.launcher import controller_status
-from relayrl.services.channels import open_channel
+from relayrl.launcher import controller_status
+from relayrl.rpc.channels import open_channel
 from relayrl.trainer.metrics import REQUIRED_KEYS, read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.weightsync.checksum import weights_checksum

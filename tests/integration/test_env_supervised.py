@@ -8,9 +8,9 @@ import signal
 
 from relayrl.config import load_config
 from relayrl.env import EnvironmentClient
+from relayrl.launcher import LocalJob
+from relayrl.ops.environments import environments_serving, start_environment_servers
 from relayrl.ops.supervise import Supervisor
-from relayrl.runtime.environments import environments_serving, start_environment_servers
-from relayrl.runtime.launcher import LocalJob
 from tests.integration.jobs import wait_until
 
 GUESS = "relayrl.env.examples.guess:GuessNumber"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
-from relayrl.runtime.launcher import controller_status
+from relayrl.launcher import controller_status
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.procs import descendants, kill_tree
-from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 

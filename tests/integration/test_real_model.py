@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from relayrl.config import load_config
-from relayrl.data.assets import prepare_assets
+from relayrl.models.assets import prepare_assets
 from relayrl.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -57,6 +57,6 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     fates = ledger_fates(cfg)
     assert not [pid for pid, f in fates.items() if f[-1] not in {"trained", "filtered", "failed"}]
     trainer_log = (cfg.run_dir / "logs" / "trainer.log").read_text()
-    assert "this trainer rank runs at nice 19, generation first" in trainer_log  # relayrl/runtime/threads.py
+    assert "this trainer rank runs at nice 19, generation first" in trainer_log  # relayrl/cores/threads.py
     broke = f"the batch stream of step {killed_in} broke" in trainer_log
     print(json.dumps({"killed_in_step": killed_in, "stream_broke_mid_step": broke, "streamed_steps": streamed}))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
+from relayrl.launcher import controller_status
 from relayrl.runtime import faults
-from relayrl.runtime.launcher import controller_status
 from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 

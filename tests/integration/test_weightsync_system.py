@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
+from relayrl.launcher import controller_status
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime import faults
-from relayrl.runtime.launcher import controller_status
-from relayrl.services.channels import open_channel
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 

@@ -18,7 +18,7 @@ function load(file) {
   return grpc.loadPackageDefinition(definition).relayrl.v1;
 }
 
-// Call metadata with the bearer token when RELAYRL_AUTH_TOKEN is set (relayrl/services/auth.py).
+// Call metadata with the bearer token when RELAYRL_AUTH_TOKEN is set (relayrl/rpc/auth.py).
 function metadata() {
   const md = new grpc.Metadata();
   if (process.env.RELAYRL_AUTH_TOKEN) md.add("authorization", `Bearer ${process.env.RELAYRL_AUTH_TOKEN}`);

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from relayrl.config import RelayConfig, parse_config
-from relayrl.services.channels import configure_client
+from relayrl.rpc.channels import configure_client
 from relayrl.services.controller_server import serve_controller
 from relayrl.services.rollout_server import serve_rollout
 

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from relayrl.config import ConfigError, SecurityConfig
-from relayrl.services.auth import ClientSecurity, load_token
-from relayrl.services.channels import open_channel
+from relayrl.rpc.auth import ClientSecurity, load_token
+from relayrl.rpc.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 from .helpers import TOKEN_ENV, Pki, relay_config, running_servers

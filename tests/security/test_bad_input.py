@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from relayrl.config import load_config
-from relayrl.runtime.launcher import LocalJob, controller_status, wait_until
+from relayrl.launcher import LocalJob, controller_status, wait_until
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
-from relayrl.services.channels import open_channel
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from relayrl.config import SecurityConfig
 from relayrl.env import EnvError, EnvironmentClient
 from relayrl.env.examples.guess import GuessNumber
 from relayrl.env.server import EnvironmentServer
-from relayrl.services.auth import ClientSecurity
+from relayrl.rpc.auth import ClientSecurity
 
 from .helpers import TOKEN_ENV
 

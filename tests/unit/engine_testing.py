@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.engine import EngineCompletion
-from relayrl.rollout.sampling import SamplingParams
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.weightsync.checksum import weights_checksum
 from relayrl.weightsync.group import WeightBroadcastGroup
 from relayrl.weightsync.manifest import WeightManifest, build_manifest
 from relayrl.weightsync.sender import WeightSender
+from relayrl.wire.sampling import SamplingParams
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]  # different lengths

@@ -1,4 +1,4 @@
-"""Unit tests for relayrl.trainer.algorithms, against values worked out by hand (arithmetic in comments)."""
+"""Unit tests for relayrl.algorithms, against values worked out by hand (arithmetic in comments)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from relayrl.trainer.algorithms import (
+from relayrl.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,

@@ -16,7 +16,7 @@ import yaml
 
 from relayrl.config import load_config
 from relayrl.data.asset_cache import MARKER
-from relayrl.data.assets import builtin_model_path, prepare_assets
+from relayrl.models.assets import builtin_model_path, prepare_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def test_the_key_holds_every_setting(tmp_path: Path, cache: Path) -> None:
 BUILD = textwrap.dedent("""
     import sys
     from relayrl.config import load_config
-    from relayrl.data.assets import prepare_assets
+    from relayrl.models.assets import prepare_assets
     cfg = load_config(sys.argv[1])
     print(prepare_assets(cfg), cfg.model.path)
 """)

@@ -56,7 +56,7 @@ def test_check_engine_passes_for_the_hf_engine_on_the_tiny_model_and_syncs_an_ad
 
 def test_check_engine_lora_fails_an_engine_that_ignores_the_adapter(tiny_model_dir: Path) -> None:
     """An engine that reports the adapter's modules as loaded but serves the base model: the log-prob check fails."""
-    from relayrl.rollout.check import run_check
+    from relayrl.check_engine import run_check
     from relayrl.rollout.hf import HFEngine
 
     class Ignoring(HFEngine):

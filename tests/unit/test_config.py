@@ -201,7 +201,7 @@ def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) 
     """8 cores, 2 workers on one machine with the trainer: alternating phases take every core; overlapped,
     the workers share half and the trainer ranks all of them (waiting passively, below); a role on its own
     machine takes every core; an explicit count always wins."""
-    from relayrl.runtime.threads import torch_threads
+    from relayrl.cores.threads import torch_threads
 
     cfg = RelayConfig.model_validate(
         {
@@ -224,13 +224,13 @@ def test_threads_follow_the_loop(staleness, colocated, nproc, rollout, trainer) 
 def test_an_overlapped_trainer_waits_passively_unless_told_otherwise(monkeypatch, staleness, preset, policy) -> None:
     """The trainer beside its workers yields the cores generation needs only when the two overlap (K >= 1);
     a wait policy the user exported is left alone (the child inherits it)."""
-    from relayrl.runtime.threads import trainer_env
+    from relayrl.cores.threads import trainer_env
 
     if preset is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", preset)
-    monkeypatch.setattr("relayrl.runtime.threads.available_cores", lambda: 8)
+    monkeypatch.setattr("relayrl.cores.threads.available_cores", lambda: 8)
     cfg = RelayConfig.model_validate(
         {"model": {"path": "m"}, "data": {"path": "d"}, "controller": {"max_staleness": staleness}}
     )

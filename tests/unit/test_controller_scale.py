@@ -8,10 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from relayrl.bench.controller import histogram_quantile
+from relayrl.client.workers import WorkerRegistry
 from relayrl.config import DataConfig, RewardConfig
 from relayrl.controller.latency import LatencyHistogram
 from relayrl.controller.scoring import Scorer
-from relayrl.controller.workers import WorkerRegistry
 from relayrl.data.dataset import PromptDataset, render_prompt
 from relayrl.data.fast_tokens import backend_encodes, encode_texts
 from relayrl.v1 import common_pb2
@@ -180,7 +180,7 @@ def test_fan_out_reports_a_worker_removed_meanwhile() -> None:
 
 def test_a_chunk_for_a_worker_removed_after_it_was_acquired_comes_back_for_retry() -> None:
     from relayrl.controller.dispatch import Attempt, Dispatcher, GroupClaims, PromptJob
-    from relayrl.rollout.sampling import SamplingParams
+    from relayrl.wire.sampling import SamplingParams
 
     registry = WorkerRegistry(timeout_s=30)
     registry.register("gone", "127.0.0.1:1", "hf", 0)

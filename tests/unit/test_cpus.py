@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import ConfigError, RelayConfig
+from relayrl.cores.threads import check_role_cpus, shares_cores, torch_threads, trainer_env
 from relayrl.runtime.cpus import format_cpu_list, parse_cpu_list
-from relayrl.runtime.threads import check_role_cpus, shares_cores, torch_threads, trainer_env
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 
@@ -22,7 +22,7 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 PROBE = """
 import json, os, sys, threading
 from relayrl.config import RelayConfig
-from relayrl.runtime.threads import pin_role
+from relayrl.cores.threads import pin_role
 go, seen = threading.Event(), {}
 early = threading.Thread(target=lambda: (go.wait(), seen.update(early=sorted(os.sched_getaffinity(0)))), daemon=True)
 early.start()

@@ -9,10 +9,10 @@ from concurrent import futures
 import grpc
 import pytest
 
+from relayrl.client.workers import WorkerRegistry
 from relayrl.controller.dispatch import Dispatcher, PromptJob
-from relayrl.controller.workers import WorkerRegistry
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from relayrl.wire.sampling import SamplingParams
 
 SLOW_S = 60.0  # the straggler answers only after this (or never: it is cancelled)
 

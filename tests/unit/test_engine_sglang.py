@@ -37,7 +37,6 @@ from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout import sglang as adapter
 from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import GroupArgs
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.sglang import LOADER, SGLangEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.runtime.ports import free_port
@@ -45,6 +44,7 @@ from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.errors import WeightSyncError
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ from engine_testing import PROMPTS, sharp_tiny_model
 from fakes import fake_sglang
 from test_engine_vllm_lora import PARAMS, SPEC, adapted_model, adapter_tensors, assert_served
 
-from relayrl.rollout.sampling import GenerationLimits
 from relayrl.rollout.sglang import SGLangEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.manifest import build_manifest
+from relayrl.wire.sampling import GenerationLimits
 
 
 @pytest.fixture(scope="module")

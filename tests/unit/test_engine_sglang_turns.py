@@ -24,9 +24,9 @@ from engine_testing import (
 )
 from fakes import fake_sglang
 
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.rollout.sglang import SGLangEngine
 from relayrl.weightsync.filesystem import write_weights
+from relayrl.wire.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,13 @@ from fakes import fake_vllm
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.engine import create_engine, engine_class
 from relayrl.rollout.external import SUPPORTED_VERSIONS, GroupArgs
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import EXTENSION, VLLMEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.fingerprint import manifest_fingerprint, phase_for
 from relayrl.weightsync.group import WeightBroadcastGroup
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from fakes import fake_vllm
 from safetensors.torch import save_file
 
 from relayrl.rollout import vllm as adapter
-from relayrl.rollout.engine import LoraAdapterSpec
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.vllm import VLLMEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.manifest import build_manifest
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 SPEC = LoraAdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
 PARAMS = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=4, ignore_eos=True)
@@ -165,7 +165,7 @@ def test_check_engine_lora_sets_what_each_engine_needs_and_refuses_conflicts() -
     take every key as vLLM's EngineArgs and SGLang's ServerArgs do."""
     from fakes import fake_sglang
 
-    from relayrl.rollout.check import lora_engine_options
+    from relayrl.check_engine import lora_engine_options
 
     vllm_options = lora_engine_options("vllm", {"enforce_eager": True}, rank=8)
     assert vllm_options == {"enforce_eager": True, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}

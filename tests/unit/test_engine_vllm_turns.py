@@ -24,9 +24,9 @@ from engine_testing import (
 )
 from fakes import fake_vllm
 
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.rollout.vllm import VLLMEngine
 from relayrl.weightsync.filesystem import write_weights
+from relayrl.wire.sampling import SamplingParams
 
 BLOCK = 4
 

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from relayrl.config import SecurityConfig
 from relayrl.env import EnvError, EnvironmentClient
 from relayrl.env.server import EnvironmentServer
-from relayrl.services.auth import ClientSecurity
+from relayrl.rpc.auth import ClientSecurity
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
 from tests.unit.test_env_sessions import SAY, AsyncCounter, Counter

@@ -25,8 +25,8 @@ from relayrl.episodes.loop import (
 )
 from relayrl.models.tiny_chat import build_chat_tokenizer, write_tiny_chat_model
 from relayrl.rollout.hf import HFEngine
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2
+from relayrl.wire.sampling import SamplingParams
 from tests.unit.episode_testing import ScriptedPolicy, local_pool
 
 PLAIN = {"secret": 5, "tools": False}

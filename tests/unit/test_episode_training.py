@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.trainer.algorithms import agg_loss, compute_policy_loss, kl_penalty
-from relayrl.trainer.algorithms.aggregation import LOSS_AGGREGATIONS
+from relayrl.algorithms import agg_loss, compute_policy_loss, kl_penalty
+from relayrl.algorithms.aggregation import LOSS_AGGREGATIONS
 from relayrl.trainer.batch import to_train_batch
 from relayrl.v1 import controller_pb2
 

@@ -8,11 +8,11 @@ import asyncio
 import grpc
 import pytest
 
-from relayrl.controller.workers import WorkerRegistry
+from relayrl.client.workers import WorkerRegistry
 from relayrl.episodes.loop import GenerationFailed
 from relayrl.episodes.turns import TurnDispatcher
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from relayrl.wire.sampling import SamplingParams
 
 
 class EchoWorker(rollout_pb2_grpc.RolloutServiceServicer):

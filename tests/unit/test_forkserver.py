@@ -103,14 +103,14 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
 
 def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
     from relayrl.config import RelayConfig
-    from relayrl.runtime.launcher import start_forks
+    from relayrl.launcher import start_forks
 
     cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}})
     off = cfg.model_copy(update={"supervisor": cfg.supervisor.model_copy(update={"fork_roles": False})})
     assert start_forks(off) is None
     driver = tmp_path / "nvidiactl"
     driver.touch()
-    monkeypatch.setattr("relayrl.runtime.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
+    monkeypatch.setattr("relayrl.launcher.GPU_DRIVER_NODES", (str(driver),))  # CUDA does not survive a fork
     assert start_forks(cfg) is None
 
 

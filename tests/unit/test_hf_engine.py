@@ -13,10 +13,10 @@ import torch
 from engine_testing import assert_stop_string_ends_the_sample, sharp_tiny_model
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.rollout.engine import ENGINES, EngineCompletion, create_engine
 from relayrl.rollout.hf import HFEngine, top_p_filter
-from relayrl.rollout.sampling import SamplingParams
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+from relayrl.wire.sampling import SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]  # different lengths: left padding matters
 EOS = 1

@@ -13,10 +13,10 @@ import torch
 from engine_testing import sharp_tiny_model
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.rollout.hf import HFEngine
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.worker import RolloutWorker
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13]]
 LONG = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=11)

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, every module importable alone, the root holds only entry points."""
+"""The package's shape: its layers in one declared order with no import against it, no import cycle, every module
+importable alone, the root holds only entry points."""
 
 from __future__ import annotations
 
@@ -13,7 +14,25 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relayrl"
 GENERATED = "v1"  # protoc's stubs: they import each other as protoc writes them
-ROOT_MODULES = {"__init__", "cli", "config", "errors", "registry"}  # entry points and cross-cutting types
+# entry points (the CLI, what `relayrl up` and `relayrl check-engine` run) and cross-cutting types and helpers
+ROOT_MODULES = {"__init__", "cli", "launcher", "check_engine", "config", "errors", "registry", "imports"}
+ROOT = "__init__"  # the room of the package's own __init__ (``import relayrl``)
+# The package's rooms (its top-level modules and packages) bottom to top. A module imports only from its own room
+# or from a lower layer: rooms of one layer never import each other; what two of them share moves down a layer.
+LAYERS: list[set[str]] = [
+    {ROOT, "v1", "errors", "registry", "imports"},  # generated stubs, error codes, registries by name, spec imports
+    {"wire", "runtime"},  # wire types (sampling parameters, LoRA spec); process plumbing that knows no config
+    {"config"},
+    {"rpc", "cores"},  # gRPC plumbing (channels, auth, retry, server, request checks); threads and pinning per role
+    {"data", "rewards", "client", "weightsync", "algorithms"},  # what the roles share (algorithms: pure functions)
+    {"env"},
+    {"episodes"},
+    {"controller", "rollout", "trainer", "models"},  # the roles' logic; models: the built-in demo assets
+    {"ops"},  # operating a job: supervision, placement, scaling, deploy manifests, operator commands
+    {"services"},  # the role servers
+    {"launcher", "check_engine"},  # what `relayrl up` and `relayrl check-engine` run: they compose the roles
+    {"cli", "bench"},
+]
 
 
 def module_files() -> dict[str, Path]:
@@ -28,6 +47,18 @@ def module_files() -> dict[str, Path]:
     return out
 
 
+def imported_names(path: Path) -> set[str]:
+    """The dotted names a module imports anywhere in its body (function-level and TYPE_CHECKING imports included):
+    ``from a.b import c`` gives ``a.b.c``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the package modules it imports anywhere in its body (function-level imports included)."""
 
@@ -36,16 +67,35 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph: dict[str, set[str]] = {}
+    graph = {}
     for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets |= {owner(alias.name) for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets |= {owner(f"{node.module}.{alias.name}") or owner(node.module) for alias in node.names}
+        targets = {owner(imported) for imported in imported_names(path)}
         graph[name] = {t for t in targets if t and t != name}
     return graph
+
+
+def room(name: str) -> str | None:
+    """The room (top-level module or package) of a dotted name in the package, None for a name outside it."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE.name:
+        return None
+    return parts[1] if len(parts) > 1 else ROOT
+
+
+def layer_violations(imports: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """``module -> target (room layer -> room layer)`` for each import in ``imports`` (module -> dotted names) that
+    goes to another room of the same or a higher layer, or from or to a room no layer names."""
+    level = {name: i for i, layer in enumerate(layers) for name in layer}
+    found = []
+    for module, targets in sorted(imports.items()):
+        for target in sorted(targets):
+            source, dest = room(module), room(target)
+            if dest is None or dest == source:
+                continue
+            if source not in level or dest not in level or level[dest] >= level[source]:
+                where = f"{source} {level.get(source, '?')} -> {dest} {level.get(dest, '?')}"
+                found.append(f"{module} -> {target} ({where})")
+    return found
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -84,8 +134,38 @@ def test_find_cycle_sees_a_lazy_import_cycle() -> None:
 def test_package_root_holds_only_entry_points() -> None:
     root = {p.stem for p in PACKAGE.glob("*.py")}
     assert root == ROOT_MODULES, f"modules at the package root besides entry points: {sorted(root - ROOT_MODULES)}"
-    runtime = {p.stem for p in (PACKAGE / "runtime").glob("*.py")}
-    assert {"threads", "cpus", "heap", "gcfreeze", "procs", "ports", "forkserver", "launcher"} <= runtime
+
+
+def test_imports_follow_the_layers() -> None:
+    imports = {name: imported_names(path) for name, path in module_files().items()}
+    violations = layer_violations(imports, LAYERS)
+    assert not violations, "imports against the layers (room layer -> room layer, 0 at the bottom):\n" + "\n".join(
+        violations
+    )
+
+
+def test_layer_check_flags_upward_sideways_and_unplaced_imports() -> None:
+    layers = [{ROOT, "errors"}, {"wire", "runtime"}, {"config"}, {"cli"}]
+    imports = {
+        "relayrl.config": {"relayrl.wire.sampling.temperature_ok", "relayrl.cli.main", "yaml.safe_load"},
+        "relayrl.wire.sampling": {"relayrl.runtime.ports", "relayrl.wire.lora", "relayrl.v1"},
+        "relayrl.cli": {"relayrl.errors.RelayError", "relayrl"},
+    }
+    assert layer_violations(imports, layers) == [
+        "relayrl.config -> relayrl.cli.main (config 2 -> cli 3)",
+        "relayrl.wire.sampling -> relayrl.runtime.ports (wire 1 -> runtime 1)",
+        "relayrl.wire.sampling -> relayrl.v1 (wire 1 -> v1 ?)",
+    ]
+
+
+def test_every_room_is_in_exactly_one_layer() -> None:
+    rooms = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    placed = [name for layer in LAYERS for name in layer]
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    assert not twice, f"rooms in more than one layer: {twice}"
+    assert set(placed) == rooms, (
+        f"unplaced rooms: {sorted(rooms - set(placed))}; no such room: {sorted(set(placed) - rooms)}"
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from relayrl.models.tiny import build_tokenizer
 from relayrl.rollout.hf import HFEngine, _pad_left
 from relayrl.rollout.llama_decode import KVState, unsupported_reason
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.wire.sampling import SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]
 EXACT = 1e-5  # |fast logprob - trainer logprob|: float rounding only

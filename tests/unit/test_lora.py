@@ -17,18 +17,18 @@ import torch.distributed as dist
 from engine_testing import PROMPTS, sharp_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from relayrl.check_engine import _served_worker
 from relayrl.config import ConfigError, LoraConfig, ModelConfig, TrainerConfig, parse_config
 from relayrl.models.tiny import write_tiny_model
-from relayrl.rollout.check import _served_worker
-from relayrl.rollout.engine import LoraAdapterSpec
 from relayrl.rollout.hf import HFEngine
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.weightsync.manifest import LayoutCache, WeightManifest, build_manifest
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 SPEC = LoraAdapterSpec(8, 16.0, ("q_proj", "v_proj"))

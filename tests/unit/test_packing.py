@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 from trainer_testing import full_weights
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import exit_now
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.packing import FORWARD_COST, computed_positions, micro_batches, packed_logprobs

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.trainer.algorithms import POLICY_LOSSES, agg_loss
-from relayrl.trainer.algorithms.gae import gae_advantages, masked_whiten, terminal_rewards
-from relayrl.trainer.algorithms.policy_loss import gspo_loss
-from relayrl.trainer.algorithms.value_loss import clipped_value_loss, explained_variance
+from relayrl.algorithms import POLICY_LOSSES, agg_loss
+from relayrl.algorithms.gae import gae_advantages, masked_whiten, terminal_rewards
+from relayrl.algorithms.policy_loss import gspo_loss
+from relayrl.algorithms.value_loss import clipped_value_loss, explained_variance
 
 TOL = 1e-6
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from engine_testing import new_weights, recompute, sharp_tiny_model, sync_manifest
 
-from relayrl.rollout.engine import EngineCompletion, LoraAdapterSpec
+from relayrl.rollout.engine import EngineCompletion
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
-from relayrl.rollout.sampling import GenerationLimits, SamplingParams
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
+from relayrl.wire.lora import LoraAdapterSpec
+from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 EXACT = 1e-5  # |cached-prefix logprob - full-prefill logprob| in float32: rounding only
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from relayrl.errors import InvalidArgument, ResourceExhausted
-from relayrl.rollout.sampling import (
+from relayrl.v1 import common_pb2
+from relayrl.wire.sampling import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     GenerationLimits,
@@ -16,7 +17,6 @@ from relayrl.rollout.sampling import (
     stop_text,
     validate_request,
 )
-from relayrl.v1 import common_pb2
 
 VOCAB, CONTEXT = 100, 64
 LIMITS = GenerationLimits(max_prompts=4, max_n=8, max_tokens=32)

@@ -24,12 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from trainer_testing import full_weights
 
+from relayrl.algorithms.partition import minibatch_groups
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.loop import train_streamed
-from relayrl.trainer.partition import minibatch_groups
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep
 from relayrl.v1 import common_pb2, controller_pb2

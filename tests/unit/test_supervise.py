@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from relayrl.config import ConfigError, SupervisorConfig, parse_config
+from relayrl.launcher import LocalJob
 from relayrl.ops.placement import place
 from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, Supervisor, read_restarts
-from relayrl.runtime.launcher import LocalJob
 
 GPU_RUN = {
     "model": {"path": "m"},

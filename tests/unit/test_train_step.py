@@ -11,9 +11,9 @@ import torch.distributed as dist
 from trainer_testing import full_weights, rollout_batch
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.runtime.ports import free_port
-from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.step import train_on_batch

@@ -1,5 +1,5 @@
 """yield_cores_to_generation: a streaming trainer beside its rollout workers lowers itself and its session's
-autogroup to nice 19, so generation gets the shared cores first (relayrl/runtime/threads.py)."""
+autogroup to nice 19, so generation gets the shared cores first (relayrl/cores/threads.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import RelayConfig
-from relayrl.runtime.threads import TRAINER_NICE_ENV, trainer_env
+from relayrl.cores.threads import TRAINER_NICE_ENV, trainer_env
 
 # A fresh process in a session of its own (so the autogroup it renices is its own, not pytest's); prints what it
 # applied, the nice its threads then have, and its autogroup's line ("/autogroup-N nice K") if the kernel has one.
 PROBE = """
 import json, os, threading
 from pathlib import Path
-from relayrl.runtime.threads import yield_cores_to_generation
+from relayrl.cores.threads import yield_cores_to_generation
 applied = yield_cores_to_generation()
 seen = []
 thread = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relayrl.trainer.version_mix import version_mix
+from relayrl.algorithms.version_mix import version_mix
 from relayrl.v1 import controller_pb2
 
 

@@ -13,7 +13,7 @@ import torch
 
 from relayrl.bench.weightsync import random_tensors
 from relayrl.config import WeightSyncConfig
-from relayrl.services.server import GrpcServer
+from relayrl.rpc.server import GrpcServer
 from relayrl.trainer import sync
 from relayrl.v1 import controller_pb2, rollout_pb2, rollout_pb2_grpc
 

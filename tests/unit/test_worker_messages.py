@@ -10,9 +10,9 @@ from engine_testing import sharp_tiny_model
 
 from relayrl.rollout.engine import EngineCompletion
 from relayrl.rollout.hf import HFEngine
-from relayrl.rollout.sampling import GenerationLimits
 from relayrl.rollout.worker import RolloutWorker, whole_groups
 from relayrl.v1 import common_pb2, rollout_pb2
+from relayrl.wire.sampling import GenerationLimits
 
 
 def row(prompt: int, sample: int, finish: str = "stop") -> EngineCompletion:

@@ -8,8 +8,8 @@ import sys
 
 from relayrl.config import load_config
 from relayrl.rollout.engine import worker_seed
-from relayrl.rollout.sampling import SamplingParams
 from relayrl.services.rollout_server import serve_rollout
+from relayrl.wire.sampling import SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8]]
 

@@ -33,8 +33,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
-from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.lora import (
     adapter_name,

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import LoraConfig
-from relayrl.rollout.engine import LoraAdapterSpec
+from relayrl.wire.lora import LoraAdapterSpec
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # PEFT's name of the one adapter

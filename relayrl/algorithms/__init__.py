@@ -12,8 +12,7 @@
 - logprobs: logprobs_from_logits, entropy_from_logits
 """
 
-from relayrl.registry import Registry
-from relayrl.trainer.algorithms.advantages import (
+from relayrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     grpo_advantage,
@@ -21,18 +20,19 @@ from relayrl.trainer.algorithms.advantages import (
     reinforce_pp_baseline_advantage,
     rloo_advantage,
 )
-from relayrl.trainer.algorithms.aggregation import LOSS_AGGREGATIONS, agg_loss, masked_mean, masked_sum
-from relayrl.trainer.algorithms.dynamic_sampling import (
+from relayrl.algorithms.aggregation import LOSS_AGGREGATIONS, agg_loss, masked_mean, masked_sum
+from relayrl.algorithms.dynamic_sampling import (
     DynamicSamplingExhausted,
     GroupFiller,
     group_is_informative,
 )
-from relayrl.trainer.algorithms.gae import gae_advantages, masked_whiten, terminal_rewards
-from relayrl.trainer.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
-from relayrl.trainer.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
-from relayrl.trainer.algorithms.overlong import overlong_penalty
-from relayrl.trainer.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, gspo_loss, ppo_clip_loss
-from relayrl.trainer.algorithms.value_loss import clipped_value_loss, explained_variance
+from relayrl.algorithms.gae import gae_advantages, masked_whiten, terminal_rewards
+from relayrl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
+from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from relayrl.algorithms.overlong import overlong_penalty
+from relayrl.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss, gspo_loss, ppo_clip_loss
+from relayrl.algorithms.value_loss import clipped_value_loss, explained_variance
+from relayrl.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

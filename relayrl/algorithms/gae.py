@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.trainer.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from relayrl.trainer.algorithms.aggregation import masked_mean
+from relayrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from relayrl.algorithms.aggregation import masked_mean
 
 
 def _check(mask: torch.Tensor, **tensors: torch.Tensor) -> None:

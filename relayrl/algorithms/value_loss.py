@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.trainer.algorithms.aggregation import agg_loss, masked_mean
+from relayrl.algorithms.aggregation import agg_loss, masked_mean
 
 
 def _check(mask: torch.Tensor, **tensors: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc.experimental import ChannelOptions
 
-from relayrl.services.channels import open_channel
+from relayrl.rpc.channels import open_channel
 from relayrl.v1 import rollout_pb2_grpc
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"

@@ -8,7 +8,7 @@ Every estimator has the signature::
 result is one advantage per response; the trainer broadcasts it over that response's tokens. Statistics
 are computed in float64 and the result has the dtype of ``rewards`` (float32 for integer rewards).
 
-``gae`` (relayrl/trainer/algorithms/gae.py) is registered here too, with its own signature: it takes token rewards
+``gae`` (relayrl/algorithms/gae.py) is registered here too, with its own signature: it takes token rewards
 and the critic's values, and the trainer calls it with them (``compute_advantages`` refuses it).
 
 A group of two or more responses whose rewards are all equal carries no signal: ``grpo``, ``rloo`` and

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 
 from relayrl.config import SecurityConfig
-from relayrl.services.auth import BearerToken, ClientSecurity
+from relayrl.rpc.auth import BearerToken, ClientSecurity
 
 MIB = 1 << 20
 

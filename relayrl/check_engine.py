@@ -35,7 +35,7 @@ import yaml
 
 from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine, create_engine
-from relayrl.rollout.sampling import SamplingParams
+from relayrl.wire.sampling import SamplingParams
 
 PROMPT_TEXTS = ("1 + 2 =", "The capital of France is", "def add(a, b):", "max of 3 4 is")
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -93,7 +93,7 @@ def prompts_for(tokenizer: Any, max_model_len: int, max_tokens: int) -> list[lis
 @torch.no_grad()
 def reference_logprobs(model: torch.nn.Module, prompt: Sequence[int], response: Sequence[int], temperature: float):
     """The trainer's log-probs of ``response``: one forward of prompt + response, log softmax(logits / T)."""
-    from relayrl.trainer.algorithms.logprobs import logprobs_from_logits
+    from relayrl.algorithms.logprobs import logprobs_from_logits
 
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt) + list(response)], device=device)
@@ -229,12 +229,12 @@ class _served_worker:
 
     def __init__(self, engine: InferenceEngine, device: str, lora=None) -> None:
         from relayrl.config import RelayConfig
-        from relayrl.rollout.sampling import GenerationLimits
         from relayrl.rollout.worker import RolloutWorker
+        from relayrl.rpc.server import GrpcServer
         from relayrl.services.rollout_server import RolloutServicer
-        from relayrl.services.server import GrpcServer
         from relayrl.trainer.sync import WeightPublisher
         from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
+        from relayrl.wire.sampling import GenerationLimits
 
         backend = "nccl" if device.startswith("cuda") else "gloo"
         cfg = RelayConfig.model_validate(

@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from relayrl.config import SecurityConfig
 from relayrl.errors import RelayError
-from relayrl.services.auth import load_token, server_credentials, server_interceptors
-from relayrl.services.channels import message_options
+from relayrl.rpc.auth import load_token, server_credentials, server_interceptors
+from relayrl.rpc.channels import message_options
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
-from relayrl.data.assets import prepare_assets
+from relayrl.cores.threads import COLOCATED_ENV, trainer_env
+from relayrl.models.assets import prepare_assets
+from relayrl.ops.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor, last_error
+from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
-from relayrl.runtime.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
-from relayrl.runtime.threads import COLOCATED_ENV, trainer_env
-from relayrl.services.channels import open_channel
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.algorithms.aggregation import masked_mean
 from relayrl.config import GSPO_CLIP
 from relayrl.registry import Registry
-from relayrl.trainer.algorithms.aggregation import masked_mean
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
