@@ -14,6 +14,7 @@ from relayrl.launcher import controller_status
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.procs import descendants, kill_tree
 from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.schedule import lr_at
 from relayrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 from .jobs import (
@@ -113,7 +114,8 @@ def test_rollout_worker_frozen_then_back_and_sigterm_stops_each_role_cleanly(mak
 
 def test_trainer_killed_then_resumed(make_config):
     steps = 14
-    job, cfg = launch(make_config("resume", trainer={"steps": steps, "checkpoint_every": 4}))
+    schedule = {"lr_schedule": "cosine", "warmup_steps": 3}  # a resume continues it from the checkpoint's step
+    job, cfg = launch(make_config("resume", trainer={"steps": steps, "checkpoint_every": 4, **schedule}))
     try:
         wait_steps(cfg, 5, job=job)
         signal_role(job, "trainer", signal.SIGKILL)
@@ -129,6 +131,9 @@ def test_trainer_killed_then_resumed(make_config):
         assert resumed_from == max(complete), (resumed_from, complete)
         after = read_metrics(cfg.run_dir / "metrics.jsonl")
         contiguous(after, steps)  # no step repeated or skipped
+        assert [r["lr"] for r in after] == pytest.approx(
+            [lr_at(s, cfg.trainer) for s in range(1, steps + 1)], rel=1e-12
+        )
         by_step = {r["step"]: r for r in before}
         # the resumed run continues from the checkpoint's data position...
         assert after[resumed_from]["data_cursor_start"] == by_step[resumed_from]["data_cursor_end"]
