@@ -79,12 +79,12 @@ def math_answer(response: str, answer: str) -> float:
     return float(normalize_number(predicted) == normalize_number(reference))
 
 
-@REWARDS.register("first_number")
-def first_number(response: str, answer: str) -> float:
-    """1.0 when the first number in the response equals the reference numerically ("7", "7.", "The sum is 7"
-    pass for 7; "3 + 4 = 7" does not: its first number is 3), else 0.0."""
-    match = _NUMBER.search(response)
-    return float(match is not None and normalize_number(match.group(0)) == normalize_number(answer))
+@REWARDS.register("last_number")
+def last_number(response: str, answer: str) -> float:
+    """1.0 when the last number in the response equals the reference numerically ("7", "3 + 4 = 7.", "The sum is
+    7" pass for 7; "7, since 3 + 4" does not: its last number is 4), else 0.0."""
+    numbers = _NUMBER.findall(response)
+    return float(bool(numbers) and normalize_number(numbers[-1]) == normalize_number(answer))
 
 
 def resolve_reward(spec: str) -> RewardFn:

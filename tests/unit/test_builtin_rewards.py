@@ -11,14 +11,14 @@ from relayrl.rewards import resolve_reward
     ("response", "answer", "reward"),
     [
         ("7", "7", 1.0),
-        ("7.", "7", 1.0),
-        ("The sum is 7, because 3 + 4 = 7", "7", 1.0),
-        ("10 apples", "10", 1.0),
-        ("3 + 4 = 7", "7", 0.0),  # its first number is 3: the sum has to come first
+        ("3 + 4 = 7.", "7", 1.0),
+        ("The sum is 7", "7", 1.0),
+        ("3 + 4 = 10 apples", "10", 1.0),
+        ("7, since 3 + 4", "7", 0.0),  # its last number is 4: the answer has to come last
         ("seven", "7", 0.0),
         ("", "7", 0.0),
         ("-7", "7", 0.0),
     ],
 )
-def test_first_number_scores_the_first_number_of_the_response(response: str, answer: str, reward: float) -> None:
-    assert resolve_reward("first_number")(response, answer) == reward
+def test_last_number_scores_the_last_number_of_the_response(response: str, answer: str, reward: float) -> None:
+    assert resolve_reward("last_number")(response, answer) == reward
