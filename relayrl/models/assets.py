@@ -4,7 +4,7 @@ relayrl/models/tiny_chat.py), ``builtin:smollm2-135m-instruct`` (a real 135M cha
 and ``data.path: builtin:digits`` (the digits task).
 
 Nothing is ever built because a path is missing: only these names build anything. A model is a pure function of
-its settings, so it is built once per machine into the asset cache (relayrl/data/asset_cache.py) and every run
+its settings, so it is built once per machine into the asset cache (relayrl/models/asset_cache.py) and every run
 that names the same settings uses that directory; the digits file is written into ``<run dir>/assets/``. Every
 role calls ``prepare_assets`` before loading anything, so a job started by Slurm or Kubernetes (where no launcher
 runs first) builds them too; builds are locked and published atomically, so racing roles end with one copy.
@@ -48,7 +48,7 @@ def _model_recipe(cfg: RelayConfig):
 
 def builtin_model_path(cfg: RelayConfig) -> Path:
     """The cached directory the ``builtin:`` model of ``cfg`` stands for (built or not)."""
-    from relayrl.data.asset_cache import asset_path
+    from relayrl.models.asset_cache import asset_path
 
     settings, builders, _ = _model_recipe(cfg)
     return asset_path(cfg.model.path.removeprefix(BUILTIN), settings, builders)
@@ -65,7 +65,7 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
     installed is a ConfigError naming the ``pip install``."""
     built = []
     if cfg.model.path in BUILTIN_MODELS:
-        from relayrl.data.asset_cache import cached_asset
+        from relayrl.models.asset_cache import cached_asset
 
         settings, builders, build = _model_recipe(cfg)
         model_dir, fresh = cached_asset(

@@ -1,4 +1,4 @@
-"""The asset cache (relayrl/data/asset_cache.py): a ``builtin:`` model is built once per machine, keyed by its
+"""The asset cache (relayrl/models/asset_cache.py): a ``builtin:`` model is built once per machine, keyed by its
 settings, with one progress line and no tqdm bars; two processes building it at once build it once; a built-in
 whose optional extra is missing is refused in one line naming the ``pip install``."""
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from relayrl.config import load_config
-from relayrl.data.asset_cache import MARKER
+from relayrl.models.asset_cache import MARKER
 from relayrl.models.assets import builtin_model_path, prepare_assets
 
 ROOT = Path(__file__).resolve().parents[2]
