@@ -4,7 +4,8 @@ A token-classification model with one label: the backbone of ``critic.path`` (de
 own checkpoint: relayrl/config.py CriticConfig says why) and a scalar head ``score`` in place of the LM head,
 zero-initialised so that every value starts at 0 (GAE then starts as REINFORCE with no baseline, not with a
 random one). It is sharded like the policy (``shard``: every decoder layer, then the root; nothing with one rank),
-holds the policy's parameter dtype, and has its own AdamW (``critic.lr``, ``weight_decay``) and gradient clip.
+holds the policy's parameter dtype, and has its own AdamW (``critic.lr``, ``weight_decay``; ``trainer.betas``)
+and gradient clip.
 
 Position t of ``values`` is V of the prefix up to token t: the state in which token t+1 is sampled, the position
 that scores token t+1 in ``TrainBatch``. Forwards are padded (the critic does not take the padding-free path).
@@ -80,7 +81,7 @@ class FSDPCritic:
 
     def digest(self) -> str:
         """sha256 over the full weights and optimizer state (``state_digest``), the same on every rank."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return state_digest({"critic": model_sd, "critic_optim": optim_sd})
 
