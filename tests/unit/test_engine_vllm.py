@@ -214,6 +214,28 @@ def test_stop_strings_end_the_sample_as_vllm_does(engine: VLLMEngine, model_dir:
     assert_stop_string_ends_the_sample(engine, model_dir)
 
 
+def test_the_fake_cuts_its_text_at_a_stop_string_and_keeps_every_token(engine: VLLMEngine) -> None:
+    """What vLLM returns for a stop string (vllm/v1/engine/detokenizer.py), that the adapter's token ids rely on:
+    finish "stop", stop_reason the string, token_ids whole, the text cut before the string (after it with
+    include_stop_str_in_output). PROMPTS[1]'s greedy text on the sharp tiny model is "000000000222"."""
+    outputs = {}
+    for include in (False, True):
+        direct = fake_vllm.SamplingParams(
+            temperature=0.0, max_tokens=12, stop=["02"], include_stop_str_in_output=include
+        )
+        direct.output_kind = fake_vllm.RequestOutputKind.FINAL_ONLY
+        engine.llm.llm_engine.add_request(
+            f"text-{include}", fake_vllm.TokensPrompt(prompt_token_ids=PROMPTS[1]), direct
+        )
+        done = []
+        while not done:
+            done = engine.llm.llm_engine.step()
+        outputs[include] = done[0].outputs[0]
+    for include, text in ((False, "00000000"), (True, "0000000002")):
+        out = outputs[include]
+        assert (out.finish_reason, out.stop_reason, out.text, len(out.token_ids)) == ("stop", "02", text, 10)
+
+
 def test_stop_token_ends_the_sample_and_is_included(engine: VLLMEngine) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
     (free,) = engine.generate(PROMPTS[1:2], greedy)
