@@ -1,11 +1,13 @@
-"""`relayrl up examples/guess.yaml`, a few steps: multi-turn episodes against a supervised environment server train
-(samples with loss masks, per-step episode metrics), later turns reuse the engine's prefix KV cache, and the ledger
-notes how every episode ended."""
+"""`relayrl up examples/guess.yaml`, 10 steps: multi-turn episodes against a supervised environment server train
+(samples with loss masks, per-step episode metrics) and the mean reward rises from the first 3 steps to the last 3,
+later turns reuse the engine's prefix KV cache, and the ledger notes how every episode ended. (The 40-step run,
+0.32 -> 0.73 from the first 10 steps to the last 10, is bench/results/guess.json: `relayrl bench guess`.)"""
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +21,15 @@ ENDS = {"done", "truncated", "max_turns", "max_total_tokens", "deadline"}
 pytestmark = pytest.mark.slow
 
 
-def test_guess_episodes_train(tmp_path):
-    steps = 3
+@pytest.mark.timeout(1200)  # 10 steps of 32 episodes; the first run on a machine also builds builtin:tiny-chat
+def test_guess_episodes_train_and_the_reward_rises(tmp_path):
+    # the fewest steps in which the rise stands clear of the noise (a step's mean over 32 episodes moves by ~0.05):
+    # 0.17 over steps 1-3 -> 0.48 over 8-10 in the recorded 40-step run, 0.18 -> 0.34 in this test on 2026-12-05
+    steps = 10
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/guess.yaml")]
     for override in [f"run.dir={tmp_path / 'runs'}", f"trainer.steps={steps}", "trainer.checkpoint_every=0"]:
         argv += ["--set", override]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     run_dir = tmp_path / "runs" / "guess"
     logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
     assert done.returncode == 0, done.stderr[-3000:] + logs
@@ -36,10 +41,12 @@ def test_guess_episodes_train(tmp_path):
         assert r["turns_mean"] > 1 and r["turns_median"] >= 1
         assert r["observation_tokens_mean"] > 0  # trained rows hold observation deltas (loss mask 0) ...
         assert r["response_len_mean"] > r["observation_tokens_mean"]  # ... between sampled tokens (mask 1)
-        assert r["env_seconds_mean"] > 0 and r["tool_parse_errors"] >= 0
+        assert r["env_seconds_mean"] > 0
         assert sum(v for k, v in r.items() if k.startswith("episode_end/")) == r["episodes"]
         assert {k.removeprefix("episode_end/") for k in r if k.startswith("episode_end/")} <= ENDS | {"failed"}
         assert "env/solved" in r
+    rewards = [r["reward_mean"] for r in records]
+    assert statistics.mean(rewards[-3:]) >= statistics.mean(rewards[:3]) + 0.05, rewards  # it learns
 
     # later turns prefill only their new tokens on the hf engine's prefix KV cache; the worker logs its counts at
     # every weight update (docs/engines.md)

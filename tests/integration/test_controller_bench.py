@@ -32,6 +32,9 @@ def test_bench_controller_reports_every_field(tmp_path) -> None:
     assert 0 < report["dispatch_latency_p50_ms"] <= report["dispatch_latency_p99_ms"]
     assert 0 < report["controller_rss_mib_start"] <= report["controller_rss_mib_peak"]
     assert report["controller_cpu_seconds"] > 0 and report["controller_cpu_us_per_trajectory"] > 0
-    assert report["controller_idle_cpu_share"] >= 0 and report["controller_cpu_us_per_trajectory_net"] >= 0
+    # an idle controller (heartbeats, stats polls of 6 workers) takes well under a core; the net cost of a
+    # trajectory (its CPU less the idle share over the run) is at most the gross one (max(0, .): never below 0)
+    assert report["controller_idle_cpu_share"] < 1.0
+    assert report["controller_cpu_us_per_trajectory_net"] <= report["controller_cpu_us_per_trajectory"]
     ledger = report["ledger"]
     assert ledger["failed"] == 0 and ledger["trained"] >= report["steps"] * 4  # nothing lost, nothing failed

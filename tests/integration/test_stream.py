@@ -49,7 +49,7 @@ def test_up_streams_on_policy_and_survives_a_controller_killed_mid_stream(make_c
     around_restart = {killed_in, killed_in + 1}
     assert len(set(range(2, steps + 1)) - around_restart - set(streamed)) <= 2, (streamed, killed_in)
     assert all(r["old_logprobs_from_engine"] == 1.0 for r in records if r["streamed"])
-    assert all(r["train_wait_seconds"] >= 0 and r["logprob_mismatch_max"] < 1e-3 for r in records)
+    assert all(r["logprob_mismatch_max"] < 1e-3 for r in records)
     restarts = {role: entry["restarts"] for role, entry in supervised_roles(cfg).items()}
     assert restarts["controller"] == 1 and restarts["trainer"] == 0, restarts
     trained = trained_counts(cfg)
