@@ -1,7 +1,7 @@
 """``AsyncRelayClient``: the asyncio (grpc.aio) Python SDK of ControllerService.
 
-Same contract as RelayClient: per-call deadlines that cover retries, UNAVAILABLE retried with
-exponential backoff up to ``options.attempts`` times, SubmitPrompts resumed without duplicates.
+Same contract as RelayClient: per-call deadlines that cover retries, the one retry policy (relayrl/rpc/retry.py)
+with exponential backoff up to ``options.attempts`` times, SubmitPrompts resumed without duplicates.
 Create it inside a running event loop (grpc.aio channels bind to the loop).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 import grpc
 from grpc import aio
 
-from relayrl.client.options import ClientOptions, is_retryable
+from relayrl.client.options import ClientOptions
 from relayrl.client.sync import MAX_PROMPTS_PER_CALL
 from relayrl.client.types import Completion, Prompt, SubmitProgress, as_prompts, submit_request
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
@@ -40,17 +40,10 @@ class AsyncRelayClient:
 
     # -- plumbing --------------------------------------------------------------------------------
     async def _call(self, method: Callable, request, timeout: float | None):
-        deadline = time.monotonic() + (timeout or self.options.timeout_s)
-        waits = self.options.backoff()
-        while True:
-            try:
-                remaining = max(deadline - time.monotonic(), 0.001)
-                return await method(request, timeout=remaining, metadata=self.options.metadata())
-            except grpc.RpcError as err:
-                wait = next(waits, None)
-                if not is_retryable(err) or wait is None or time.monotonic() + wait >= deadline:
-                    raise
-                await asyncio.sleep(wait)
+        return await self.options.retry().call_async(
+            lambda left: method(request, timeout=left, metadata=self.options.metadata()),
+            deadline_s=timeout or self.options.timeout_s,
+        )
 
     # -- clients ---------------------------------------------------------------------------------
     async def submit(
@@ -72,7 +65,8 @@ class AsyncRelayClient:
                 yield completion
 
     async def _submit_chunk(self, progress: SubmitProgress, params, reward_fn, raw, deadline):
-        waits = self.options.backoff()
+        policy = self.options.retry()
+        waits = policy.waits()
         while progress.open:
             request = submit_request(progress.open.values(), params, reward_fn, raw)
             remaining = max(deadline - time.monotonic(), 0.001)
@@ -84,8 +78,8 @@ class AsyncRelayClient:
                         yield completion
                 return
             except grpc.RpcError as err:
-                wait = next(waits, None)
-                if not is_retryable(err) or wait is None or time.monotonic() + wait >= deadline:
+                wait = policy.next_wait(err, waits, deadline)
+                if wait is None:
                     raise
                 await asyncio.sleep(wait)
 

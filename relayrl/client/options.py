@@ -9,14 +9,13 @@ Resolution order for every setting: the explicit argument, then the environment
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from relayrl.rpc.channels import message_options
+from relayrl.rpc.retry import RetryPolicy
 from relayrl.runtime.address import AddressError, parse_address
 
 ENV_ADDRESS = "RELAYRL_CONTROLLER"
@@ -46,7 +45,8 @@ def _read(path: str | Path | None) -> bytes | None:
 class ClientOptions:
     """Connection settings. ``timeout_s`` is the default deadline of one call (retries included);
     ``submit_timeout_s`` the default of a whole SubmitPrompts stream. ``attempts`` counts tries of a call
-    that fails with UNAVAILABLE, waiting ``backoff_s`` x 2^k (at most ``max_backoff_s``, with jitter)."""
+    that fails with a retryable code (relayrl/rpc/retry.py: UNAVAILABLE, DEADLINE_EXCEEDED of one try), waiting
+    ``backoff_s`` x 2^k (at most ``max_backoff_s``, with jitter)."""
 
     address: str
     token: str | None = field(default=None, repr=False)
@@ -131,14 +131,6 @@ class ClientOptions:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def backoff(self) -> Iterator[float]:
-        """Waits between attempts: ``attempts - 1`` of them, exponential with +-20 % jitter."""
-        delay = self.backoff_s
-        for _ in range(self.attempts - 1):
-            yield delay * random.uniform(0.8, 1.2)
-            delay = min(delay * 2, self.max_backoff_s)
-
-
-def is_retryable(err: grpc.RpcError) -> bool:
-    """UNAVAILABLE: the server was not reached, restarts, is paused or has no worker yet."""
-    return err.code() == grpc.StatusCode.UNAVAILABLE
+    def retry(self) -> RetryPolicy:
+        """The SDK's settings of the one retry policy (relayrl/rpc/retry.py): +-20 % jitter on each wait."""
+        return RetryPolicy(self.backoff_s, self.max_backoff_s, attempts=self.attempts, jitter=0.2)

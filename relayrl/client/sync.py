@@ -1,8 +1,9 @@
 """``RelayClient``: the synchronous Python SDK of ControllerService.
 
 Every call has a deadline (``timeout``, default ``options.timeout_s``) that covers its retries: a call
-failing with UNAVAILABLE is tried again with exponential backoff, up to ``options.attempts`` times,
-while time is left. Other errors (INVALID_ARGUMENT, NOT_FOUND, ...) raise ``grpc.RpcError`` at once.
+failing with a retryable code is tried again under the one retry policy (relayrl/rpc/retry.py: UNAVAILABLE and
+DEADLINE_EXCEEDED of one try), with exponential backoff, up to ``options.attempts`` times, while time is left.
+Other errors (INVALID_ARGUMENT, NOT_FOUND, ...) raise ``grpc.RpcError`` at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TypeVar
 
 import grpc
 
-from relayrl.client.options import ClientOptions, is_retryable
+from relayrl.client.options import ClientOptions
 from relayrl.client.types import Completion, Prompt, SubmitProgress, as_prompts, submit_request
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 from relayrl.wire.sampling import SamplingParams
@@ -42,17 +43,10 @@ class RelayClient:
 
     # -- plumbing --------------------------------------------------------------------------------
     def _call(self, method: Callable[..., T], request, timeout: float | None) -> T:
-        deadline = time.monotonic() + (timeout or self.options.timeout_s)
-        waits = self.options.backoff()
-        while True:
-            try:
-                remaining = max(deadline - time.monotonic(), 0.001)
-                return method(request, timeout=remaining, metadata=self.options.metadata())
-            except grpc.RpcError as err:
-                wait = next(waits, None)
-                if not is_retryable(err) or wait is None or time.monotonic() + wait >= deadline:
-                    raise
-                time.sleep(wait)
+        return self.options.retry().call(
+            lambda left: method(request, timeout=left, metadata=self.options.metadata()),
+            deadline_s=timeout or self.options.timeout_s,
+        )
 
     # -- clients ---------------------------------------------------------------------------------
     def submit(
@@ -76,7 +70,8 @@ class RelayClient:
 
     def _submit_chunk(self, prompts, params, reward_fn, raw, deadline) -> Iterator[Completion]:
         progress = SubmitProgress(prompts, params.n)
-        waits = self.options.backoff()
+        policy = self.options.retry()
+        waits = policy.waits()
         while progress.open:
             request = submit_request(progress.open.values(), params, reward_fn, raw)
             remaining = max(deadline - time.monotonic(), 0.001)
@@ -87,8 +82,8 @@ class RelayClient:
                         yield completion
                 return
             except grpc.RpcError as err:
-                wait = next(waits, None)
-                if not is_retryable(err) or wait is None or time.monotonic() + wait >= deadline:
+                wait = policy.next_wait(err, waits, deadline)
+                if wait is None:
                     raise
                 time.sleep(wait)
 
