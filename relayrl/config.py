@@ -82,6 +82,9 @@ BUILTIN_DATA = ("builtin:digits",)
 REMOVED_KEYS = {
     "model.build_tiny_if_missing": "write model.path: builtin:tiny-qwen2 (a missing path is never built any more)",
     "data.generate_digits_if_missing": "write data.path: builtin:digits (a missing path is never built any more)",
+    "model.dtype": "parameters and optimizer state are float32 always (AdamW at lr 1e-6 does not move bf16 weights "
+    "updated in place); set trainer.precision (the compute dtype), rollout.weight_dtype (the engine's weights) or "
+    "trainer.reference_dtype (the reference model's) instead",
 }
 
 
@@ -97,7 +100,6 @@ class ModelConfig(Section):
     # builtin:smollm2-135m-instruct (SmolLM2-135M-Instruct in float32, from the smollm2 extra's GGUF file); the
     # built-ins are built once per machine into the asset cache ($RELAYRL_CACHE, else ~/.cache/relayrl)
     path: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tiny_hidden_size: int = Field(32, ge=8)  # builtin:tiny-qwen2 only: its hidden size
     tiny_layers: int = Field(2, ge=1)  # builtin:tiny-qwen2 only: its layers
     lora: LoraConfig | None = None  # train a LoRA adapter on the frozen model (absent: every weight is trained)
@@ -159,6 +161,10 @@ class RolloutConfig(Section):
     """The rollout workers: their engine, how many ``relayrl up`` starts, how they sample (docs/engines.md)."""
 
     engine: Literal["hf", "vllm", "sglang"] = "hf"  # the inference engine of every worker (docs/engines.md)
+    # the engine's weights (weight sync sends them so, cast on the trainer's side); "auto": the trainer's compute
+    # dtype (trainer.precision), so both sides compute alike. The mismatch a bf16 engine brings is measured
+    # (logprob_mismatch) and corrected by algorithm.tis_cap (docs/trainer-backends.md, "Precision")
+    weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     workers: int = Field(2, ge=1)  # how many `relayrl up` starts
     n: int = Field(8, ge=1)  # samples per prompt: the GRPO group size
     temperature: float = Field(1.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE, checked below
@@ -349,6 +355,13 @@ class TrainerConfig(Section):
     nproc: int = Field(1, ge=1)  # torchrun ranks that `relayrl up` starts
     backend: Literal["fsdp", "megatron"] = "fsdp"
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)  # used when backend is megatron
+    # The dtype matmuls run in; parameters and optimizer state are float32 always (docs/trainer-backends.md,
+    # "Precision"). "auto": bfloat16 where the hardware runs it natively (a CPU with AMX-BF16 or AVX512-BF16, a GPU
+    # of compute capability >= 8), float32 elsewhere; the choice and its reason are logged at start
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # the frozen reference model's weights (algorithm.kl_coef > 0); "auto": the compute dtype (never updated,
+    # so bf16 is safe there)
+    reference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     lr: float = Field(1e-6, gt=0)  # the peak learning rate (the schedule's, relayrl/trainer/schedule.py)
     # the lr over trainer steps after warmup (relayrl/trainer/schedule.py: the formulas): "constant", or a "linear"
     # or "cosine" decay to min_lr_ratio x lr at the last step. Constant by default: what relayrl always did, and

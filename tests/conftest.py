@@ -74,7 +74,9 @@ def make_config(tmp_path, tiny_model_dir, digits_path):
                 "max_gen_batches": 50,
                 "reward": {"fn": "prefix_match"},
             },
-            "trainer": {"steps": 3, "nproc": 1, "lr": 0.003, "mini_batches": 2},  # one rank: a test of ranks says 2
+            # one rank: a test of ranks says 2. float32 compute: the tests hold engine and trainer to float rounding
+            # (bf16 compute: tests/unit/test_precision.py, and the demo's default in tests/e2e/test_demo.py)
+            "trainer": {"steps": 3, "nproc": 1, "lr": 0.003, "mini_batches": 2, "precision": "float32"},
             "weight_sync": {"bucket_mib": 1, "timeout_s": 30},
         }
         path = tmp_path / f"{name}.yaml"

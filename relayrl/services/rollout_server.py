@@ -18,6 +18,7 @@ from relayrl.rollout.worker import RolloutWorker
 from relayrl.rpc.channels import configure_client, open_channel
 from relayrl.rpc.server import GrpcServer, guarded
 from relayrl.rpc.validate import check_init_weight_sync, check_length
+from relayrl.runtime.precision import engine_dtype_name
 from relayrl.services.metrics import MetricsEndpoint, RolloutCollector
 from relayrl.services.registration import Registration
 from relayrl.v1 import controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -147,7 +148,10 @@ def serve_rollout(
     engine = create_engine(
         cfg.rollout.engine,
         model_path=cfg.model.path,
-        dtype=cfg.model.dtype,
+        # the trainer's weight sync sends this dtype (rollout.weight_dtype; "auto" resolved on this machine)
+        dtype=engine_dtype_name(
+            cfg.rollout.weight_dtype, cfg.trainer.precision, "cuda" if torch.cuda.is_available() else "cpu"
+        ),
         max_batch_size=cfg.rollout.max_batch_size,
         # each worker its own random stream: its id (relayrl up names them), else where it serves from
         seed=worker_seed(cfg.run.seed, worker_id or advertise or f"{socket.gethostname()}:{port}:{os.getpid()}"),

@@ -290,7 +290,10 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
     critic = cfg.critic if cfg.algorithm.advantage == "gae" else None
-    backend = create_backend(cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0, critic=critic)
+    backend = create_backend(
+        cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0, critic=critic,
+        weight_dtype=cfg.rollout.weight_dtype,
+    )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)

@@ -82,7 +82,7 @@ def main(model_dir: str, out: str) -> None:
     from relayrl.models.tiny import build_tokenizer
 
     batch = make_batch(len(build_tokenizer()))
-    base = {"lr": 1e-3, "mini_batches": 2, "nproc": dist.get_world_size()}
+    base = {"lr": 1e-3, "mini_batches": 2, "nproc": dist.get_world_size(), "precision": "float32"}  # to rounding
     work = Path(out).parent
     metrics, _ = one_step(model_dir, TrainerConfig(**base), batch, work / "fsdp")
     results = {"fsdp": {key: metrics[key] for key in COMPARED}}

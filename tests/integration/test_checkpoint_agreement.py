@@ -28,7 +28,8 @@ from relayrl.trainer.world import init_world
 model, shared, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 init_world("gloo")
 rank = dist.get_rank()
-cfg = parse_config({"model": {"path": model}, "data": {"path": "unused.jsonl"}, "trainer": {"nproc": 2, "threads": 1}})
+trainer = {"nproc": 2, "threads": 1, "precision": "float32"}
+cfg = parse_config({"model": {"path": model}, "data": {"path": "unused.jsonl"}, "trainer": trainer})
 backend = create_backend(cfg.model, cfg.trainer, with_reference=False)
 def total():  # the sum of every full parameter: the same on each rank once they hold the same weights
     full = (p.full_tensor() if hasattr(p, "full_tensor") else p for p in backend.model.parameters())

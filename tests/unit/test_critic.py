@@ -22,7 +22,7 @@ from relayrl.runtime.procs import exit_now
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.step import train_on_batch
 
-TCFG = TrainerConfig(lr=0.01, mini_batches=2)
+TCFG = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")  # one rank and two agree to float rounding
 ALG = AlgorithmConfig(advantage="gae", old_logprobs="recompute", lam=0.95)
 CRITIC = CriticConfig(lr=0.01, cliprange_value=0.2)
 TOLERANCE = 1e-5

@@ -20,7 +20,7 @@ from relayrl.runtime.procs import exit_now
 from relayrl.trainer.backends.fsdp import FSDPBackend, shard
 from relayrl.trainer.step import train_on_batch
 
-TCFG = TrainerConfig(lr=0.01, mini_batches=2)
+TCFG = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")  # one rank and two agree to float rounding
 ALG = AlgorithmConfig(old_logprobs="recompute")
 TOLERANCE = 1e-5
 

@@ -50,7 +50,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lora_backend(model_dir: Path, **lora) -> FSDPBackend:
     """The trainer's policy with a random adapter (PEFT starts B at zero: the base model itself)."""
     backend = FSDPBackend(
-        ModelConfig(path=str(model_dir), lora=LoraConfig(**lora)), TrainerConfig(lr=0.01), with_reference=False
+        ModelConfig(path=str(model_dir), lora=LoraConfig(**lora)),
+        TrainerConfig(lr=0.01, precision="float32"),
+        with_reference=False,
     )
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -185,7 +187,9 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_resumes_them
     backend.step(1.0)
     backend.save_checkpoint(tmp_path / "step_1", {"step": 1})
     resumed = FSDPBackend(
-        ModelConfig(path=str(model_dir), lora=LoraConfig()), TrainerConfig(lr=0.01), with_reference=False
+        ModelConfig(path=str(model_dir), lora=LoraConfig()),
+        TrainerConfig(lr=0.01, precision="float32"),
+        with_reference=False,
     )
     assert resumed.load_checkpoint(tmp_path / "step_1") == {"step": 1}
     for name, tensor in adapter_of(backend).items():

@@ -18,7 +18,7 @@ from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
 
-TRAINER = {"lr": 1e-3, "mini_batches": 2}
+TRAINER = {"lr": 1e-3, "mini_batches": 2, "precision": "float32"}  # the backends agree to float rounding
 
 
 @pytest.fixture(scope="module", autouse=True)

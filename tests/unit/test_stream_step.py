@@ -84,7 +84,7 @@ def relay_config(loss_agg: str) -> RelayConfig:
             "data": {"path": "d.jsonl"},
             "rollout": {"n": N, "max_tokens": 8},
             "controller": {"train_batch_groups": TARGET},
-            "trainer": {"lr": 0.01, "mini_batches": 2, "grad_clip": 0.5},
+            "trainer": {"lr": 0.01, "mini_batches": 2, "grad_clip": 0.5, "precision": "float32"},
             "algorithm": {"loss_agg": loss_agg},
         }
     )
@@ -157,7 +157,7 @@ def run_cases(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
 
 def inexact_error(model_dir: str) -> str:
     """The error of a stream holding a sample from a worker outside the step's verified publish."""
-    tcfg = TrainerConfig(lr=0.01, mini_batches=2)
+    tcfg = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")
     backend = FSDPBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
     batch = make_batch(backend, 2, seed=1)
     batch.samples[5].worker_id = "joiner"  # synced outside the step's verified publish

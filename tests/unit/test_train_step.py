@@ -39,7 +39,7 @@ class CountingBackend(FSDPBackend):
 
 def train(tiny_model_dir, old_logprobs: str, exact: bool) -> tuple[CountingBackend, dict]:
     torch.manual_seed(0)
-    tcfg = TrainerConfig(lr=0.01, mini_batches=2)
+    tcfg = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")  # engine logprobs equal to float rounding
     backend = CountingBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
     batch = rollout_batch(backend)
     batch = dataclasses.replace(batch, exact_rollout=torch.full_like(batch.exact_rollout, exact))
@@ -86,7 +86,7 @@ def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> N
     results = {}
     for mode in ("auto", "recompute"):
         torch.manual_seed(0)
-        tcfg = TrainerConfig(lr=0.01, mini_batches=2, epochs=2)
+        tcfg = TrainerConfig(lr=0.01, mini_batches=2, epochs=2, precision="float32")
         backend = CountingBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
         batch = rollout_batch(backend)
         metrics = train_on_batch(backend, batch, AlgorithmConfig(old_logprobs=mode), tcfg, temperature=1.0, norm_len=7)
@@ -100,7 +100,9 @@ def test_more_epochs_keep_the_first_minibatchs_old_logprobs(tiny_model_dir) -> N
 def test_logprobs_of_a_padded_batch_equal_a_plain_forward_with_its_mask(tiny_model_dir, padding) -> None:
     """A right-padded batch goes in without its mask (causal attention never looks right): its valid positions
     equal the masked forward bit for bit. Any other layout keeps its mask."""
-    backend = FSDPBackend(ModelConfig(path=str(tiny_model_dir)), TrainerConfig(), with_reference=False)
+    backend = FSDPBackend(
+        ModelConfig(path=str(tiny_model_dir)), TrainerConfig(precision="float32"), with_reference=False
+    )
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     rows, length = 6, 12

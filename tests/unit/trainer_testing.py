@@ -8,8 +8,9 @@ from relayrl.trainer.batch import TrainBatch
 
 
 def full_weights(backend) -> dict[str, torch.Tensor]:
-    """Every weight, whole, through the backend's own gather (collective: every rank calls it)."""
-    into = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in backend.weight_specs()}
+    """Every weight, whole, as the float32 parameters hold it, through the backend's own gather (collective: every
+    rank calls it)."""
+    into = {name: torch.empty(shape, dtype=torch.float32) for name, shape, _ in backend.weight_specs()}
     backend.gather_weights(into)
     return into
 

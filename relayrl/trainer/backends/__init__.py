@@ -4,8 +4,10 @@ Both expose the same interface to the training step: ``device``, ``weight_names`
 (the data-parallel rank and size the step shards rows by), ``logprobs``, ``step``,
 ``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``, and ``lora`` (the
 adapter's spec when ``model.lora`` trains one, FSDP only: then ``weight_specs``/``gather_weights`` take a ``kind``,
-"base" or "adapter"; else None), and ``critic`` (the value model under ``algorithm.advantage: gae``, FSDP only;
-else None).
+"base" or "adapter"; else None), ``critic`` (the value model under ``algorithm.advantage: gae``, FSDP only;
+else None), and ``precision`` (relayrl/trainer/precision.py: float32 parameters and optimizer state, the compute
+dtype, the reference model's and the engine's; ``weight_specs`` reports the engine's dtype). A second trained
+model (the critic) loads as the policy does: ``fsdp.load_trained_model`` with the backend's ``precision``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ from relayrl.trainer.backends.fsdp import FSDPBackend
 
 
 def create_backend(
-    model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool, critic: CriticConfig | None = None
+    model_cfg: ModelConfig,
+    cfg: TrainerConfig,
+    *,
+    with_reference: bool,
+    critic: CriticConfig | None = None,
+    weight_dtype: str = "auto",
 ):
     """The backend ``cfg.backend`` names (Megatron-core is imported only when chosen: an optional extra), with a
-    value model as ``backend.critic`` where ``critic`` is given (FSDP only: the config refuses it elsewhere)."""
+    value model as ``backend.critic`` where ``critic`` is given (FSDP only: the config refuses it elsewhere);
+    ``weight_dtype``: ``rollout.weight_dtype``, the engine's."""
     if cfg.backend == "megatron":
         try:
             from relayrl.trainer.backends.megatron import MegatronBackend
@@ -27,10 +35,10 @@ def create_backend(
             raise ImportError(
                 f"trainer.backend: megatron needs megatron-core (pip install 'relayrl[megatron]'): {err}"
             ) from err
-        return MegatronBackend(model_cfg, cfg, with_reference=with_reference)
-    backend = FSDPBackend(model_cfg, cfg, with_reference=with_reference)
+        return MegatronBackend(model_cfg, cfg, with_reference=with_reference, weight_dtype=weight_dtype)
+    backend = FSDPBackend(model_cfg, cfg, with_reference=with_reference, weight_dtype=weight_dtype)
     if critic is not None:
-        backend.critic = FSDPCritic(critic, model_cfg, cfg, backend.device)
+        backend.critic = FSDPCritic(critic, model_cfg, cfg, backend.device, backend.precision)
     return backend
 
 

@@ -3,9 +3,9 @@
 A token-classification model with one label: the backbone of ``critic.path`` (default ``model.path``, the policy's
 own checkpoint: relayrl/config.py CriticConfig says why) and a scalar head ``score`` in place of the LM head,
 zero-initialised so that every value starts at 0 (GAE then starts as REINFORCE with no baseline, not with a
-random one). It is sharded like the policy (``shard``: every decoder layer, then the root; nothing with one rank),
-holds the policy's parameter dtype, and has its own AdamW (``critic.lr``, ``weight_decay``; ``trainer.betas``)
-and gradient clip.
+random one). It is loaded and sharded like the policy (``load_trained_model``: every decoder layer, then the root;
+nothing with one rank), holds the policy's precision (float32 parameters and AdamW state, its compute dtype), and
+has its own AdamW (``critic.lr``, ``weight_decay``; ``trainer.betas``) and gradient clip.
 
 Position t of ``values`` is V of the prefix up to token t: the state in which token t+1 is sampled, the position
 that scores token t+1 in ``TrainBatch``. Forwards are padded (the critic does not take the padding-free path).
@@ -28,31 +28,42 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from relayrl.config import CriticConfig, ModelConfig, TrainerConfig
-from relayrl.trainer.backends.fsdp import DTYPES, shard
+from relayrl.trainer.backends.fsdp import load_trained_model
 from relayrl.trainer.batch import right_padded
+from relayrl.trainer.precision import Precision
 
 
-def load_value_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """``path``'s backbone with a zero scalar head (no dropout before it), trainable, sharded over >1 ranks."""
+def load_value_model(path: str, precision: Precision, device: torch.device) -> torch.nn.Module:
+    """``path``'s backbone with a zero scalar head (no dropout before it), trainable, loaded as the policy is
+    (``load_trained_model``: float32 parameters, sharded over >1 ranks under ``precision``'s policy)."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # the generic head's default is 0.1: values would be noisy in training mode
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
-    with torch.no_grad():
-        model.score.weight.zero_()
-        if model.score.bias is not None:
-            model.score.bias.zero_()
-    model = model.to(device)
-    model.train(True)
-    if dist.get_world_size() > 1:
-        shard(model)
-    return model
+
+    def loader(path: str, dtype: torch.dtype) -> torch.nn.Module:
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+        return model
+
+    return load_trained_model(path, precision, device, loader=loader)
 
 
 class FSDPCritic:
-    def __init__(self, critic_cfg: CriticConfig, model_cfg: ModelConfig, cfg: TrainerConfig, device: torch.device):
-        self.device = device
+    def __init__(
+        self,
+        critic_cfg: CriticConfig,
+        model_cfg: ModelConfig,
+        cfg: TrainerConfig,
+        device: torch.device,
+        precision: Precision,
+    ):
+        """``precision``: the policy backend's (relayrl/trainer/precision.py): float32 parameters and AdamW state,
+        its compute dtype."""
+        self.device, self.precision = device, precision
         self.grad_clip = critic_cfg.grad_clip
-        self.model = load_value_model(critic_cfg.path or model_cfg.path, DTYPES[model_cfg.dtype], device)
+        self.model = load_value_model(critic_cfg.path or model_cfg.path, precision, device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=critic_cfg.lr, betas=cfg.betas, weight_decay=critic_cfg.weight_decay, fused=True
         )
@@ -61,7 +72,8 @@ class FSDPCritic:
         """V per position, [B, L-1] float32 (position t: the prefix up to token t). A right-padded batch goes in
         without its mask (causal attention never looks right: the valid positions are the same)."""
         mask = None if right_padded(attention_mask) else attention_mask.to(self.device)
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits
+        with self.precision.autocast(self.device):
+            out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask).logits
         return out[:, :-1, 0].float()
 
     def step(self) -> float:

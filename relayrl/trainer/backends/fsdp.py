@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -48,56 +48,72 @@ from relayrl.trainer.backends.lora import (
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.optim import adamw
 from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs
+from relayrl.trainer.precision import Precision
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def load_sharded_model(
+def load_trained_model(
     path: str,
-    dtype: torch.dtype,
+    precision: Precision,
     device: torch.device,
     *,
-    trainable: bool,
     lora: LoraConfig | None = None,
     gradient_checkpointing: bool = False,
+    loader: Callable[..., torch.nn.Module] = AutoModelForCausalLM.from_pretrained,
 ) -> torch.nn.Module:
-    """from_pretrained (wrapped by PEFT with ``lora``), then, in a world of more than one rank, fully_shard every
-    decoder layer and the root. ``gradient_checkpointing``: every decoder layer recomputes its forward in the
-    backward pass (transformers' activation checkpointing, non-reentrant torch.utils.checkpoint)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    model.train(trainable)
-    model.requires_grad_(trainable)
+    """A model that trains: ``loader(path, dtype=float32)`` (wrapped by PEFT with ``lora``), float32 parameters
+    whatever ``precision.compute`` is; in a world of more than one rank, fully_shard every decoder layer and the
+    root under ``precision.fsdp_policy()``. One rank computes under ``precision.autocast`` instead (the caller's).
+    ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
+    activation checkpointing, non-reentrant torch.utils.checkpoint)."""
+    model = loader(path, dtype=precision.params).to(device)
+    model.train(True)
     if gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     if lora is not None:
         model = apply_lora(model, lora)
     if dist.get_world_size() > 1:  # one rank: nothing to shard (module docstring)
+        shard(model, precision.fsdp_policy())
+    return model
+
+
+def load_frozen_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A model that never trains (the reference policy): from_pretrained in ``dtype``, no gradients, sharded as
+    ``load_trained_model`` does (its parameters already in ``dtype``: no policy)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.train(False)
+    model.requires_grad_(False)
+    if dist.get_world_size() > 1:
         shard(model)
     return model
 
 
-def shard(model: torch.nn.Module) -> None:
-    """fully_shard every decoder layer, then the root (the embeddings, final norm and head; PEFT's wrapper)."""
+def shard(model: torch.nn.Module, policy=None) -> None:
+    """fully_shard every decoder layer, then the root (the embeddings, final norm and head; PEFT's wrapper), under
+    the MixedPrecisionPolicy ``policy`` (None: the parameters' own dtype)."""
+    options = {} if policy is None else {"mp_policy": policy}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in inner.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
 
 
 class FSDPBackend:
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool, weight_dtype: str = "auto"
+    ) -> None:
+        """``weight_dtype``: ``rollout.weight_dtype``, the dtype ``weight_specs`` reports (trainer/precision.py)."""
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
-        dtype = DTYPES[model_cfg.dtype]
+        self.precision = Precision.resolve(cfg, weight_dtype, self.device)
         self.model_path, self.lora_cfg = model_cfg.path, model_cfg.lora
         self.lora = lora_spec(model_cfg.lora) if model_cfg.lora is not None else None
-        self.model = load_sharded_model(
-            model_cfg.path, dtype, self.device, trainable=True, lora=model_cfg.lora,
+        self.model = load_trained_model(
+            model_cfg.path, self.precision, self.device, lora=model_cfg.lora,
             gradient_checkpointing=cfg.gradient_checkpointing,
         )  # fmt: skip
         self.reference = (  # with LoRA too: the reference policy is the base model
-            load_sharded_model(model_cfg.path, dtype, self.device, trainable=False) if with_reference else None
+            load_frozen_model(model_cfg.path, self.precision.reference, self.device) if with_reference else None
         )
         self.optimizer = adamw(self.trainable, cfg)
         # Parameter names by kind (module docstring), each with the name the rollout engines know: parameters once
@@ -133,8 +149,14 @@ class FSDPBackend:
         its mask: causal attention never looks right, so the valid positions come out bit for bit the same,
         and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward).
         With several ranks, each rank's decision and count of packed forwards are agreed over all of them
-        (FSDP's gathers run once per forward on every rank)."""
-        model = self.reference if reference else self.model
+        (FSDP's gathers run once per forward on every rank). Compute in ``precision.compute``; the results in
+        float32."""
+        with self.precision.autocast(self.device):
+            return self._logprobs(self.reference if reference else self.model, input_ids, attention_mask, temperature)
+
+    def _logprobs(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, positions = int(attention_mask.sum()), attention_mask.numel()
         is_right_padded = right_padded(attention_mask)
         totals = self._agreed([tokens, positions, not is_right_padded], dist.ReduceOp.SUM)
@@ -191,14 +213,16 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def weight_specs(self, kind: str = "full") -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(wire name, full shape, dtype) of every weight of ``kind`` (module docstring) the rollout engines load."""
+        """(wire name, full shape, dtype) of every weight of ``kind`` (module docstring) the rollout engines load; the
+        dtype is the engine's (``precision.engine``): ``gather_weights`` casts into it."""
         params = dict(self.model.named_parameters())
-        return [(wire, tuple(params[name].shape), params[name].dtype) for wire, name in self._names(kind)]
+        return [(wire, tuple(params[name].shape), self.precision.engine) for wire, name in self._names(kind)]
 
     @torch.no_grad()
     def gather_weights(self, into: Mapping[str, torch.Tensor] | None, kind: str = "full") -> None:
         """Collective: each weight of ``kind`` is all-gathered in turn (one full tensor alive at a time) and rank 0
-        copies it into ``into[wire name]`` (other ranks pass None): the gather writes where the sync reads."""
+        copies it into ``into[wire name]`` (other ranks pass None), cast to its dtype: the gather writes where the
+        sync reads."""
         params = dict(self.model.named_parameters())
         for wire, name in self._names(kind):
             param = params[name]
