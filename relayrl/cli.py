@@ -250,6 +250,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "controller": "relayrl.bench.controller",
     "e2e": "relayrl.bench.e2e",
     "guess": "relayrl.bench.guess",
+    "addition": "relayrl.bench.addition",
     "padding": "relayrl.bench.padding",
     "episodes": "relayrl.bench.episodes",
 }

@@ -18,6 +18,13 @@ Workloads:
   steps for every system.
 - ``demo``: examples/digits.yaml as it is (relayrl's default demo config); TRL gets the samples the
   relayrl run of the same round generated.
+- ``real`` (not run by default): a real pretrained model, examples/addition-smollm2.yaml as it is
+  (builtin:smollm2-135m-instruct: Llama, 30 layers, a 49,152-token vocabulary; 8 prompts x 8 samples, responses
+  ended by EOS or ``max_tokens``, one optimizer step per batch), without its eval, ``--steps`` steps; relayrl
+  with its defaults (``default``) and at K = 1 (``k1``); TRL in each of its precisions and generation modes
+  (float32 or ``bf16=True``, ``generate`` or continuous batching: ``trl``, ``trl-bf16``, ``trl-cb``,
+  ``trl-cb-bf16``), the fastest of them the baseline. relayrl's ``logprob_mismatch`` (|trainer - engine| logprob
+  per response token) is reported per run.
 - ``long-tail`` (not run by default): a model whose responses have geometric lengths with mean ~48 tokens,
   capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
   tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
@@ -65,9 +72,11 @@ from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
-WORKLOADS = ("gen-heavy", "demo", "long-tail")
+REAL_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "addition-smollm2.yaml"
+WORKLOADS = ("gen-heavy", "demo", "long-tail", "real")
 DEFAULT_WORKLOADS = ("gen-heavy", "demo")
-TRL_MODES = {"trl": False, "trl-cb": True}  # system -> use_transformers_continuous_batching
+# system -> (use_transformers_continuous_batching, bf16): TRL's generation modes and precisions
+TRL_MODES = {"trl": (False, False), "trl-cb": (True, False), "trl-bf16": (False, True), "trl-cb-bf16": (True, True)}
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,11 @@ class Workload:
     """One relayrl config and the relayrl variants run on it; TRL runs what the config says."""
 
     name: str
-    overrides: list[str]  # applied to DEMO_CONFIG for every system
+    overrides: list[str]  # applied to ``config`` for every system
     variants: dict[str, list[str]]  # relayrl variant name -> its extra overrides
     samples_budget: bool  # TRL gets the samples the round's relayrl run generated (else the same steps)
     trl_systems: tuple[str, ...] = ("trl",)  # TRL_MODES run each round
+    config: Path = DEMO_CONFIG  # the relayrl config the overrides apply to
 
 
 @dataclass
@@ -138,6 +148,8 @@ def workload(name: str, args: argparse.Namespace, workdir: Path) -> Workload:
         return Workload("demo", [*quick, *args.set], {"default": []}, samples_budget=True)
     if name == "long-tail":
         return long_tail_workload(args, workdir)
+    if name == "real":
+        return real_workload(args)
     hidden, layers, tokens, prompts, n = (32, 2, 8, 4, 4) if args.quick else (256, 4, 48, 16, 16)
     overrides = [
         f"model.tiny_hidden_size={hidden}", f"model.tiny_layers={layers}",
@@ -182,7 +194,16 @@ def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
     if (pinned := pinned_halves()) is not None:  # the phases alone and overlapped on disjoint cores
         variants["k0-split"] = ["trainer.stream=off", *pinned]
         variants["k1-keep-kv-split"] = [*in_flight, *pinned]
-    return Workload("long-tail", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES))
+    return Workload("long-tail", overrides, variants, samples_budget=False, trl_systems=("trl", "trl-cb"))
+
+
+def real_workload(args: argparse.Namespace) -> Workload:
+    """The real-model workload (module docstring): examples/addition-smollm2.yaml, its eval off."""
+    quick = ["rollout.max_tokens=4", "rollout.n=2", "controller.prompts_per_gen_batch=2"] if args.quick else []
+    quick += ["controller.train_batch_groups=2"] if args.quick else []
+    overrides = ["eval=null", f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", *quick, *args.set]
+    variants = {"default": [], "k1": ["controller.max_staleness=1"]}
+    return Workload("real", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES), config=REAL_CONFIG)
 
 
 def select_variants(loads: list[Workload], names: list[str] | None) -> list[Workload]:
@@ -251,11 +272,15 @@ def equal_work(cfg: RelayConfig) -> bool:
     return cfg.rollout.ignore_eos or cfg.rollout.min_tokens >= cfg.rollout.max_tokens
 
 
-def trl_spec(cfg: RelayConfig, steps: int, threads: int, run_dir: Path, *, continuous_batching: bool = False) -> dict:
+def trl_spec(
+    cfg: RelayConfig, steps: int, threads: int, run_dir: Path, *, continuous_batching: bool = False, bf16: bool = False
+) -> dict:
     """The trl_runner spec: the same model, data, batch shape, sampling and loss settings as ``cfg``; TRL generates
-    with ``model.generate`` or (``continuous_batching``) transformers' continuous batching."""
+    with ``model.generate`` or (``continuous_batching``) transformers' continuous batching, and computes in
+    float32 or (``bf16``) its mixed precision."""
     return {
         "continuous_batching": continuous_batching,
+        "bf16": bf16,
         "model_path": cfg.model.path,
         "data_path": cfg.data.path,
         "prompt_key": cfg.data.prompt_key,
@@ -305,7 +330,7 @@ def launch(argv: list[str], log: Path, env: dict[str, str], timeout_s: float, sa
 def run_relayrl(wl: Workload, variant: str, rnd: int, workdir: Path, args: argparse.Namespace) -> Run:
     name = f"{wl.name}-relayrl-{variant}-r{rnd}"
     sets = [*wl.overrides, *wl.variants[variant], f"run.dir={workdir / 'runs'}", f"run.name={name}"]
-    argv = [sys.executable, "-m", "relayrl.cli", "up", str(DEMO_CONFIG)]
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(wl.config)]
     for item in sets:
         argv += ["--set", item]
     log = workdir / "logs" / f"{name}.log"
@@ -321,7 +346,8 @@ def run_trl(
     run_dir = workdir / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
-    spec = trl_spec(cfg, steps, args.trl_threads, run_dir, continuous_batching=TRL_MODES[system])
+    continuous_batching, bf16 = TRL_MODES[system]
+    spec = trl_spec(cfg, steps, args.trl_threads, run_dir, continuous_batching=continuous_batching, bf16=bf16)
     spec_path.write_text(json.dumps(spec, indent=1))
     argv = [sys.executable, "-m", "relayrl.bench.trl_runner", str(spec_path)]
     env = {"OMP_NUM_THREADS": str(args.trl_threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -381,6 +407,8 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
         out["sync_s"] = statistics.fmean(r["sync_seconds"] for r in steady)
     if "critic_update_seconds" in steady[0]:  # a critic's forward at the starting weights and its updates
         out["critic_s"] = statistics.fmean(r["critic_values_seconds"] + r["critic_update_seconds"] for r in steady)
+    if "logprob_mismatch" in steady[0]:  # mean |trainer - engine| logprob per response token, over the steady steps
+        out["logprob_mismatch"] = statistics.fmean(r["logprob_mismatch"] for r in steady)
     if out["train_s"] is not None:  # 1.0: a step costs only its longer phase (perfect overlap); ~2: none
         out["step_vs_longer_phase"] = out["s_per_step"] / max(out["generation_s"], out["train_s"])
     if expect_equal_work:
@@ -397,7 +425,7 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
 
 MEDIAN_KEYS = ("s_per_step", "samples_per_step", "samples_per_s", "tokens_per_s", "generation_s", "train_s", "sync_s",
                "critic_s", "response_len_mean", "step_vs_longer_phase", "cores_busy",
-               "control_plane_share")  # fmt: skip
+               "control_plane_share", "logprob_mismatch")  # fmt: skip
 
 
 def median_of(rows: list[dict], key: str) -> float | None:
@@ -539,7 +567,7 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
     """What both systems share, and how each gets equal work."""
     tokens = cfg.rollout.max_tokens
     out = {
-        "config": str(DEMO_CONFIG),
+        "config": str(wl.config),
         "overrides": wl.overrides,
         "variants": wl.variants,
         "model": {"path": cfg.model.path, "hidden_size": cfg.model.tiny_hidden_size, "layers": cfg.model.tiny_layers},
@@ -554,7 +582,8 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
         "reward_fn": cfg.controller.reward.fn,
         "dynamic_sampling": f"relayrl {cfg.controller.dynamic_sampling}; TRL none",
         "relayrl_processes": {"rollout_workers": cfg.rollout.workers, "trainer_ranks": cfg.trainer.nproc},
-        "trl": "GRPOTrainer, use_cpu, float32, no gradient checkpointing, beta 0, constant lr, steps_per_generation "
+        "trl": "GRPOTrainer, use_cpu, float32 (the trl-*bf16 systems: bf16=True), no gradient checkpointing, beta 0, "
+        "constant lr, steps_per_generation "
         f"{cfg.trainer.mini_batches}, {args.trl_threads} torch threads",
         "budget": "TRL: the samples the round's relayrl run generated" if wl.samples_budget else "same steps",
         "warmup_steps": args.warmup,
@@ -574,7 +603,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     loads = select_variants([workload(name, args, workdir) for name in args.workloads], args.variants)
     assets = [f"run.dir={workdir / 'assets'}"]
-    cfgs = {wl.name: load_config(DEMO_CONFIG, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
+    cfgs = {wl.name: load_config(wl.config, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
     for wl in loads:
         check_mirrorable(cfgs[wl.name])
         prepare_workload(wl, cfgs[wl.name])

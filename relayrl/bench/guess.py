@@ -1,6 +1,6 @@
 """``relayrl bench guess``: the agentic example as a user runs it, ``relayrl up examples/guess.yaml``, measured.
 
-Runs the example in a fresh run directory (its built-in model built there first) and writes JSON: the command,
+Runs the example in a fresh run directory (its built-in model from the asset cache) and writes JSON: the command,
 the machine's load, wall seconds of the whole run and of training alone, the first-10 and last-10 mean reward and
 their difference, the median over steps of the per-step median policy turns per episode, how the episodes ended,
 and every step's reward, turns and seconds. ``--png`` copies the run's reward curve (reward.png).
@@ -13,15 +13,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-from relayrl.trainer.metrics import read_metrics
+from relayrl.bench.example_run import ROOT, read_lines, reward_gain, run_example
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "guess.yaml"
 COMMAND = "relayrl bench guess --out bench/results/guess.json --png docs/guess-reward.png"
 
@@ -38,8 +33,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def summarize(records: list[dict], wall_s: float) -> dict:
     """The figures the example promises (docs/agentic.md): reward gain and turns per episode."""
-    rewards = [r["reward_mean"] for r in records]
-    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     ends: dict[str, int] = {}
     for r in records:
         for key, value in r.items():
@@ -49,9 +42,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
         "steps": len(records),
         "wall_s": wall_s,
         "train_wall_s": records[-1]["time"] - records[0]["time"] + records[0]["step_seconds"],
-        "reward_first10": first,
-        "reward_last10": last,
-        "reward_gain": last - first,
+        **reward_gain(records),
         "turns_median": statistics.median(r["turns_median"] for r in records),
         "turns_mean": statistics.fmean(r["turns_mean"] for r in records),
         "episodes": sum(r["episodes"] for r in records),
@@ -66,31 +57,20 @@ def summarize(records: list[dict], wall_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-guess-"))
-    argv_up = [sys.executable, "-m", "relayrl.cli", "up", args.config, "--set", f"run.dir={workdir / 'runs'}"]
-    for override in args.overrides:
-        argv_up += ["--set", override]
-    load_start = os.getloadavg()
-    start = time.monotonic()
-    done = subprocess.run(argv_up, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
-    wall_s = time.monotonic() - start
-    if done.returncode != 0:
-        print(done.stderr[-3000:], file=sys.stderr)
-        return done.returncode
-    (run_dir,) = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
+    run = run_example(args.config, args.overrides, args.timeout_s)
     result = {
         "bench": "guess",
         "command": COMMAND,
         "config": os.path.relpath(args.config, ROOT),
         "overrides": args.overrides,
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
-        **summarize(read_metrics(run_dir / "metrics.jsonl"), wall_s),
+        "machine": run.machine,
+        **summarize(read_lines(run.run_dir / "metrics.jsonl")[0], run.wall_s),
     }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     if args.png:
-        shutil.copyfile(run_dir / "reward.png", args.png)
-    shutil.rmtree(workdir, ignore_errors=True)
+        shutil.copyfile(run.run_dir / "reward.png", args.png)
+    shutil.rmtree(run.workdir, ignore_errors=True)
     return 0

@@ -93,13 +93,20 @@ def make_reward(name: str, log: RoundLog):
     fn = resolve_reward(name)
 
     def reward(prompts, completions, answer, completion_ids, **_: Any) -> list[float]:
-        values = [fn(text, ref) for text, ref in zip(completions, answer)]
+        values = [fn(completion_text(c), ref) for c, ref in zip(completions, answer)]
         log.rewards += values
         log.lengths += [len(ids) for ids in completion_ids]
         return values
 
     reward.__name__ = name
     return reward
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """A completion's text: TRL passes a conversational prompt's completion as its assistant messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
 
 
 def training_rows(spec: dict, tokenizer):
@@ -118,13 +125,14 @@ def training_rows(spec: dict, tokenizer):
 
 
 def grpo_config(spec: dict) -> GRPOConfig:
-    """relayrl's settings in TRL's terms (float32 and no gradient checkpointing, as relayrl trains)."""
+    """relayrl's settings in TRL's terms (no gradient checkpointing, as relayrl trains; float32, or TRL's mixed
+    precision when ``spec["bf16"]``)."""
     generation_kwargs = {"min_new_tokens": spec["max_tokens"]} if spec["equal_work"] else None
     per_step = spec["prompts_per_step"] * spec["n"]
     return GRPOConfig(
         output_dir=spec["output_dir"],
         use_cpu=True,
-        bf16=False,
+        bf16=spec.get("bf16", False),
         fp16=False,
         gradient_checkpointing=False,
         seed=spec["seed"],

@@ -191,14 +191,34 @@ def test_every_variant_of_every_workload_is_a_valid_config_and_variants_select_t
     loads = [workload(name, args, tmp_path) for name in WORKLOADS]
     for wl in loads:
         for variant, sets in wl.variants.items():
-            cfg = load_config(DEMO_CONFIG, [*wl.overrides, *sets])
+            cfg = load_config(wl.config, [*wl.overrides, *sets])
             if f"relayrl-{variant}" not in CRITIC_PAIRS:  # PPO with a critic is compared with relayrl's GRPO
                 check_mirrorable(cfg)
             assert cfg.trainer.steps == 3, (wl.name, variant)
     picked = select_variants(loads, ["default", "k0-whole", "k1-rollout"])
-    assert [list(wl.variants) for wl in picked] == [["k0-whole", "k1-rollout"], ["default"], ["default"]]
+    assert [list(wl.variants) for wl in picked] == [["k0-whole", "k1-rollout"], ["default"], ["default"], ["default"]]
     assert select_variants(loads, None) == loads
     with pytest.raises(SystemExit, match=r"--variants: unknown \['k2'\]"):
         select_variants(loads, ["k1", "k2"])
     with pytest.raises(SystemExit, match="--variants: none of demo's"):
         select_variants(loads, ["k1"])
+
+
+def test_the_real_workload_runs_the_example_beside_every_trl_precision_and_generation_mode(tmp_path: Path) -> None:
+    from relayrl.bench.trl_runner import completion_text, grpo_config
+
+    # the example's prompts are conversational: TRL hands the reward each completion as its assistant messages
+    assert completion_text([{"role": "assistant", "content": "3 + 4 = 7"}]) == completion_text("3 + 4 = 7")
+
+    args = argparse.Namespace(quick=False, steps=4, set=[])
+    wl = workload("real", args, tmp_path)
+    assert wl.config.name == "addition-smollm2.yaml" and set(wl.variants) == {"default", "k1"}
+    assert wl.trl_systems == ("trl", "trl-cb", "trl-bf16", "trl-cb-bf16")
+    cfg = load_config(wl.config, wl.overrides)
+    check_mirrorable(cfg)
+    assert cfg.eval is None and cfg.trainer.steps == 4 and cfg.model.path == "builtin:smollm2-135m-instruct"
+    for cb, bf16 in [(False, False), (True, True)]:
+        spec = trl_spec(cfg, 4, 2, tmp_path, continuous_batching=cb, bf16=bf16)
+        trl = grpo_config(spec)
+        assert (trl.use_transformers_continuous_batching, trl.bf16) == (cb, bf16)
+        assert (trl.num_generations, trl.max_completion_length) == (cfg.rollout.n, cfg.rollout.max_tokens)

@@ -1,0 +1,55 @@
+"""An example config run as a user runs it, ``relayrl up CONFIG`` in a fresh run directory, and read back: the
+shared part of ``relayrl bench guess`` and ``relayrl bench addition``."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ExampleRun:
+    run_dir: Path  # the run's directory, under ``workdir``
+    workdir: Path  # a fresh temp directory: the caller removes it
+    wall_s: float  # the whole ``relayrl up``, from launch to exit
+    machine: dict  # cpus and the load average at start and end
+
+
+def run_example(config: str, overrides: list[str], timeout_s: float) -> ExampleRun:
+    """``relayrl up config`` (plus ``--set`` overrides) to its end in a fresh run directory; SystemExit with its
+    stderr's tail when it fails."""
+    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-example-"))
+    argv = [sys.executable, "-m", "relayrl.cli", "up", config, "--set", f"run.dir={workdir / 'runs'}"]
+    for override in overrides:
+        argv += ["--set", override]
+    load_start = os.getloadavg()
+    start = time.monotonic()
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    wall_s = time.monotonic() - start
+    if done.returncode != 0:
+        raise SystemExit(f"relayrl up {config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    (run_dir,) = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
+    machine = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()}
+    return ExampleRun(run_dir, workdir, wall_s, machine)
+
+
+def read_lines(path: Path) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl's step records and its eval records (``eval``: the set; ``step``: the version measured)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in lines if "eval" not in r], [r for r in lines if "eval" in r]
+
+
+def reward_gain(records: list[dict]) -> dict:
+    """Mean reward of the first 10 and the last 10 steps, and the difference."""
+    rewards = [r["reward_mean"] for r in records]
+    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
+    return {"reward_first10": first, "reward_last10": last, "reward_gain": last - first}
