@@ -4,7 +4,6 @@ resumable epoch-shuffled cursor."""
 from __future__ import annotations
 
 import random
-import string
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import datasets
 from relayrl.config import DataConfig
 from relayrl.data.fast_tokens import encode_texts
 from relayrl.data.formats import FILE_BUILDERS
+from relayrl.data.prompts import NO_TEMPLATE_FOR_SYSTEM, fit_prompt, template_fields
 
 # Rendered rows kept for later epochs, up to this many prompt tokens (16 MB of int32 ids, plus the texts): all of
 # a 20k-prompt set at 200 tokens a prompt, so every draw after its first epoch skips the read and the tokenizer.
@@ -67,21 +67,6 @@ def render_prompts(tokenizer: Any, texts: list[str], mode: str, system: str | No
     return encode_texts(tokenizer, texts)
 
 
-def template_fields(template: str) -> list[str]:
-    """The column names a ``data.prompt_template`` reads (its ``{name}`` fields)."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-
-
-def fit_prompt(ids: list[int], cfg: DataConfig) -> tuple[list[int], int, str]:
-    """(token ids, tokens cut, why it is not generated) of a rendered prompt under ``data.max_prompt_tokens``."""
-    limit = cfg.max_prompt_tokens
-    if limit is None or len(ids) <= limit:
-        return ids, 0, ""
-    if cfg.long_prompts == "truncate_left":
-        return ids[-limit:], len(ids) - limit, ""
-    return ids, 0, f"prompt too long: {len(ids)} tokens > data.max_prompt_tokens {limit}"
-
-
 class PromptDataset:
     """Rows of (prompt, answer) drawn in a per-epoch shuffled order; ``cursor`` counts draws."""
 
@@ -97,7 +82,7 @@ class PromptDataset:
         if len(self.rows) == 0:
             raise ValueError(f"data.path: {cfg.path} has no rows")
         if cfg.system_prompt is not None and not _uses_template(tokenizer, cfg.chat_template):
-            raise ValueError("data.system_prompt: a system turn needs a chat template, and the tokenizer has none")
+            raise ValueError(NO_TEMPLATE_FOR_SYSTEM)
         self.fields = template_fields(cfg.prompt_template) if cfg.prompt_template is not None else [cfg.prompt_key]
         unknown = [name for name in self.fields if name not in self.rows.column_names]
         if unknown or not self.fields:

@@ -105,9 +105,18 @@ def check_tokenizer(cfg: RelayConfig) -> None:
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as err:
         raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
+    data = cfg.data
+    if (
+        data.system_prompt is not None
+        and data.chat_template == "auto"
+        and not getattr(tokenizer, "chat_template", None)
+    ):
+        from relayrl.data.prompts import NO_TEMPLATE_FOR_SYSTEM
+
+        raise ConfigError(f"{NO_TEMPLATE_FOR_SYSTEM} ({path})")
 
 
 def check_data(cfg: RelayConfig) -> None:
@@ -152,6 +161,14 @@ def _check_rows(path: Path, data: DataConfig, section: str) -> None:
         if column not in row:
             raise ConfigError(
                 f"{section}.{key}: column {column!r} not in the first row of {path} (found: {sorted(row)})"
+            )
+    if data.prompt_template is not None:
+        from relayrl.data.prompts import template_fields
+
+        unknown = [name for name in template_fields(data.prompt_template) if name not in row]
+        if unknown:
+            raise ConfigError(
+                f"{section}.prompt_template: reads {unknown}, not in the first row of {path} (found: {sorted(row)})"
             )
 
 

@@ -276,6 +276,8 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     bad_rows = tmp_path / "rows.jsonl"
     bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
+    good_rows = tmp_path / "good.jsonl"
+    good_rows.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
     broken_row = tmp_path / "broken.jsonl"
     broken_row.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n\n{"prompt": "2 + 2 =", \n')
     (tmp_path / "typo_reward.py").write_text("def reward(response, answer)\n    return 1.0\n")
@@ -291,6 +293,11 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         ("check_data", ["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file"),
         ("check_data", [f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
         ("check_data", [f"data.path={broken_row}"], f"data.path: {broken_row}:3: not JSON"),
+        (
+            "check_data",
+            [f"data.path={good_rows}", "data.prompt_template=Solve {prompt} in {colour}"],
+            "data.prompt_template: reads ['colour'], not in the first row",
+        ),
         (
             "check_reward",
             ["controller.reward.fn=no_such_module:score"],
@@ -334,6 +341,11 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         ),
         ("check_registry_names", ["algorithm.policy_loss=ppo_clp"], "algorithm.policy_loss: unknown policy loss"),
         ("check_tokenizer", [f"model.path={bad_tokenizer}"], f"model.path: the tokenizer in {bad_tokenizer} does not"),
+        (
+            "check_tokenizer",
+            ["data.system_prompt=Be brief."],
+            "data.system_prompt: a system turn needs a chat template",
+        ),
     ]
     assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
     runs = tmp_path / "runs"
