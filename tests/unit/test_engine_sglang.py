@@ -236,6 +236,15 @@ def test_stop_strings_end_the_sample_as_vllm_does(engine: SGLangEngine, model_di
     assert_stop_string_ends_the_sample(engine, model_dir)
 
 
+def test_the_fake_reports_the_matched_stop_string_and_keeps_every_token(engine: SGLangEngine) -> None:
+    """What SGLang returns for a stop string (schedule_batch.py ``Req.check_finished``), that the adapter relies on:
+    finish {"type": "stop", "matched": <string>}, output_ids whole. PROMPTS[1]'s greedy text on the sharp tiny model
+    is "000000000222": "02" completes at its 10th token."""
+    sampling = {"max_new_tokens": 12, "temperature": 0.0, "stop": ["22", "02"]}
+    (out,) = engine.engine.generate(input_ids=[PROMPTS[1]], sampling_params=[sampling], rid=["stop-string"])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "02"} and len(out["output_ids"]) == 10
+
+
 def test_stop_token_ends_the_sample_and_is_included(engine: SGLangEngine) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
     (free,) = engine.generate(PROMPTS[1:2], greedy)
