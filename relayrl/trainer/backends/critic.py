@@ -33,9 +33,12 @@ from relayrl.trainer.batch import right_padded
 from relayrl.trainer.precision import Precision
 
 
-def load_value_model(path: str, precision: Precision, device: torch.device) -> torch.nn.Module:
+def load_value_model(
+    path: str, precision: Precision, device: torch.device, *, gradient_checkpointing: bool = False
+) -> torch.nn.Module:
     """``path``'s backbone with a zero scalar head (no dropout before it), trainable, loaded as the policy is
-    (``load_trained_model``: float32 parameters, sharded over >1 ranks under ``precision``'s policy)."""
+    (``load_trained_model``: float32 parameters, sharded over >1 ranks under ``precision``'s policy, each layer
+    recomputed in the backward with ``gradient_checkpointing``)."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # the generic head's default is 0.1: values would be noisy in training mode
 
@@ -47,7 +50,7 @@ def load_value_model(path: str, precision: Precision, device: torch.device) -> t
                 model.score.bias.zero_()
         return model
 
-    return load_trained_model(path, precision, device, loader=loader)
+    return load_trained_model(path, precision, device, gradient_checkpointing=gradient_checkpointing, loader=loader)
 
 
 class FSDPCritic:
@@ -63,7 +66,9 @@ class FSDPCritic:
         its compute dtype."""
         self.device, self.precision = device, precision
         self.grad_clip = critic_cfg.grad_clip
-        self.model = load_value_model(critic_cfg.path or model_cfg.path, precision, device)
+        self.model = load_value_model(
+            critic_cfg.path or model_cfg.path, precision, device, gradient_checkpointing=cfg.gradient_checkpointing
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=critic_cfg.lr, betas=cfg.betas, weight_decay=critic_cfg.weight_decay, fused=True
         )
