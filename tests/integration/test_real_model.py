@@ -68,6 +68,7 @@ def test_two_steps_train_it_on_the_fast_decode_path_with_the_trainers_logprobs(t
         "controller.train_batch_groups": 2,
         "controller.dynamic_sampling": False,
         "trainer.mini_batches": 1,
+        "trainer.precision": "float32",  # and so the engine's weights: exact up to float rounding (bf16: the bench)
         "eval": None,
     }
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(EXAMPLE)]
