@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants", default=None, help="comma-separated relayrl variants to run (default: each workload's all)"
     )
+    parser.add_argument(
+        "--trl-systems", default=None, help=f"comma-separated, of {list(TRL_MODES)} (default: each workload's)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once, alternating")
     parser.add_argument("--steps", type=int, default=12, help="trainer steps of the gen-heavy workload")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of s/step and rates")
@@ -133,6 +136,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.workloads:
         parser.error(f"--workloads: unknown {unknown} (choose from {list(WORKLOADS)})")
     args.variants = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.trl_systems = (
+        None if args.trl_systems is None else tuple(v.strip() for v in args.trl_systems.split(",") if v.strip())
+    )
+    if args.trl_systems is not None and (not args.trl_systems or set(args.trl_systems) - set(TRL_MODES)):
+        parser.error(f"--trl-systems: expected some of {list(TRL_MODES)}, got {args.trl_systems}")
     if args.variants == []:
         parser.error("--variants: empty (name at least one relayrl variant, or leave the flag out)")
     if args.quick:
@@ -602,6 +610,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="relayrl-bench-e2e-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     loads = select_variants([workload(name, args, workdir) for name in args.workloads], args.variants)
+    if args.trl_systems is not None:
+        loads = [replace(wl, trl_systems=args.trl_systems) for wl in loads]
     assets = [f"run.dir={workdir / 'assets'}"]
     cfgs = {wl.name: load_config(wl.config, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
     for wl in loads:
