@@ -24,6 +24,7 @@ from relayrl.ops.args import (
     positive_float,
     positive_int,
 )
+from relayrl.ops.eval_commands import add_eval_commands
 from relayrl.ops.parser import add_operator_commands
 from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
@@ -253,6 +254,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "addition": "relayrl.bench.addition",
     "padding": "relayrl.bench.padding",
     "episodes": "relayrl.bench.episodes",
+    "heldout": "relayrl.bench.heldout",
 }
 
 
@@ -339,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale
+    add_eval_commands(sub)  # eval, samples
 
     p = sub.add_parser("check-engine", help="check an inference engine against relayrl's needs", add_help=False)
     p.set_defaults(func=cmd_check_engine, passthrough=True)

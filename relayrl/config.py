@@ -77,7 +77,7 @@ class LoraConfig(Section):
 # whatever path is missing.
 BUILTIN = "builtin:"
 BUILTIN_MODELS = ("builtin:tiny-qwen2", "builtin:tiny-chat", "builtin:smollm2-135m-instruct")
-BUILTIN_DATA = ("builtin:digits",)
+BUILTIN_DATA = ("builtin:digits", "builtin:digits-heldout")  # the demo's task; its ten prompts once each
 # Keys that are gone -> what replaces them (a config that still has one is refused, naming the replacement).
 REMOVED_KEYS = {
     "model.build_tiny_if_missing": "write model.path: builtin:tiny-qwen2 (a missing path is never built any more)",
@@ -674,6 +674,13 @@ class EvalConfig(Section):
     # function's own (exact_match: normalized, math: math), and maj@n is refused for any other reward
     answer_extractor: str | None = None
     best: EvalBestConfig | None = None  # keep the best checkpoint by one eval metric (absent: none kept)
+
+    def evaluates(self, version: int, last_step: int) -> bool:
+        """Whether policy version ``version`` is evaluated: 0 with before_train, every ``every``-th, the last step's
+        (``last_step``) with after_train."""
+        if version == 0:
+            return self.before_train
+        return bool(self.every and version % self.every == 0) or (self.after_train and version == last_step)
 
     @field_validator("sets")
     @classmethod

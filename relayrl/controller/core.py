@@ -33,6 +33,7 @@ from relayrl.algorithms.version_mix import sampled_versions
 from relayrl.client.workers import DRAINING, WorkerRegistry
 from relayrl.config import RelayConfig
 from relayrl.controller.dispatch import Dispatcher, PromptJob
+from relayrl.controller.evaluation import Evaluator
 from relayrl.controller.fanout import fan_out
 from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TERMINAL, TRAINED, Ledger
 from relayrl.controller.pace import Pace
@@ -146,6 +147,8 @@ class Controller:
             if cfg.environment
             else None
         )
+        # held-out evals, each at one policy version (relayrl/controller/evaluation.py)
+        self.evaluator = Evaluator(cfg, self.registry, self.tokenizer, self.state_dir) if cfg.eval else None
         self.state = "running"
         self.error = ""
         self.syncs = WeightSyncLog()
@@ -174,6 +177,10 @@ class Controller:
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
+        if self.evaluator is not None:
+            self.evaluator.start()
+            if self.progress.exact_version >= 0 or self.progress.trainer_step > 0:  # its weights are out
+                self.evaluator.request(self.progress.policy_version)  # due and not done: cut by a restart
 
     def stop(self) -> None:
         self._stop.set()
@@ -181,6 +188,8 @@ class Controller:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.evaluator is not None:
+            self.evaluator.stop()
         if self.episodes is not None:
             self.episodes.close()
         self._sync_ledger()
@@ -660,6 +669,8 @@ class Controller:
         if finished:  # a finished run is never paused: clients keep being served
             self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.policy_version)
+        if self.evaluator is not None:
+            self.evaluator.request(request.policy_version)
         self.pace.record(request.step_seconds, batch.stats.samples_generated, batch.stats.reward_mean)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
@@ -700,6 +711,8 @@ class Controller:
         if finished:  # nothing can Resume a finished run: client prompts must not wait for it
             self.registry.set_paused(False)
         self.registry.set_versions(list(request.synced_worker_ids), request.step, exact=True)
+        if self.evaluator is not None:
+            self.evaluator.rewind(request.step)
         log.warning("rewound to step %d (cursor %d): %d prompts undone", request.step, request.cursor, count)
         return count
 
@@ -708,7 +721,11 @@ class Controller:
         self.progress.exact_workers = sorted(worker_ids) if self.cfg.weight_sync.verify != "off" else []
         self.progress.exact_version = version
 
-    def sync_plan(self) -> controller_pb2.WeightSyncPlan:
+    def sync_plan(self, version: int = 0, hold_s: float = 20.0) -> controller_pb2.WeightSyncPlan:
+        """The plan of an update to ``version``; held while an eval of an older version runs (at most ``hold_s``,
+        then UNAVAILABLE naming it: the trainer retries)."""
+        if self.evaluator is not None and (running := self.evaluator.hold(version, hold_s)) is not None:
+            raise Unavailable(f"the eval of policy version {running} is running: the update to {version} waits")
         request_id, force = self.syncs.pending()
         return controller_pb2.WeightSyncPlan(
             workers=[
@@ -729,6 +746,8 @@ class Controller:
                 self._set_exact(request.synced_worker_ids, request.policy_version)
                 self._save_progress()
                 self._cond.notify_all()
+            if self.evaluator is not None:
+                self.evaluator.request(request.policy_version)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
                 policy_version=request.policy_version,
@@ -783,6 +802,8 @@ class Controller:
             drained_workers=sorted(self.drained - {w.worker_id for w in workers}),
         )
         self.pace.fill(status, self.cfg.trainer.steps)
+        if self.evaluator is not None:
+            status.evals.extend(self.evaluator.latest())
         return status
 
     def pause(self, reason: str) -> controller_pb2.PauseRunResponse:

@@ -54,15 +54,15 @@ def builtin_model_path(cfg: RelayConfig) -> Path:
     return asset_path(cfg.model.path.removeprefix(BUILTIN), settings, builders)
 
 
-def builtin_data_path(cfg: RelayConfig) -> Path:
-    """The file ``builtin:digits`` stands for."""
-    return asset_dir(cfg) / f"{cfg.data.path.removeprefix(BUILTIN)}-seed{cfg.run.seed}.jsonl"
+def builtin_data_path(cfg: RelayConfig, path: str) -> Path:
+    """The file a ``builtin:`` data set (builtin:digits, builtin:digits-heldout) stands for."""
+    return asset_dir(cfg) / f"{path.removeprefix(BUILTIN)}-seed{cfg.run.seed}.jsonl"
 
 
 def prepare_assets(cfg: RelayConfig) -> list[str]:
-    """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path`` /
-    ``cfg.data.path`` at them, in place; returns the paths this call built. A builtin whose optional extra is not
-    installed is a ConfigError naming the ``pip install``."""
+    """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path``,
+    ``cfg.data.path`` and the eval sets' paths at them, in place; returns the paths this call built. A builtin whose
+    optional extra is not installed is a ConfigError naming the ``pip install``."""
     built = []
     if cfg.model.path in BUILTIN_MODELS:
         from relayrl.models.asset_cache import cached_asset
@@ -74,12 +74,13 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
         if fresh:
             built.append(str(model_dir))
         cfg.model.path = str(model_dir)
-    if cfg.data.path in BUILTIN_DATA:
-        data_file = builtin_data_path(cfg)
-        if not data_file.exists():
-            from relayrl.data.digits import write_digits_jsonl
+    for data in [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]:
+        if data.path in BUILTIN_DATA:
+            data_file = builtin_data_path(cfg, data.path)
+            if not data_file.exists():
+                from relayrl.data.digits import write_builtin
 
-            write_digits_jsonl(data_file, seed=cfg.run.seed)  # writes a temp file, then renames
-            built.append(str(data_file))
-        cfg.data.path = str(data_file)
+                write_builtin(data.path.removeprefix(BUILTIN), data_file, seed=cfg.run.seed)  # a temp file, renamed
+                built.append(str(data_file))
+            data.path = str(data_file)
     return built

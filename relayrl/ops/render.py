@@ -51,6 +51,18 @@ def pace_rows(status: controller_pb2.StatusResponse) -> list[tuple[str, str]]:
     return [("trainer step", step), ("recent reward", reward), ("samples/s", rate), ("ETA", eta)]
 
 
+def eval_rows(status: controller_pb2.StatusResponse) -> list[tuple[str, str]]:
+    """One row per held-out set: its latest eval's version and metrics (none without an eval section)."""
+    return [
+        (
+            f"eval {e.name}",
+            f"version {e.policy_version}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(e.metrics.items()) if "@" in k or "^" in k),
+        )
+        for e in status.evals
+    ]
+
+
 def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
     run = Table(title=f"run '{status.run_name}'", show_header=False)
     run.add_column("key", style="bold")
@@ -60,6 +72,7 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
     for key, value in (
         ("state", status.state + (f" ({status.error})" if status.error else "")),
         *pace_rows(status),
+        *eval_rows(status),
         ("policy version", str(status.policy_version)),
         ("rollout workers", f"{len(status.workers)} registered, desired {desired}"),
         ("drained", f"{drained} (stopped; not restarted under relayrl up)" if drained else "none"),

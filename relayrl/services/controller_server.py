@@ -93,7 +93,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     @guarded
     def GetWeightSyncPlan(self, request, context):
-        return self.controller.sync_plan()
+        return self.controller.sync_plan(request.version, min(20.0, (context.time_remaining() or 30.0) / 2))
+
+    @guarded
+    def GetEvals(self, request, context):
+        evaluator = self.controller.evaluator
+        if evaluator is None:
+            return controller_pb2.GetEvalsResponse()
+        return controller_pb2.GetEvalsResponse(results=evaluator.list(request.min_version), pending=evaluator.pending)
 
     @guarded
     def Status(self, request, context):

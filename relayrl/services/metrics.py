@@ -164,6 +164,17 @@ class ControllerCollector(Collector):
         yield _gauge(
             "relayrl_weight_sync_last_seconds", "duration of the last step's weight sync", status.last_sync_seconds
         )
+        evals = GaugeMetricFamily(
+            "relayrl_eval", "the latest held-out eval of each set, by metric (eval.sets)", labels=["set", "metric"]
+        )
+        eval_version = GaugeMetricFamily(
+            "relayrl_eval_policy_version", "the policy version the latest eval of each set measured", labels=["set"]
+        )
+        for result in status.evals:
+            eval_version.add_metric([result.name], result.policy_version)
+            for key, value in sorted(result.metrics.items()):
+                evals.add_metric([result.name, key], value)
+        yield from (evals, eval_version)
         buckets, count, total = ctl.dispatcher.generate_seconds.snapshot()
         yield HistogramMetricFamily(
             "relayrl_generate_seconds",

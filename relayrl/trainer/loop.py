@@ -30,9 +30,12 @@ from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
+from relayrl.trainer.best import BestKeeper
+from relayrl.trainer.evals import EvalMirror
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
+from relayrl.trainer.samples import SamplesWriter, step_samples
 from relayrl.trainer.schedule import lr_at, set_lr
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_stream
@@ -242,6 +245,13 @@ def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozen
             return batch_msg, train
 
 
+def export_candidate(backend, keeper: BestKeeper | None, version: int, tokenizer) -> None:
+    """Collective, with ``eval.best``: the weights of an evaluated version, exported for the keeper before the
+    version is reported (its eval starts then)."""
+    if keeper is not None and (path := keeper.candidate(version)) is not None:
+        backend.export_hf(path, tokenizer)
+
+
 def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_seconds: float) -> dict:
     stats = batch.stats
     return {
@@ -298,7 +308,8 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
 
     start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)
 
-    stub = publisher = writer = syncer = trackers = None
+    stub = publisher = writer = syncer = trackers = evals = samples = None
+    keeper = BestKeeper(run_dir, cfg.eval, cfg.trainer.steps) if cfg.eval is not None and cfg.eval.best else None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "config.yaml").exists():  # `relayrl up` saved it (builtin: paths unresolved, for --resume)
@@ -308,6 +319,9 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         publisher = WeightPublisher(cfg.weight_sync, stub, weights_dir, lora=backend.lora)
         writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step)
         trackers = StepTrackers.from_config(cfg)
+        evals = EvalMirror(stub, writer, trackers, keeper) if cfg.eval is not None else None
+        if cfg.samples is not None:
+            samples = SamplesWriter(run_dir / "samples.jsonl", cfg.samples, resume_step=start_step)
         syncer = OnDemandSync(publisher, stub, cfg.weight_sync.on_demand_interval_s)  # operator syncs, joiners
         syncer.start()
 
@@ -316,6 +330,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     if backend.lora is not None:
         stage_base(backend, syncer)
     sync = publish_weights(backend, syncer, start_step)
+    export_candidate(backend, keeper, start_step, tokenizer)
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
         call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
@@ -360,6 +375,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             stopped = True
             break
         sync = publish_weights(backend, syncer, step)
+        export_candidate(backend, keeper, step, tokenizer)
         if rank == 0:
             step_seconds = time.perf_counter() - began
             report = controller_pb2.ReportStepRequest(
@@ -374,6 +390,12 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
             record = step_record(step, batch_msg, {**train, "lr": lr}, sync, step_seconds)
             writer.write(record)
             trackers.log(record)
+            if evals is not None:
+                evals.poll(step)
+            if samples is not None and samples.due(step):
+                readable = step_samples(batch_msg, step, tokenizer, cfg.algorithm, cfg.samples)
+                samples.write(readable)
+                trackers.log_samples(readable, step)
             log.info(
                 "step %d reward %.3f clip %.3f kl %.4f sync %.2fs step %.2fs",
                 step, record["reward_mean"], record["clip_frac"], record["kl"], sync.seconds, step_seconds,
@@ -398,6 +420,10 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
     if cfg.trainer.export_hf:
         backend.export_hf(run_dir / "final", tokenizer)
     if rank == 0:
+        if evals is not None:  # the last version's eval: in the run's files before the PNG is drawn
+            evals.drain(cfg.trainer.steps, cfg.controller.generate_timeout_s)
+        if keeper is not None:
+            keeper.close()
         writer.close()
         trackers.close()
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{cfg.run.name}: reward per step")

@@ -1,4 +1,7 @@
-"""metrics.jsonl (one line per trainer step; the source of truth), the reward curve PNG and the training metrics PNG."""
+"""metrics.jsonl (the source of truth), the reward curve PNG and the training metrics PNG.
+
+metrics.jsonl holds two kinds of line: one per trainer step (``REQUIRED_KEYS``), and one per held-out eval of a set
+at a policy version (``EVAL_KEYS``: ``eval`` names the set, ``step`` is the version it measured)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ REQUIRED_KEYS = (
     "samples_per_second",
 )
 
+EVAL_KEYS = ("eval", "step", "policy_version", "prompts", "prompts_failed")
+
 
 class MetricsWriter:
     """Appends one JSON object per step; on resume, drops lines past the resumed step (no repeats)."""
@@ -29,7 +34,7 @@ class MetricsWriter:
     def __init__(self, path: Path, *, resume_step: int = 0) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(path) if r["step"] <= resume_step] if resume_step else []
+        kept = [r for r in read_records(path) if r["step"] <= resume_step] if resume_step else []
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = path.open("a", buffering=1)
 
@@ -39,18 +44,50 @@ class MetricsWriter:
             raise KeyError(f"metrics record lacks {missing}")
         self._file.write(json.dumps(record) + "\n")
 
+    def write_eval(self, record: dict) -> None:
+        missing = [k for k in EVAL_KEYS if k not in record]
+        if missing:
+            raise KeyError(f"eval record lacks {missing}")
+        self._file.write(json.dumps(record) + "\n")
+
     def close(self) -> None:
         self._file.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
+def eval_record(result) -> dict:
+    """A controller EvalResult as a metrics.jsonl eval line: the set, the version measured, its metrics."""
+    return {
+        "eval": result.name,
+        "step": result.policy_version,
+        "policy_version": result.policy_version,
+        "prompts": result.prompts,
+        "prompts_failed": result.prompts_failed,
+        **dict(sorted(result.metrics.items())),
+        "eval_seconds": result.seconds,
+        "time": result.unix_time,
+    }
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every line of metrics.jsonl: step and eval records, in order."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of metrics.jsonl."""
+    return [r for r in read_records(path) if "eval" not in r]
+
+
+def read_evals(path: Path) -> list[dict]:
+    """The eval records of metrics.jsonl (``eval``: the set, ``step``: the policy version measured)."""
+    return [r for r in read_records(path) if "eval" in r]
+
+
 def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | None:
-    """reward_mean (and score_mean) per step, with a 10-step moving average; None without data."""
+    """reward_mean (and score_mean) per step, with a 10-step moving average, and each held-out set's mean@n by
+    the policy version it measured; None without data."""
     records = read_metrics(metrics_path)
     if not records:
         return None
@@ -73,6 +110,9 @@ def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | 
         ax.plot(
             steps, [r["score_mean"] for r in records], color="tab:green", alpha=0.6, label="score_mean (task reward)"
         )
+    for name, points in eval_curves(read_evals(metrics_path)).items():
+        key, xs, ys = points
+        ax.plot(xs, ys, marker="o", label=f"held-out {name}: {key}")
     ax.set_xlabel("trainer step (= policy version)")
     ax.set_ylabel("mean reward of the step's rollouts")
     ax.set_title(title or metrics_path.parent.name)
@@ -129,3 +169,19 @@ def plot_training(metrics_path: Path, out_path: Path, title: str = "") -> Path |
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def eval_curves(evals: list[dict]) -> dict[str, tuple[str, list[int], list[float]]]:
+    """Set -> (its mean@n key, else its first pass@k, versions, values), in version order: the curves plotted beside
+    the reward."""
+    curves: dict[str, tuple[str, list[int], list[float]]] = {}
+    for record in sorted(evals, key=lambda r: r["step"]):
+        key = next((k for k in record if k.startswith("mean@")), None) or next(
+            (k for k in record if k.startswith("pass@")), None
+        )
+        if key is None:
+            continue
+        _, xs, ys = curves.setdefault(record["eval"], (key, [], []))
+        xs.append(record["step"])
+        ys.append(record[key])
+    return curves

@@ -67,8 +67,41 @@ class StepTrackers:
         if self._wandb is not None:
             self._wandb.log(values, step=record["step"])
 
+    def log_eval(self, record: dict, step: int) -> None:
+        """An eval line as ``eval/<set>/<metric>``: TensorBoard at the version it measured, W&B at the trainer's
+        ``step`` (its steps only increase) with the version as ``eval/<set>/policy_version``."""
+        prefix = f"eval/{record['eval']}/"
+        values = {prefix + key: value for key, value in scalars(record).items()}
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def log_samples(self, records: list[dict], step: int) -> None:
+        """A step's readable samples: TensorBoard text (one markdown table) and a W&B table."""
+        rows = [
+            [r["prompt"], s["response"], s["reward"], s.get("advantage", 0.0), s["finish_reason"]]
+            for r in records
+            for s in r["samples"]
+        ]
+        if self._tensorboard is not None:
+            table = ["| prompt | response | reward | advantage | finish |", "|---|---|---|---|---|"]
+            table += [f"| {_cell(p)} | {_cell(t)} | {w:.3f} | {a:.3f} | {f} |" for p, t, w, a, f in rows]
+            self._tensorboard.add_text("samples", "\n".join(table), step)
+        if self._wandb is not None:
+            import wandb
+
+            columns = ["prompt", "response", "reward", "advantage", "finish_reason"]
+            self._wandb.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _cell(text: str) -> str:
+    """Text as one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")

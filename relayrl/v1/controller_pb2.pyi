@@ -7,6 +7,45 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EvalResult(_message.Message):
+    __slots__ = ("name", "policy_version", "metrics", "prompts", "prompts_failed", "seconds", "unix_time")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    policy_version: int
+    metrics: _containers.ScalarMap[str, float]
+    prompts: int
+    prompts_failed: int
+    seconds: float
+    unix_time: float
+    def __init__(self, name: _Optional[str] = ..., policy_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., prompts: _Optional[int] = ..., prompts_failed: _Optional[int] = ..., seconds: _Optional[float] = ..., unix_time: _Optional[float] = ...) -> None: ...
+
+class GetEvalsRequest(_message.Message):
+    __slots__ = ("min_version",)
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    def __init__(self, min_version: _Optional[int] = ...) -> None: ...
+
+class GetEvalsResponse(_message.Message):
+    __slots__ = ("results", "pending")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    pending: int
+    def __init__(self, results: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., pending: _Optional[int] = ...) -> None: ...
+
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "engine", "policy_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -319,7 +358,7 @@ class LedgerCounts(_message.Message):
     def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ..., torn_tails: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers")
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals")
     class RestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +384,7 @@ class StatusResponse(_message.Message):
     ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     trainer_step: int
@@ -363,7 +403,8 @@ class StatusResponse(_message.Message):
     eta_seconds: float
     recent_steps: int
     drained_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ...) -> None: ...
 
 class PauseRunRequest(_message.Message):
     __slots__ = ("reason",)

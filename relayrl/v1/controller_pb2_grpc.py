@@ -114,6 +114,11 @@ class ControllerServiceStub:
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.SerializeToString,
                 response_deserializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.FromString,
                 _registered_method=True)
+        self.GetEvals = channel.unary_unary(
+                '/relayrl.v1.ControllerService/GetEvals',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.GetEvalsRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.GetEvalsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -248,6 +253,14 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEvals(self, request, context):
+        """Trainer, operators: the results of the held-out evals (docs/evaluation.md), each measured at one policy
+        version, and how many are queued or running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +343,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.ReportWeightSync,
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.FromString,
                     response_serializer=relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.SerializeToString,
+            ),
+            'GetEvals': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvals,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.GetEvalsRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.GetEvalsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -764,6 +782,33 @@ class ControllerService:
             '/relayrl.v1.ControllerService/ReportWeightSync',
             relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncRequest.SerializeToString,
             relayrl_dot_v1_dot_controller__pb2.ReportWeightSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/GetEvals',
+            relayrl_dot_v1_dot_controller__pb2.GetEvalsRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.GetEvalsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """`relayrl up examples/guess.yaml`, 10 steps: multi-turn episodes against a supervised environment server train
 (samples with loss masks, per-step episode metrics) and the mean reward rises from the first 3 steps to the last 3,
-later turns reuse the engine's prefix KV cache, and the ledger notes how every episode ended. (The 40-step run,
+later turns reuse the engine's prefix KV cache, the ledger notes how every episode ended, and an eval set of the
+environment's tasks runs its episodes and reports the environment's reward. (The 40-step run,
 0.32 -> 0.73 from the first 10 steps to the last 10, is bench/results/guess.json: `relayrl bench guess`.)"""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.metrics import read_evals, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 ENDS = {"done", "truncated", "max_turns", "max_total_tokens", "deadline"}
@@ -27,7 +28,9 @@ def test_guess_episodes_train_and_the_reward_rises(tmp_path):
     # 0.17 over steps 1-3 -> 0.48 over 8-10 in the recorded 40-step run, 0.18 -> 0.34 in this test on 2026-12-05
     steps = 10
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/guess.yaml")]
-    for override in [f"run.dir={tmp_path / 'runs'}", f"trainer.steps={steps}", "trainer.checkpoint_every=0"]:
+    evals = ["eval.sets.tasks.path=examples/guess-tasks.jsonl", "eval.max_prompts=4", "eval.n=2", "eval.k=[1,2]"]
+    evals.append("eval.temperature=1.0")  # two different episodes per task
+    for override in [f"run.dir={tmp_path / 'runs'}", f"trainer.steps={steps}", "trainer.checkpoint_every=0", *evals]:
         argv += ["--set", override]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     run_dir = tmp_path / "runs" / "guess"
@@ -61,3 +64,17 @@ def test_guess_episodes_train_and_the_reward_rises(tmp_path):
     trained = {e["id"] for e in events if e.get("state") == "trained"}
     assert trained and trained <= set(notes)
     assert all(len(notes[pid]) == 8 and set(notes[pid]) <= ENDS for pid in trained)
+
+    # the eval set's rows are the environment's tasks: each ran eval.n = 2 episodes at one version, scored
+    # by the environment's reward (reward.with_env: env), before training and after its last step
+    results = read_evals(run_dir / "metrics.jsonl")
+    assert [(r["eval"], r["step"], r["prompts"], r["prompts_failed"]) for r in results] == [
+        ("tasks", 0, 4, 0), ("tasks", steps, 4, 0),
+    ]  # fmt: skip
+    generations = [json.loads(line) for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    for result in results:
+        episodes = [s for g in generations if g["step"] == result["step"] for s in g["samples"]]
+        assert len(episodes) == 8 and all(s["versions"] == [result["step"]] for s in episodes)
+        assert all(len(s["turns"]) >= 2 and s["turns"][-1]["role"] in ("assistant", "user", "tool") for s in episodes)
+        assert result["mean@2"] == pytest.approx(sum(s["reward"] for s in episodes) / len(episodes))
+        assert 0 <= result["pass@1"] <= result["pass@2"] <= 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import ConfigError, load_config
+from relayrl.config import ConfigError, EvalConfig, load_config
 from relayrl.ops.preflight import check_eval
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +20,11 @@ GUESS = ROOT / "examples" / "guess.yaml"
 
 
 def demo(*sets: str, config: Path = DEMO):
-    return load_config(config, ["eval.sets.heldout.path=builtin:digits", *sets])
+    return load_config(config, ["eval.sets.heldout.path=builtin:digits-heldout", *sets])
 
 
 def test_the_eval_samples_greedily_once_per_prompt_by_default() -> None:
-    ecfg = demo().eval
+    ecfg = EvalConfig(sets={"heldout": {"path": "builtin:digits-heldout"}})
     assert (ecfg.temperature, ecfg.n, ecfg.k, ecfg.metrics) == (0.0, 1, [1], ["mean", "pass"])
     assert (ecfg.before_train, ecfg.after_train, ecfg.every, ecfg.pass_threshold) == (True, True, 0, 1.0)
     assert ecfg.sets["heldout"].shuffle is False
@@ -42,6 +42,7 @@ def test_the_eval_samples_greedily_once_per_prompt_by_default() -> None:
         (["eval.best.metric=other/pass@1"], "eval.best.metric: 'other/pass@1' names no eval set"),
         (["eval.n=100"], "eval.n (100) exceeds rollout.limits.max_n (64)"),
         (["eval.sets.a/b.path=x"], "eval.sets: set name 'a/b'"),
+        (["eval.sets.heldout.path=builtin:digit"], "eval.sets.heldout.path: unknown built-in 'builtin:digit'"),
     ],
 )
 def test_a_bad_eval_section_is_refused_at_load_naming_the_key(sets: list[str], message: str) -> None:
@@ -74,7 +75,7 @@ def test_relayrl_check_refuses_bad_eval_input_in_one_line(tmp_path: Path) -> Non
     ]
 
     def check(case: tuple[str, str]) -> tuple[subprocess.CompletedProcess, str]:
-        sets = [f"run.dir={tmp_path}", "eval.sets.heldout.path=examples/digits-heldout.jsonl", case[0]]
+        sets = [f"run.dir={tmp_path}", "eval.sets.heldout.path=builtin:digits-heldout", case[0]]
         argv = ["check", str(DEMO), *(arg for s in sets for arg in ("--set", s))]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         done = subprocess.run(

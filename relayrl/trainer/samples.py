@@ -1,0 +1,73 @@
+"""Samples you can read (``samples``): every ``every`` steps (and at the first), the batch's first ``prompts``
+groups, each sample with its response, reward, advantage, finish reason and policy version, one JSON line per group
+in ``<run dir>/samples.jsonl`` (rank 0). An episode's response is decoded with its template's special tokens: its
+turns (the environment's observations included) read as the model saw them. ``relayrl samples`` prints the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from relayrl.algorithms import compute_advantages
+from relayrl.config import AlgorithmConfig, SamplesConfig
+from relayrl.data.readable import cut, finish_name
+from relayrl.v1 import controller_pb2
+
+
+def step_samples(
+    batch: controller_pb2.Batch, step: int, tokenizer, alg: AlgorithmConfig, scfg: SamplesConfig
+) -> list[dict]:
+    """The records of step ``step``'s first ``scfg.prompts`` groups; advantages as the step computed them."""
+    samples = list(batch.samples)
+    if not samples:
+        return []
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([s.group for s in samples], dtype=torch.int64)
+    advantages = compute_advantages(alg.advantage, rewards, group_ids, norm_by_std=alg.norm_by_std).tolist()
+    records: dict[int, dict] = {}
+    for sample, advantage in zip(samples, advantages):
+        if sample.group not in records:
+            if len(records) == scfg.prompts:
+                continue
+            prompt = tokenizer.decode(list(sample.prompt_token_ids), skip_special_tokens=False)
+            records[sample.group] = {
+                "kind": "train", "step": step, "prompt_id": sample.prompt_id,
+                "prompt": cut(prompt, scfg.max_chars), "samples": [],
+            }  # fmt: skip
+        episode = bool(sample.loss_mask)
+        response = tokenizer.decode(list(sample.response_token_ids), skip_special_tokens=not episode)
+        records[sample.group]["samples"].append(
+            {
+                "response": cut(response, scfg.max_chars),
+                "reward": sample.reward,
+                "score": sample.score,
+                "advantage": advantage,
+                "finish_reason": finish_name(sample.finish_reason),
+                "policy_version": sample.policy_version,
+            }
+        )
+    return list(records.values())
+
+
+class SamplesWriter:
+    """Appends the records of every ``every``-th step to ``<run dir>/samples.jsonl``; on resume, drops lines past the
+    resumed step (as metrics.jsonl)."""
+
+    def __init__(self, path: Path, scfg: SamplesConfig, *, resume_step: int = 0) -> None:
+        self.path, self.cfg = path, scfg
+        lines = path.read_text().splitlines() if resume_step and path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self._file = path.open("a", buffering=1)
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.every == 0
+
+    def write(self, records: list[dict]) -> None:
+        self._file.writelines(json.dumps(r) + "\n" for r in records)
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,86 @@
+"""The controller's eval bookkeeping without workers: which versions are due, the hold on a later update, results
+that survive a restart (not run again), a rewind that voids later ones, and the results in Status's rendering,
+the Prometheus gauges and the PNG's curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from relayrl.client.workers import WorkerRegistry
+from relayrl.config import load_config
+from relayrl.controller.evaluation import Evaluator, _line
+from relayrl.controller.latency import LatencyHistogram
+from relayrl.models.assets import prepare_assets
+from relayrl.ops.render import eval_rows
+from relayrl.services.metrics import ControllerCollector
+from relayrl.trainer.metrics import eval_curves
+from relayrl.v1 import controller_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def evaluator(tmp_path: Path, tiny_model_dir: Path, *sets: str) -> Evaluator:
+    from transformers import AutoTokenizer
+
+    cfg = load_config(
+        ROOT / "examples" / "digits.yaml",
+        [f"model.path={tiny_model_dir}", f"run.dir={tmp_path}", "eval.sets.heldout.path=builtin:digits-heldout",
+         "eval.every=2", "trainer.steps=7", *sets],
+    )  # fmt: skip
+    prepare_assets(cfg)  # builtin:digits-heldout, written into the run's assets
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    return Evaluator(cfg, WorkerRegistry(30.0), AutoTokenizer.from_pretrained(tiny_model_dir), state)
+
+
+def result(version: int, value: float = 0.5) -> controller_pb2.EvalResult:
+    return controller_pb2.EvalResult(name="heldout", policy_version=version, metrics={"mean@1": value}, prompts=10)
+
+
+def test_due_versions_hold_and_requests(tmp_path: Path, tiny_model_dir: Path) -> None:
+    ev = evaluator(tmp_path, tiny_model_dir)
+    assert [v for v in range(8) if ev.due(v)] == [0, 2, 4, 6, 7]  # before, every 2, the last step (7)
+    later = evaluator(tmp_path, tiny_model_dir, "eval.before_train=false", "eval.after_train=false")
+    assert [v for v in range(8) if later.due(v)] == [2, 4, 6]
+    assert len(ev.sets[0].records) == 10 and ev.sets[0].records[3].prompt_id == "eval/heldout/3"
+    ev.request(1)  # not due
+    ev.request(2)
+    ev.request(2)  # already queued
+    assert ev.pending == 1
+    assert ev.hold(3, timeout_s=0.05) == 2  # the update to version 3 waits for the eval of version 2
+    assert ev.hold(2, timeout_s=0) is None  # an update to the version being evaluated (a joiner's push) does not
+
+
+def test_results_survive_a_restart_and_a_rewind_voids_later_ones(tmp_path: Path, tiny_model_dir: Path) -> None:
+    ev = evaluator(tmp_path, tiny_model_dir)
+    with ev.path.open("a") as f:  # as _run records them
+        f.writelines(_line(result(version)) for version in (0, 2, 4))
+    restarted = evaluator(tmp_path, tiny_model_dir)
+    assert [r.policy_version for r in restarted.list()] == [0, 2, 4]
+    restarted.request(2)  # done before the restart: not run again
+    restarted.request(6)  # not done (a kill cut it, or it never started): run
+    assert list(restarted._queue) == [6]
+    restarted.rewind(2)  # the run went back to step 2: versions 4 and 6 will be trained again
+    assert [r.policy_version for r in restarted.list()] == [0, 2] and not restarted._queue
+    assert [r.policy_version for r in evaluator(tmp_path, tiny_model_dir).list()] == [0, 2]
+
+
+def test_results_reach_status_prometheus_and_the_png_curves() -> None:
+    status = controller_pb2.StatusResponse(run_name="r", evals=[result(4, 0.9)])
+    assert eval_rows(status) == [("eval heldout", "version 4: mean@1 0.900")]
+    controller = SimpleNamespace(
+        status=lambda: status,
+        batches_ready=0,
+        syncs=SimpleNamespace(count={}, seconds={}),
+        dispatcher=SimpleNamespace(generate_seconds=LatencyHistogram()),
+    )
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(controller))
+    text = generate_latest(registry).decode()
+    assert 'relayrl_eval{metric="mean@1",set="heldout"} 0.9' in text
+    assert 'relayrl_eval_policy_version{set="heldout"} 4.0' in text
+    lines = [{"eval": "heldout", "step": v, "mean@1": m, "pass@1": m} for v, m in ((4, 0.9), (0, 0.1))]
+    assert eval_curves(lines) == {"heldout": ("mean@1", [0, 4], [0.1, 0.9])}
