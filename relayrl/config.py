@@ -123,10 +123,10 @@ class DataConfig(Section):
     # a system turn before every prompt (chat template only; relayrl/data/dataset.py), e.g. the answer format asked
     # for: TRL's conversational datasets carry one per row, verl's a row's prompt messages. None: no system turn
     system_prompt: str | None = None
-    # the user turn, built from the row's columns by str.format, e.g. "{prompt}\nAnswer in <answer></answer> tags."
-    # None: the prompt_key column as is
+    # the user turn, built from the row's columns by str.format, e.g. "{prompt} Answer with one number." None: the
+    # prompt_key column as is
     prompt_template: str | None = None
-    # the longest prompt in tokens after the template (TRL's max_prompt_length, verl's data.max_prompt_length); None:
+    # the longest prompt in tokens after the template (verl's data.max_prompt_length, TRL's before 1.0); None:
     # no limit (the engine refuses a prompt whose prompt + rollout.max_tokens exceeds the model's context)
     max_prompt_tokens: int | None = Field(None, ge=1)
     # a longer prompt: "filter" (never generated: the ledger records it filtered, with its length; the batch's
