@@ -253,6 +253,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "guess": "relayrl.bench.guess",
     "addition": "relayrl.bench.addition",
     "padding": "relayrl.bench.padding",
+    "trainer": "relayrl.bench.trainer",
     "episodes": "relayrl.bench.episodes",
     "heldout": "relayrl.bench.heldout",
 }

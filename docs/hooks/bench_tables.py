@@ -309,6 +309,38 @@ def e2e_long_tail(result: dict) -> str:
     return table(header, rows) + "\n\n" + over + "\n\n" + machine(result)
 
 
+def trainer(result: dict) -> str:
+    s, us, speed = result["seconds_per_step"], result["us_per_token"], result["speedup_vs_float32_full_logits"]
+    by_round = result["speedup_by_round"]
+    labels = {
+        "float32_full_logits": "float32, full logits (the trainer before)",
+        "float32": "float32, response positions through the chunked head",
+        "bfloat16": "bf16 compute (autocast), the chunked head",
+    }
+    rows = []
+    for mode, label in labels.items():
+        m = result["metrics"][mode]
+        ratio = f"**{f(speed[mode])}×** ({', '.join(f(r) for r in by_round[mode])})" if mode in speed else "1.00"
+        rows.append([label, f(s[mode]), f(us[mode], 0), ratio, f(m["loss"], 5), f(m["grad_norm"], 4),
+                     f(m["entropy"], 4), f"{m['logprob_mismatch']:.1e}"])  # fmt: skip
+    header = ["mode", "s/step", "µs/token", "speedup (per round)", "loss", "grad norm", "entropy",
+              "logprob mismatch"]  # fmt: skip
+    out = table(header, rows)
+    if "profile" in result:
+        kinds = sorted({k for p in result["profile"].values() for k in p["share_by_kind"]})
+        shares = [[mode,
+                   f(p["self_cpu_seconds"], 1), *(f"{100 * p['share_by_kind'].get(k, 0):.0f} %" for k in kinds)]
+                  for mode, p in result["profile"].items()]  # fmt: skip
+        out += "\n\nWhere one more step of each mode spent its CPU time (torch.profiler, self time by kind):\n\n"
+        out += table(["mode", "CPU s", *kinds], shares)
+    b, mach = result["batch"], result["machine"]
+    return out + (
+        f"\n\nBatch: {b['rows']} rows, {b['real_tokens']:,} tokens ({b['response_tokens']:,} response tokens), width "
+        f"{b['width']}; {mach['cpus_usable']} CPUs, load average {mach['loadavg_at_start'][0]:.1f} at start, "
+        f"{mach['loadavg_at_end'][0]:.1f} at the end."
+    )
+
+
 def padding(result: dict) -> str:
     b, s, c = result["batch"], result["seconds_per_step"], result["cpu_seconds_per_step"]
 
@@ -405,6 +437,12 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         e2e_long_tail,
     ),
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
+    "trainer": (
+        "trainer.json",
+        "relayrl bench trainer --model /path/to/smollm2-135m-instruct --prompts 4 --rounds 2 --threads 1 "
+        "> bench/results/trainer.json",
+        trainer,
+    ),
     "guess": (
         "guess.json",
         "relayrl bench guess --out bench/results/guess.json --png docs/guess-reward.png",

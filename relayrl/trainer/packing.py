@@ -11,10 +11,10 @@ up to each micro-batch's longest row, little once rows are sorted) plus a fixed 
 ``token_budget`` positions in a micro-batch of more than one row. The padded batch computes ``B x L`` positions,
 the micro-batches ``sum_b b x L_b`` (``computed_positions``, reported as the forward's positions).
 
-Logits are scored only where row token t predicts row token t+1, and scattered back to the padded [B, L-1] layout
-the loss uses: ``out[i, t]`` scores token t+1 of row i as the padded forward does (up to float rounding), 0 where
-row i has no token t+1. The scatter is differentiable, so one backward through the loss reaches every
-micro-batch's forward.
+Positions are scored only where row token t predicts row token t+1 and the loss reads it (``scored``), and
+scattered back to the padded [B, L-1] layout the loss uses: ``out[i, t]`` scores token t+1 of row i as the
+padded forward does (up to float rounding), 0 where row i has no token t+1 or the loss does not read it. The
+scatter is differentiable, so one backward through the loss reaches every micro-batch's forward.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
+from relayrl.trainer.head import scored_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +71,20 @@ def packed_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
+    scored: torch.Tensor,
     temperature: float,
+    dtype: torch.dtype,
     *,
     device: torch.device,
     token_budget: int,
     min_forwards: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of the next token, entropy), both [B, L-1] on ``device``, of the right-padded rows
-    ``input_ids`` / ``attention_mask`` [B, L], forwarded in length buckets (module docstring); 0 past each row's end.
+    ``input_ids`` / ``attention_mask`` [B, L], forwarded in length buckets (module docstring); 0 except at the
+    positions ``scored`` [B, L-1] (within each row), which go through the head in ``dtype`` (trainer/head.py).
 
     ``min_forwards``: forwards to make at least; the missing ones forward one token whose result enters the output
     times zero (FSDP ranks must all make the same forward and backward calls)."""
-    rows, width = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     batches = micro_batches(lengths, token_budget)
     at_rows, at_cols, logprobs, entropies = [], [], [], []
@@ -90,24 +92,28 @@ def packed_logprobs(
         index = torch.tensor(batch)
         span = lengths[batch[0]]  # the micro-batch's longest row
         tokens = input_ids[index, :span].to(device)
-        logits = model(input_ids=tokens, use_cache=False).logits
-        # position t scores token t + 1 where that token is in the row (right-padded: t + 1 < the row's length)
-        rows_at, cols_at = attention_mask[index, 1:span].bool().nonzero(as_tuple=True)
-        rows_at, cols_at = rows_at.to(device), cols_at.to(device)
-        picked = logits[rows_at, cols_at]
-        logprobs.append(logprobs_from_logits(picked, tokens[rows_at, cols_at + 1], temperature))
-        entropies.append(entropy_from_logits(picked, temperature))
+        rows_at, cols_at = scored[index, : span - 1].to(device).nonzero(as_tuple=True)
+        logprob, entropy = scored_logprobs(model, tokens, None, rows_at, cols_at, temperature, dtype)
+        logprobs.append(logprob)
+        entropies.append(entropy)
         at_rows.append(index.to(device)[rows_at])
         at_cols.append(cols_at)
-    logprob = torch.zeros(rows, width - 1, device=device)
-    entropy = torch.zeros(rows, width - 1, device=device)
-    if batches:
-        at = (torch.cat(at_rows), torch.cat(at_cols))
-        logprob, entropy = logprob.index_put(at, torch.cat(logprobs)), entropy.index_put(at, torch.cat(entropies))
+    at = (torch.cat(at_rows), torch.cat(at_cols)) if batches else None
+    logprob, entropy = (
+        scatter(torch.cat(v) if batches else None, at, scored.shape, device) for v in (logprobs, entropies)
+    )
     for _ in range(min_forwards - len(batches)):
         one = torch.zeros(1, 1, dtype=torch.long, device=device)
         logprob = logprob + 0.0 * model(input_ids=one, use_cache=False).logits.sum()
     return logprob, entropy
+
+
+def scatter(
+    values: torch.Tensor | None, at: tuple[torch.Tensor, torch.Tensor] | None, shape: torch.Size, device=None
+) -> torch.Tensor:
+    """A float32 [B, L-1] of zeros with ``values`` at positions ``at`` (differentiable into ``values``)."""
+    out = torch.zeros(shape, dtype=torch.float32, device=device if values is None else values.device)
+    return out if values is None else out.index_put(at, values)
 
 
 class PaddingFree:

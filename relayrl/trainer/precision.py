@@ -8,7 +8,9 @@
 - ``reference``: the frozen reference model's weights (``trainer.reference_dtype``): never updated, so bf16 is safe.
 - ``engine``: the dtype weight sync sends (``rollout.weight_dtype``). The trainer casts while it gathers, once per
   weight on rank 0, into the send buffers: a bf16 engine then receives half the bytes, and no worker casts.
-Logprobs, losses, advantages and entropies reduce in float32 whatever ``compute`` is.
+Logprobs, losses, advantages and entropies reduce in float32 whatever ``compute`` is. On a CPU, attention of a
+model that trains runs in float32 under bf16 compute (``FLOAT32_SDPA``): torch's CPU flash-attention backward is
+~4x slower in bf16 than in float32, which costs more than the float32 attention's forward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ from relayrl.config import TrainerConfig
 from relayrl.runtime.precision import compute_dtype, follow
 
 log = logging.getLogger(__name__)
+
+FLOAT32_SDPA = "relayrl_sdpa_float32"  # the attention implementation of a trained model on a CPU under bf16
+
+
+def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention over float32 query, key and value (autocast off), the output in the query's
+    dtype: registered as ``FLOAT32_SDPA``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+        )
+    return out.to(query.dtype), weights
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,15 @@ class Precision:
         if not self.mixed or dist.get_world_size() > 1:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute)
+
+    def prepare(self, model: torch.nn.Module, device: torch.device) -> None:
+        """A model that trains on ``device``: on a CPU under bf16 compute, its SDPA attention runs in float32
+        (module docstring); elsewhere nothing changes."""
+        if self.mixed and device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa":
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
+            model.set_attn_implementation(FLOAT32_SDPA)
 
     def fsdp_policy(self):
         """FSDP2's MixedPrecisionPolicy: parameters all-gathered in ``compute``, gradients reduced in float32 into

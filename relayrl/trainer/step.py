@@ -84,7 +84,9 @@ def backward_rows(
     the weights are the step's starting ones, so this forward's own logprobs are the old ones. Returns the
     detached logprobs, the masked loss pieces and the policy-loss metrics."""
     m = mask[shard].to(backend.device)
-    logprob, entropy = backend.logprobs(batch.input_ids[shard], batch.attention_mask[shard], temperature)
+    logprob, entropy = backend.logprobs(
+        batch.input_ids[shard], batch.attention_mask[shard], temperature, scored=mask[shard]
+    )
     adv = advantages[shard].to(backend.device)
     adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprob)  # [B] per response, or GAE's per token
     if old is None:  # the starting weights, not updated yet this step: this forward is pi_old (module docstring)
@@ -219,10 +221,13 @@ def train_on_batch(
             elif k == 0:
                 old.append(None)  # its own training forward, the first at the starting weights
             else:
-                old.append(backend.logprobs(batch.input_ids[s], batch.attention_mask[s], temperature)[0])
+                forward = backend.logprobs(batch.input_ids[s], batch.attention_mask[s], temperature, scored=mask[s])
+                old.append(forward[0])
         ref = (
             [
-                backend.logprobs(batch.input_ids[s], batch.attention_mask[s], temperature, reference=True)[0]
+                backend.logprobs(
+                    batch.input_ids[s], batch.attention_mask[s], temperature, reference=True, scored=mask[s]
+                )[0]
                 for s in shards
             ]
             if alg.kl_coef > 0

@@ -150,7 +150,11 @@ class StreamedStep:
         if alg.kl_coef > 0:
             with torch.no_grad():
                 ref = backend.logprobs(
-                    chunk.input_ids[shard], chunk.attention_mask[shard], self.temperature, reference=True
+                    chunk.input_ids[shard],
+                    chunk.attention_mask[shard],
+                    self.temperature,
+                    reference=True,
+                    scored=mask[shard],
                 )[0]
         old = chunk.rollout_logprobs[shard].to(backend.device)
         logprob, pieces, pg = backward_rows(

@@ -73,9 +73,11 @@ def test_packed_rows_see_only_themselves_and_score_as_padded(tiny_model_dir) -> 
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids).logits[:, :-1]
         padded = logprobs_from_logits(logits, batch.input_ids[:, 1:])
+        every = batch.attention_mask[:, 1:].bool()  # every valid position scored
         packed, _ = packed_logprobs(
-            model, batch.input_ids, batch.attention_mask, 1.0, device=torch.device("cpu"), token_budget=64
-        )
+            model, batch.input_ids, batch.attention_mask, every, 1.0, torch.float32, device=torch.device("cpu"),
+            token_budget=64,
+        )  # fmt: skip
         batches = micro_batches(batch.attention_mask.sum(-1).tolist(), 64)
         row = next(b for b in batches if len(b) > 1)[-1]  # the shortest row of a micro-batch of several
         others = torch.arange(len(batch)) != row
@@ -83,8 +85,8 @@ def test_packed_rows_see_only_themselves_and_score_as_padded(tiny_model_dir) -> 
         changed[others] = torch.where(
             batch.attention_mask[others].bool(), 3 + (changed[others] + 1) % 17, changed[others]
         )
-        other, _ = packed_logprobs(model, changed, batch.attention_mask, 1.0, device=torch.device("cpu"),
-                                   token_budget=64)  # fmt: skip
+        other, _ = packed_logprobs(model, changed, batch.attention_mask, every, 1.0, torch.float32,
+                                   device=torch.device("cpu"), token_budget=64)  # fmt: skip
     assert len(batches) > 1
     assert float(((packed - padded) * mask).abs().max()) < TOLERANCE
     assert torch.equal(packed[row], other[row])  # forwarded with rows whose tokens all changed: not a bit moved

@@ -1,7 +1,8 @@
 """Training backends: how the policy is sharded, stepped, gathered and checkpointed.
 
 Both expose the same interface to the training step: ``device``, ``weight_names``, ``dp_rank``/``dp_size``
-(the data-parallel rank and size the step shards rows by), ``logprobs``, ``step``,
+(the data-parallel rank and size the step shards rows by), ``logprobs`` (its ``scored`` positions, the loss's, the
+only ones a backend must compute), ``step``,
 ``weight_specs``, ``gather_weights``, ``save_checkpoint``, ``load_checkpoint``, ``export_hf``, and ``lora`` (the
 adapter's spec when ``model.lora`` trains one, FSDP only: then ``weight_specs``/``gather_weights`` take a ``kind``,
 "base" or "adapter"; else None), ``critic`` (the value model under ``algorithm.advantage: gae``, FSDP only;

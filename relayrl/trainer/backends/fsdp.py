@@ -33,7 +33,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.lora import (
@@ -46,8 +45,9 @@ from relayrl.trainer.backends.lora import (
     write_merged,
 )
 from relayrl.trainer.batch import right_padded
+from relayrl.trainer.head import scored_logprobs
 from relayrl.trainer.optim import adamw
-from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs
+from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs, scatter
 from relayrl.trainer.precision import Precision
 
 
@@ -63,9 +63,11 @@ def load_trained_model(
     """A model that trains: ``loader(path, dtype=float32)`` (wrapped by PEFT with ``lora``), float32 parameters
     whatever ``precision.compute`` is; in a world of more than one rank, fully_shard every decoder layer and the
     root under ``precision.fsdp_policy()``. One rank computes under ``precision.autocast`` instead (the caller's).
+    ``precision.prepare`` picks its attention.
     ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
     activation checkpointing, non-reentrant torch.utils.checkpoint)."""
     model = loader(path, dtype=precision.params).to(device)
+    precision.prepare(model, device)
     model.train(True)
     if gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -140,9 +142,17 @@ class FSDPBackend:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        *,
+        reference: bool = False,
+        scored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``.
+        """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``; only the positions
+        ``scored`` [B, L-1] (the loss's; None: every valid one) go through the output head, the others are 0
+        (relayrl/trainer/head.py).
 
         Rows go in length buckets (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
         right-padded batch (every row's mask ones then zeros, what ``to_train_batch`` builds) goes in without
@@ -151,11 +161,21 @@ class FSDPBackend:
         With several ranks, each rank's decision and count of packed forwards are agreed over all of them
         (FSDP's gathers run once per forward on every rank). Compute in ``precision.compute``; the results in
         float32."""
+        valid = attention_mask[:, 1:].bool()
+        scored = valid if scored is None else valid & scored.bool()
+        model = self.reference if reference else self.model
+        dtype = self.precision.reference if reference else self.precision.compute
         with self.precision.autocast(self.device):
-            return self._logprobs(self.reference if reference else self.model, input_ids, attention_mask, temperature)
+            return self._logprobs(model, input_ids, attention_mask, scored, temperature, dtype)
 
     def _logprobs(
-        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        scored: torch.Tensor,
+        temperature: float,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, positions = int(attention_mask.sum()), attention_mask.numel()
         is_right_padded = right_padded(attention_mask)
@@ -166,15 +186,14 @@ class FSDPBackend:
             forwards = self._agreed([len(batches)], dist.ReduceOp.MAX)[0]
             self.padding_free.record(tokens, computed_positions(batches, lengths), packed=True)
             return packed_logprobs(
-                model, input_ids, attention_mask, temperature, device=self.device, token_budget=budget,
-                min_forwards=forwards,
+                model, input_ids, attention_mask, scored, temperature, dtype, device=self.device,
+                token_budget=budget, min_forwards=forwards,
             )  # fmt: skip
         self.padding_free.record(tokens, positions, packed=False)
         mask = None if is_right_padded else attention_mask.to(self.device)
-        logits = model(input_ids=input_ids.to(self.device), attention_mask=mask).logits
-        logits = logits[:, :-1]
-        labels = input_ids[:, 1:].to(self.device)
-        return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
+        rows, cols = scored.to(self.device).nonzero(as_tuple=True)
+        picked = scored_logprobs(model, input_ids.to(self.device), mask, rows, cols, temperature, dtype)
+        return tuple(scatter(values, (rows, cols), scored.shape) for values in picked)
 
     def _agreed(self, values: list[int], op: dist.ReduceOp) -> list[int]:
         """``values`` reduced by ``op`` over the ranks (collective); as they are with one rank."""

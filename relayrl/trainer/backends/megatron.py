@@ -122,9 +122,16 @@ class MegatronBackend:
         return model
 
     def logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, *, reference: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        *,
+        reference: bool = False,
+        scored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``, on every rank."""
+        """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``, on every rank.
+        ``scored`` is the FSDP backend's hint (the positions the loss reads); the output layer here scores them all."""
         check_right_padded(attention_mask)
         tokens = int(attention_mask.sum())
         self.padding_free.decide(tokens, attention_mask.numel())  # never packs; logs why once
