@@ -33,6 +33,7 @@ from relayrl.ops import k8s, slurm
 from relayrl.ops.args import controller_address
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
 from relayrl.ops.submit_order import InputOrder
+from relayrl.words import counted
 
 out = Console()
 err = Console(stderr=True)
@@ -242,7 +243,7 @@ def cmd_weights_sync(args: argparse.Namespace) -> int:
         left_out = f"; left out: {dict(answer.failed)}" if answer.failed else ""
         out.print(
             f"weight sync #{request.sync_request_id}: version {answer.policy_version} pushed to "
-            f"{len(answer.synced_worker_ids)} workers in {answer.seconds:.2f}s ({answer.reason}){left_out}"
+            f"{counted(len(answer.synced_worker_ids), 'worker')} in {answer.seconds:.2f}s ({answer.reason}){left_out}"
         )
     return 0
 
@@ -263,7 +264,7 @@ def cmd_unpause(args: argparse.Namespace) -> int:
             "--resume)[/dim]"
         )
     with connect(args) as client:
-        response = client.resume()
+        response = client.unpause()
     _print_ack(args, response, "unpaused")
     return 0
 

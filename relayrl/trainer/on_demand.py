@@ -27,6 +27,7 @@ from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.manifest import Spec
+from relayrl.words import counted
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 60.0
@@ -130,8 +131,8 @@ class OnDemandSync:
                 _, backoff = self._retry_at.get(worker_id, (0.0, self.interval_s))
                 self._retry_at[worker_id] = (time.monotonic() + backoff, min(2 * backoff, MAX_BACKOFF_S))
         log.info(
-            "weight push v%d (%s): %d workers in %.2fs%s",
-            result.version, reason, len(result.synced), result.seconds,
+            "weight push v%d (%s): %s in %.2fs%s",
+            result.version, reason, counted(len(result.synced), "worker"), result.seconds,
             f", left out {sorted(result.failed)}" if result.failed else "",
         )  # fmt: skip
         self.controller.ReportWeightSync(
