@@ -1,5 +1,7 @@
 """``relayrl`` command line: one entry point for every role, the launcher and the operator tools."""
 
+# ruff: noqa: E402  (a Ctrl-C handler is installed before the imports that take seconds)
+
 from __future__ import annotations
 
 import argparse
@@ -9,6 +11,18 @@ import os
 import signal
 import sys
 import threading
+
+
+def _interrupted_while_importing(_signum, _frame) -> None:
+    """Ctrl-C during this module's imports (seconds on a busy machine): one line and 128 + SIGINT, no traceback
+    (nothing has been made yet). ``main`` hands SIGINT back to Python before any command runs."""
+    os.write(2, b"relayrl: interrupted\n")
+    os._exit(130)
+
+
+AS_PROGRAM = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "relayrl"  # not a library's import
+if AS_PROGRAM and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 import grpc
 
@@ -364,12 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     stop_with_parent()  # a child of `relayrl up` stops when the launcher dies
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, answered below
         if getattr(args, "passthrough", False):
             return args.func(args, rest)
         code = args.func(args)
     except ConfigError as err:
         print(f"relayrl: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (imports, checks): one line, 128 + SIGINT
+        print(f"relayrl {args.command}: interrupted", file=sys.stderr)
+        return 130
     except LedgerError as err:  # a corrupt line before the ledger's last: a person must look (not a restart)
         print(f"relayrl: {err}", file=sys.stderr)
         return 2

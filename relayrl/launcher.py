@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
+from relayrl.words import counted
 
 console = Console(stderr=True)
 
@@ -235,7 +237,7 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServ
     wait_until(
         lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
         180,
-        f"{cfg.rollout.workers} rollout workers to register",
+        f"{counted(cfg.rollout.workers, 'rollout worker')} to register",
         job,
         roles,
     )
@@ -314,15 +316,25 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
     return result
 
 
+@contextmanager
+def signals_deferred(*signums: int):
+    """Run the block whole: these signals, should they come meanwhile, reach their handlers after it."""
+    came: list[int] = []
+    previous = {signum: signal.signal(signum, lambda got, _frame: came.append(got)) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if came and callable(previous[came[0]]):
+        previous[came[0]](came[0], None)
+
+
 def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkServer | None = None) -> int:
     """Run ``cfg`` (through relayrl.ops.preflight already) to its end, its roles forked from ``forks`` when given;
-    ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume)."""
+    ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume). Ctrl-C exits 130, SIGTERM
+    0, each after stopping every role; before the roles started, a new run's directory is removed again."""
     started = time.monotonic()
-    if not cfg.controller.port:  # saved with the run, so that its address stays when it resumes
-        cfg.controller.port = free_port(cfg.controller.host)
-    config_path = prepare_run_dir(cfg, resume)  # saved with its builtin: paths, which every role resolves
-    for path in prepare_assets(cfg):
-        console.print(f"[dim]built {path}[/dim]")
     stop_signal: list[str] = []
 
     def on_signal(signum, _frame):
@@ -331,19 +343,34 @@ def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkS
 
     signal.signal(signal.SIGTERM, on_signal)
     job = None
+    made_run_dir = False
     try:
+        if not cfg.controller.port:  # saved with the run, so that its address stays when it resumes
+            cfg.controller.port = free_port(cfg.controller.host)
+        with signals_deferred(signal.SIGINT, signal.SIGTERM):  # the old run moved aside, the new one made: whole
+            config_path = prepare_run_dir(cfg, resume)  # saved with its builtin: paths, which every role resolves
+            made_run_dir = resume is None
+        for path in prepare_assets(cfg):
+            console.print(f"[dim]built {path}[/dim]")
         job = start_job(cfg, config_path, resume is not None, forks)
         console.print(
-            f"controller {job.controller_address} · {cfg.rollout.workers} rollout workers · "
+            f"controller {job.controller_address} · {counted(cfg.rollout.workers, 'rollout worker')} · "
             f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"
         )
         watch(job, cfg.run_dir / "metrics.jsonl")
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         console.print(f"[yellow]{stop_signal[0] if stop_signal else 'SIGINT'}: stopping every process[/yellow]")
         if job is not None:
             rollouts = [r for r in job.children if r.startswith("rollout")]
             job.stop(["trainer", *rollouts, *environment_roles(cfg), "controller"])
             job.close()
+        elif forks is not None:
+            forks.kill()
+        if job is None and made_run_dir and cfg.run_dir.exists():  # stopped before any role started
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)
+            console.print(f"[dim]removed {cfg.run_dir}: stopped before the run started[/dim]")
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted) as err:
         console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")

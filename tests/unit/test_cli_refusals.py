@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -368,6 +370,31 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         timeout=120,
     )
     assert ok.returncode == 0 and "ok" in ok.stdout and not runs.exists(), ok.stderr
+
+
+def test_ctrl_c_early_in_start_up_exits_130_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
+    """Ctrl-C the moment the run directory exists (the demo's assets are being built, no role has started): the
+    launcher says so in a line, exits 130 (128 + SIGINT), and removes the directory it had just made."""
+    runs = tmp_path / "runs"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), "--set", f"run.dir={runs}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        while not (runs / "digits").exists() and up.poll() is None:
+            time.sleep(0.02)
+        up.send_signal(signal.SIGINT)
+        _, stderr = up.communicate(timeout=120)
+    finally:
+        up.kill()
+    assert up.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "SIGINT: stopping every process" in stderr and "stopped before the run started" in stderr
+    assert not any(runs.iterdir())
 
 
 def test_a_role_that_dies_at_start_has_its_error_on_the_console(tmp_path: Path, tiny_model_dir: Path) -> None:
