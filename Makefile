@@ -1,19 +1,25 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+CORE := $(VENV)/.installed-core
+STAMP := $(VENV)/.installed-dev
 
 .PHONY: demo test docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e bench-episodes clean
 
-# torch first and pinned: an open range would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch first and pinned: an open range would pull a multi-GB CUDA build. The demo needs the core alone; tests,
+# docs, lint and benchmarks the `dev` extra on top (TRL, Megatron, Kubernetes, MkDocs: about 2 GB more).
+$(CORE): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $(CORE)
+
+$(STAMP): $(CORE)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(VENV)/bin/relayrl up examples/digits.yaml
 
 # One process by default: the fault and streaming tests race real processes against each other, and two

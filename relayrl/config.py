@@ -167,7 +167,8 @@ class RolloutConfig(Section):
     weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     workers: int = Field(2, ge=1)  # how many `relayrl up` starts
     n: int = Field(8, ge=1)  # samples per prompt: the GRPO group size
-    temperature: float = Field(1.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE, checked below
+    # 0 (greedy) or at least 0.01 (MIN_TEMPERATURE, relayrl/rollout/sampling.py)
+    temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling; 1 samples the whole vocabulary
     max_tokens: int = Field(16, ge=1)  # most tokens sampled per response (finish reason `length` there)
     stop_token_ids: list[int] = Field(default_factory=list)  # tokens that end a response, besides EOS

@@ -176,6 +176,13 @@ def cell(text: str) -> str:
     return text.replace("\n", " ").replace("|", "\\|")
 
 
+def prose(text: str) -> str:
+    """Source text shown as written: ``<`` ``>`` ``&`` outside `code` spans escaped, so that ``<run dir>`` is not
+    taken for an HTML tag and dropped (inside a code span Markdown escapes them itself)."""
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(part if part.startswith("`") else html.escape(part, quote=False) for part in parts)
+
+
 def code_cell(text: str) -> str:
     return f"<code>{html.escape(text, quote=False)}</code>".replace("|", "&#124;")
 
@@ -187,7 +194,7 @@ def render(root: type[BaseModel]) -> str:
         out.append(f"## {title} {{ #{anchor(path) if path else 'top-level'} }}\n")
         doc = class_doc(model)
         if doc:
-            out.append(doc.replace("``", "`") + "\n")
+            out.append(prose(doc.replace("``", "`")) + "\n")
         if optional:
             out.append(f"Optional section: absent (`null`) unless the config has `{path}:`.\n")
         out.append("| key | type | default | constraints | description |")
@@ -206,7 +213,7 @@ def render(root: type[BaseModel]) -> str:
                 comment = comment or class_doc(nested[0]).split("\n\n")[0].replace("``", "`")
             out.append(
                 f"| {key_cell} | {type_text} "
-                f"| {cell(default_text(info))} | {cell(constraints(info))} | {cell(comment)} |"
+                f"| {cell(default_text(info))} | {cell(constraints(info))} | {cell(prose(comment))} |"
             )
         out.append("")
     return "\n".join(out)

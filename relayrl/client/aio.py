@@ -93,7 +93,9 @@ class AsyncRelayClient:
     async def pause(self, reason: str = "", *, timeout: float | None = None) -> controller_pb2.PauseRunResponse:
         return await self._call(self.stub.Pause, controller_pb2.PauseRunRequest(reason=reason), timeout)
 
-    async def resume(self, *, timeout: float | None = None) -> controller_pb2.ResumeRunResponse:
+    async def unpause(self, *, timeout: float | None = None) -> controller_pb2.ResumeRunResponse:
+        """Undo ``pause``: the run goes on (``relayrl unpause``; the RPC is ``Resume``). Resuming a stopped run is
+        ``relayrl up --resume``, not this."""
         return await self._call(self.stub.Resume, controller_pb2.ResumeRunRequest(), timeout)
 
     async def drain(self, worker_id: str, *, timeout: float | None = None) -> controller_pb2.DrainWorkerResponse:

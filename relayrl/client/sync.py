@@ -97,7 +97,9 @@ class RelayClient:
     def pause(self, reason: str = "", *, timeout: float | None = None) -> controller_pb2.PauseRunResponse:
         return self._call(self.stub.Pause, controller_pb2.PauseRunRequest(reason=reason), timeout)
 
-    def resume(self, *, timeout: float | None = None) -> controller_pb2.ResumeRunResponse:
+    def unpause(self, *, timeout: float | None = None) -> controller_pb2.ResumeRunResponse:
+        """Undo ``pause``: the run goes on (``relayrl unpause``; the RPC is ``Resume``). Resuming a stopped run is
+        ``relayrl up --resume``, not this."""
         return self._call(self.stub.Resume, controller_pb2.ResumeRunRequest(), timeout)
 
     def drain(self, worker_id: str, *, timeout: float | None = None) -> controller_pb2.DrainWorkerResponse:

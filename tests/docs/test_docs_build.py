@@ -4,31 +4,16 @@ and its configuration reference lists exactly the keys of RelayConfig, nested an
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import typing
 from pathlib import Path
 
-import pytest
 from pydantic import BaseModel
 
 from relayrl.config import RelayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
-    assert "WARNING" not in done.stderr, done.stderr
-    return out
 
 
 def models_in(annotation: object) -> list[type[BaseModel]]:
