@@ -39,10 +39,10 @@ from relayrl.runtime.address import Address
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
+from relayrl.runtime.words import counted
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
-from relayrl.words import counted
 
 console = Console(stderr=True)
 

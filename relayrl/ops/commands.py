@@ -33,7 +33,7 @@ from relayrl.ops import k8s, slurm
 from relayrl.ops.args import controller_address
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
 from relayrl.ops.submit_order import InputOrder
-from relayrl.words import counted
+from relayrl.runtime.words import counted
 
 out = Console()
 err = Console(stderr=True)

@@ -23,11 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 import torch
 
+from relayrl.runtime.words import counted
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 from relayrl.weightsync.arena import WeightArena
 from relayrl.weightsync.manifest import Spec
-from relayrl.words import counted
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 60.0
