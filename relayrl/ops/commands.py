@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
+import yaml
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,6 +33,7 @@ from relayrl.errors import rpc_error_text
 from relayrl.ops import k8s, slurm
 from relayrl.ops.args import controller_address
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
+from relayrl.ops.run_record import describe, finished_record, listening, stopped_record
 from relayrl.ops.submit_order import InputOrder
 from relayrl.runtime.words import counted
 
@@ -182,11 +184,33 @@ def show(args: argparse.Namespace, response, tables) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch: must be > 0 seconds, got {args.watch:g}")
+    if (record := gone_run(args)) is not None:  # --run of a run whose controller is gone: what its files say
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            out.print(describe(record), soft_wrap=True)
+        return 0
     with connect(args) as client:
         if args.watch is None:
             return show(args, client.status(), status_tables)
         watch_status(args, client)
     return 0
+
+
+def gone_run(args: argparse.Namespace) -> dict | None:
+    """With ``--run`` as the only address: the run's record (relayrl.ops.run_record) when it finished since its
+    last start, or when nothing listens at its controller.address; None when its controller is to be asked."""
+    if args.run is None or args.controller or os.environ.get(ENV_ADDRESS):
+        return None
+    run_dir = Path(args.run)
+    if (record := finished_record(run_dir)) is not None:
+        return record
+    address = controller_address(None, None, args.run)  # ValueError naming --run when there is none
+    if listening(address):
+        return None
+    config = run_dir / "config.yaml"
+    steps = (yaml.safe_load(config.read_text()) or {}).get("trainer", {}).get("steps") if config.is_file() else None
+    return stopped_record(run_dir, steps)
 
 
 def watch_status(args: argparse.Namespace, client: RelayClient) -> None:

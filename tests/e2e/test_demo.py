@@ -38,6 +38,13 @@ def test_demo_reward_rises(tmp_path):
     assert last >= 0.6, last
     assert (run_dir / "reward.png").stat().st_size > 10_000
     assert "reward, last 10 steps" in done.stderr  # the summary table
+    status = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "status", "--run", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # its controller is gone: the run's summary says how it ended, and when
+    assert status.returncode == 0 and "finished at" in status.stdout, status.stderr
     # step 1 waited for the trainer's starting weights: their load aborted no call, so nothing was sent twice
     assert "re-dispatching" not in (run_dir / "logs" / "controller.log").read_text()
     if not gpu_host():  # a CPU host forks every role from its server

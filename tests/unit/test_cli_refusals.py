@@ -3,6 +3,7 @@ names the key or flag; no run directory and nothing built left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -241,6 +242,36 @@ def test_the_controller_address_comes_from_the_run_directory(tmp_path: Path) -> 
     assert "has no controller.address" in relayrl("status", "--run", str(run), env=NO_ADDRESS)
     (run / "controller.address").write_text("127.0.0.1:99999")
     assert "controller.address: port 99999 is out of range" in relayrl("status", "--run", str(run), env=NO_ADDRESS)
+
+
+def test_status_of_a_run_whose_controller_is_gone_reads_the_run_directory(tmp_path: Path) -> None:
+    """`relayrl status --run` of a stopped run (nothing listens at its controller.address) says how far it got and
+    when; of a finished one, its summary and when; exit 0 at once, no UNAVAILABLE after the client's retries."""
+    from relayrl.launcher import summary
+
+    run_dir = saved_run(tmp_path, "trainer.steps=20")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        (run_dir / "controller.address").write_text(f"127.0.0.1:{closed.getsockname()[1]}")
+    steps = [{"step": s, "reward_mean": 0.5, "sync_seconds": 0.1} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
+
+    def status(*flags: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "relayrl.cli", "status", "--run", str(run_dir), *flags],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **NO_ADDRESS},
+        )  # fmt: skip
+        assert done.returncode == 0 and not done.stderr.strip(), (done.returncode, done.stderr[-2000:])
+        return " ".join(done.stdout.split())
+
+    stopped = status()
+    assert "not running (no controller answers) and not finished: 3 of 20 steps trained, the last at" in stopped
+    assert json.loads(status("--json"))["state"] == "stopped"
+    summary(load_config(run_dir / "config.yaml"), run_dir / "metrics.jsonl", 12.0)  # as `relayrl up` ends a run
+    finished = status()
+    assert f"run {run_dir}: finished at " in finished and "after 3 steps in 12 s" in finished
+    record = json.loads(status("--json"))
+    assert record["state"] == "finished" and record["steps"] == 3 and record["at"].endswith("UTC")
 
 
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:

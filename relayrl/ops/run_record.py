@@ -1,0 +1,74 @@
+"""What a run directory says of a run whose controller is gone (``relayrl status --run runs/NAME``): finished,
+from the ``summary.json`` ``relayrl up`` writes at its end, or stopped (stopped, died or killed), from the last
+record of its ``metrics.jsonl``; each with when."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from relayrl.runtime.address import parse_address
+
+CONNECT_TIMEOUT_S = 1.0
+
+
+def listening(address: str) -> bool:
+    """Whether anything accepts a connection at ``host:port`` now (a gone controller: refused at once)."""
+    parsed = parse_address(address, "controller.address")
+    try:
+        socket.create_connection((parsed.host.strip("[]"), parsed.port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def finished_record(run_dir: Path) -> dict | None:
+    """The run's final state when it finished since its last start (``summary.json`` newer than the
+    ``controller.address`` each start writes), else None."""
+    summary, address = run_dir / "summary.json", run_dir / "controller.address"
+    if not summary.is_file() or (address.is_file() and address.stat().st_mtime > summary.stat().st_mtime):
+        return None
+    record = json.loads(summary.read_text())
+    return {"state": "finished", "at": _when(summary.stat().st_mtime), **record}
+
+
+def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
+    """The state of a run that did not finish and has no controller: its last trained step and when."""
+    metrics = run_dir / "metrics.jsonl"
+    last = None
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                last = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill
+    record = {"state": "stopped", "run_dir": str(run_dir), "steps": last["step"] if last else 0}
+    if last is not None:
+        record["at"] = _when(metrics.stat().st_mtime)
+        if "reward_mean" in last:
+            record["reward_last"] = last["reward_mean"]
+    if total_steps is not None:
+        record["total_steps"] = total_steps
+    return record
+
+
+def describe(record: dict) -> str:
+    """One line for the console."""
+    if record["state"] == "finished":
+        reward = f", reward {record['reward_first10']:.3f} -> {record['reward_last10']:.3f} (first/last 10 steps)"
+        return (
+            f"run {record['run_dir']}: finished at {record['at']} after {record['steps']} steps in "
+            f"{record['wall_seconds']:.0f} s{reward if 'reward_last10' in record else ''}; its controller is gone"
+        )
+    of = f" of {record['total_steps']}" if "total_steps" in record else ""
+    when = f", the last at {record['at']}" if "at" in record else ""
+    return (
+        f"run {record['run_dir']}: not running (no controller answers) and not finished: {record['steps']}{of} "
+        f"steps trained{when}; `relayrl up --resume` continues it"
+    )
