@@ -87,6 +87,9 @@ class LocalJob:
         self.children[role] = proc
         return proc
 
+    def rollouts(self) -> list[str]:
+        return [role for role in self.children if role.startswith("rollout")]
+
     def respawn(self, role: str) -> subprocess.Popen | ForkedRole:
         """Start ``role`` again as it was started; the trainer continues from its newest checkpoint."""
         argv, env, own_store = self.commands[role]
@@ -203,6 +206,18 @@ def dial_address(host: str, port: int) -> str:
     return str(Address(host, port))
 
 
+def rollout_workers(cfg: RelayConfig, resume: bool) -> int:
+    """How many rollout workers to start: ``rollout.workers``, or, resuming, the desired count the run's controller
+    persisted (``relayrl scale rollout N``, a drain: ProgressState.desired_rollout_replicas in its state.json)
+    when one was set: the count an operator chose is the source of truth, not the config's."""
+    state = Path(cfg.controller.state_dir or cfg.run_dir / "controller") / "state.json"
+    if resume and state.is_file():
+        desired = json.loads(state.read_text()).get("desired_rollout_replicas", 0)
+        if desired > 0:
+            return desired
+    return cfg.rollout.workers
+
+
 def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServer | None = None) -> LocalJob:
     """Start every role of ``cfg``, forked from ``forks`` (``start_forks``) when given, else each a fresh
     interpreter; the controller binds ``controller.host:port`` (a fixed port: ``run_local`` records the one it
@@ -220,7 +235,8 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServ
     # their heartbeat and the trainer its first calls until the controller answers. A trainer that publishes
     # its starting weights before a worker registered finds it at version 0 (loaded from the model path).
     job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
-    for i in range(cfg.rollout.workers):
+    workers = rollout_workers(cfg, resume)
+    for i in range(workers):
         spawn_rollout(job, i)
     # One rank runs as the role itself, with what torchrun's agent would give it (relayrl.trainer.launch does
     # the same outside `relayrl up`); more ranks run under `relayrl trainer launch` (torchrun).
@@ -230,14 +246,14 @@ def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServ
     else:
         launch = ["trainer", "launch", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}", "-m", "relayrl.cli"]
         job.spawn("trainer", job.relay(*launch, *rank), env=trainer_env(cfg))
-    roles = ["controller", *(f"rollout-{i}" for i in range(cfg.rollout.workers)), "trainer", *env_roles]
+    roles = ["controller", *(f"rollout-{i}" for i in range(workers)), "trainer", *env_roles]
     wait_until(lambda: environments_serving(job.cfg), 120, "the environment servers", job, roles)
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
     (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
     wait_until(
-        lambda: len(controller_status(job.controller_address).workers) >= cfg.rollout.workers,
+        lambda: len(controller_status(job.controller_address).workers) >= workers,
         180,
-        f"{counted(cfg.rollout.workers, 'rollout worker')} to register",
+        f"{counted(workers, 'rollout worker')} to register",
         job,
         roles,
     )
@@ -354,7 +370,7 @@ def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkS
             console.print(f"[dim]built {path}[/dim]")
         job = start_job(cfg, config_path, resume is not None, forks)
         console.print(
-            f"controller {job.controller_address} · {counted(cfg.rollout.workers, 'rollout worker')} · "
+            f"controller {job.controller_address} · {counted(len(job.rollouts()), 'rollout worker')} · "
             f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"
         )
         watch(job, cfg.run_dir / "metrics.jsonl")

@@ -67,9 +67,9 @@ class LocalScaler:
             status = self.stub.Status(controller_pb2.StatusRequest(), timeout=5)
         except grpc.RpcError:
             return  # the controller is checked for liveness elsewhere
-        self._give_up_drained(status)
+        desired = self._give_up_drained(status)  # the count it set, if it set one: ``status`` predates it
         self._stop_drained(status)
-        desired, running = status.desired_rollout_replicas, self.workers()
+        running = self.workers()
         if desired <= 0 or desired == len(running):
             return
         if desired > len(running):
@@ -82,17 +82,19 @@ class LocalScaler:
             for k in running[desired:]:
                 self._drain(f"rollout-{k}")
 
-    def _give_up_drained(self, status: controller_pb2.StatusResponse) -> None:
+    def _give_up_drained(self, status: controller_pb2.StatusResponse) -> int:
         """Workers of ours an operator drained: stopped once idle (``_stop_drained``) and their slots given up, the
-        desired count set to the workers left (``ScaleRollout``; at least 1, which it then starts anew)."""
+        desired count lowered by them (``ScaleRollout``; at least 1, which it then starts anew). Returns the desired
+        count from then on: the one it set, else the one in ``status`` (which predates any it sets)."""
+        desired = status.desired_rollout_replicas
         drained = {w.worker_id for w in status.workers if w.state == "draining"} | set(status.drained_workers)
         roles = sorted(r for r in drained if r in self.job.children and ROLE.match(r) and r not in self.draining)
         if not roles:
-            return
+            return desired
         for role in roles:
             self.draining[role] = time.monotonic() + self.drain_timeout_s
             self.given_up.add(role)
-        left = max(1, len(self.workers()))
+        left = max(1, desired - len(roles) if desired > 0 else len(self.workers()))
         try:
             self.stub.ScaleRollout(controller_pb2.ScaleRolloutRequest(replicas=left), timeout=5)
         except grpc.RpcError as err:
@@ -101,6 +103,7 @@ class LocalScaler:
             f"drain: {', '.join(roles)} drained by an operator: stopped once idle and not restarted "
             f"(its slot is given up); desired rollout replicas now {left}"
         )
+        return left
 
     def _drain(self, role: str) -> None:
         self.on_change(f"scale down: draining {role}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -223,6 +224,46 @@ def test_local_scaler_looks_at_once_when_a_worker_exits_and_keeps_a_drained_one_
     scaler.tick()
     assert stub.Status.call_count == 2 and job.stopped == ["rollout-1"] and "rollout-1" not in job.children
     assert status.desired_rollout_replicas == 1 and scaler.given_up == {"rollout-1"}
+
+
+def test_a_drain_after_a_scale_up_starts_no_worker():
+    """`scale rollout 3`, then `drain rollout-1`: the count becomes 2 and nothing starts (a fresh rollout-3 was
+    started and drained a second later). Each Status is a snapshot, as over gRPC."""
+    job = FakeJob(["rollout-0", "rollout-1", "rollout-2"])
+    spawn = mock.MagicMock()
+    state = controller_pb2.StatusResponse(
+        desired_rollout_replicas=3,
+        workers=[controller_pb2.WorkerStatus(worker_id=f"rollout-{k}", state="idle") for k in range(3)],
+    )
+    state.workers[1].state = "draining"  # `relayrl drain rollout-1`
+    stub = mock.MagicMock()
+    stub.Status.side_effect = lambda *_, **__: controller_pb2.StatusResponse.FromString(state.SerializeToString())
+    stub.ScaleRollout.side_effect = lambda req, timeout: setattr(state, "desired_rollout_replicas", req.replicas)
+    scaler = LocalScaler(job, spawn, stub, interval_s=0)
+    for _ in range(3):
+        scaler.tick()
+    spawn.assert_not_called()
+    stub.DrainWorker.assert_not_called()
+    assert state.desired_rollout_replicas == 2 and job.stopped == ["rollout-1"] and scaler.workers() == [0, 2]
+
+
+def test_a_resumed_run_starts_the_count_its_controller_persisted(tmp_path):
+    """After `scale rollout 1` (or a drain), `up --resume` starts one worker, not the config's two then drains one."""
+    import json
+
+    from relayrl.config import load_config
+    from relayrl.controller.core import ProgressState
+    from relayrl.launcher import rollout_workers
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
+    cfg = load_config(demo, [f"run.dir={tmp_path}", "rollout.workers=2"])
+    assert rollout_workers(cfg, resume=True) == 2  # no state yet: the config's count
+    (cfg.run_dir / "controller").mkdir(parents=True)
+    state = cfg.run_dir / "controller" / "state.json"
+    state.write_text(json.dumps(ProgressState().__dict__))  # never scaled: 0
+    assert rollout_workers(cfg, resume=True) == 2
+    state.write_text(json.dumps(ProgressState(desired_rollout_replicas=1).__dict__))  # as the controller saves it
+    assert rollout_workers(cfg, resume=True) == 1 and rollout_workers(cfg, resume=False) == 2
 
 
 def test_local_scaler_does_nothing_until_a_count_is_set():
