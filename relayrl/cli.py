@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 
 def _interrupted_while_importing(_signum, _frame) -> None:
@@ -90,6 +91,27 @@ def _add_config(parser: argparse.ArgumentParser, positional: bool = False) -> No
     else:
         parser.add_argument("--config", type=existing_file, required=True, help="run config (YAML)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+
+
+def _add_resumable_config(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``up``/``check``: CONFIG, or ``--resume RUN_DIR`` alone; ``--allow-change KEY`` for a resume's unsafe keys."""
+    parser.add_argument("config", nargs="?", type=existing_file, help="run config (YAML); none with --resume RUN_DIR")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="RUN_DIR",
+        help=f"{verb} a stopped run: RUN_DIR (runs/NAME) from its saved config alone, or CONFIG's run as saved",
+    )
+    parser.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: let --set change KEY although it is not safe to change (recorded in resume.log)",
+    )
 
 
 def wait_for_shutdown() -> str:
@@ -224,10 +246,27 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
-    """The config of ``up``/``check`` (resuming: the run's saved one and its safe changes, relayrl.ops.resume)."""
-    from relayrl.ops.resume import resume_config
+    """The config of ``up``/``check`` and, resuming, its changes (relayrl.ops.resume): ``--resume RUN_DIR`` reads
+    the run's saved config; ``CONFIG --resume`` (or ``--resume CONFIG``) checks CONFIG against it."""
+    from relayrl.ops.resume import resume_config, resume_run
 
-    return resume_config(args.config, args.set) if args.resume else (load_config(args.config, args.set), None)
+    if args.allow_change and args.resume is None:
+        raise ConfigError("--allow-change: only with --resume (a new run takes any config)")
+    config = args.config
+    if isinstance(args.resume, str):
+        target = Path(args.resume)
+        if config is not None:
+            raise ConfigError(f"--resume {target}: give either a config file with --resume, or --resume RUN_DIR")
+        if target.is_dir() or target.suffix not in (".yaml", ".yml"):
+            return resume_run(target, args.set, args.allow_change)
+        if not target.is_file():
+            raise ConfigError(f"--resume: {target}: no such file")
+        config = args.resume  # `relayrl up --resume CONFIG`: the flag before the file
+    if config is None:
+        raise ConfigError("config: give a run config (YAML), or --resume runs/NAME to continue a stopped run")
+    if args.resume:
+        return resume_config(config, args.set, args.allow_change)
+    return load_config(config, args.set), None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -254,7 +293,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg, changes = _loaded(args)
     preflight(cfg)
     what = f"resumes {cfg.run_dir}" + (f" ({'; '.join(changes)})" if changes else "") if args.resume else "starts"
-    print(f"{args.config}: ok; `relayrl up` {what}")
+    print(f"{args.config or args.resume}: ok; `relayrl up` {what}")
     return 0
 
 
@@ -344,15 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_trainer_launch, passthrough=True)
 
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
-    _add_config(p, positional=True)
-    p.add_argument(
-        "--resume", action="store_true", help="continue the stopped run of this config's run.name, as it was saved"
-    )
+    _add_resumable_config(p, "continue")
     p.set_defaults(func=cmd_up, fast_exit=True)
 
     p = sub.add_parser("check", help="validate a run config and run the start-up checks of `relayrl up`; start nothing")
-    _add_config(p, positional=True)
-    p.add_argument("--resume", action="store_true", help="check it as `relayrl up --resume` would")
+    _add_resumable_config(p, "check resuming")
     p.set_defaults(func=cmd_check)
 
     add_operator_commands(sub)  # submit, status, weights, pause, resume, drain, scale

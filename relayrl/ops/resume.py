@@ -1,11 +1,15 @@
-"""``relayrl up CONFIG --resume``: continue a stopped run exactly as its saved config says.
+"""``relayrl up --resume runs/NAME`` (or ``relayrl up CONFIG --resume``): continue a stopped run exactly as its
+saved config says.
 
-The resumed run's config is ``<run dir>/config.yaml``, the one it was started with. The config given now
-(the file plus ``--set``) must agree with it on every key, except:
+The resumed run's config is ``<run dir>/config.yaml``, the one it was started with: ``--resume RUN_DIR`` reads it
+alone (plus ``--set``); ``CONFIG --resume`` checks the config given now (the file plus ``--set``) against it. Either
+must agree with it on every key, except:
 
 - keys in ``RESUME_SAFE_KEYS`` changed by an explicit ``--set``: applied, written into the saved config
   and logged, one line each, in ``<run dir>/resume.log``. The same change coming from the file alone is
   refused: it is exactly what a forgotten ``--set`` looks like;
+- any other key changed by an explicit ``--set`` and named by ``--allow-change KEY`` (an lr lowered after the run
+  diverged): applied and logged the same way, marked as allowed;
 - ``controller.port: 0`` ("any free port"): the run keeps the port it recorded, so its address stays;
 - the ``environment.servers`` addresses ``relayrl up`` appended for ``environment.serve`` (it starts them anew).
 
@@ -73,28 +77,48 @@ def read_saved(run_dir: Path) -> RelayConfig:
     return parse_config(yaml.safe_load(saved.read_text()) or {})
 
 
-def resume_config(path: str | Path, overrides: list[str]) -> tuple[RelayConfig, list[str]]:
-    """The config to resume with and the safe changes it applies (``key: old -> new``); ConfigError listing
-    every key that differs from the saved config and may not."""
+def resume_run(run_dir: Path, overrides: list[str], allowed: list[str] = ()) -> tuple[RelayConfig, list[str]]:
+    """``--resume RUN_DIR``: ``resume_config`` of the run's saved config, where the run now is."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume: no run at {run_dir} (no {saved.name}); start it without --resume")
+    where = [f"run.dir={run_dir.parent}", f"run.name={run_dir.name}"]
+    return resume_config(saved, [*where, *overrides], allowed, from_saved=True)
+
+
+def resume_config(
+    path: str | Path, overrides: list[str], allowed: list[str] = (), *, from_saved: bool = False
+) -> tuple[RelayConfig, list[str]]:
+    """The config to resume with and the changes it applies (``key: old -> new``); ConfigError listing every key
+    that differs from the saved config and may not. ``allowed``: keys outside RESUME_SAFE_KEYS that an explicit
+    ``--set`` may change too (``--allow-change``); ``from_saved``: ``path`` is the saved config itself, read where
+    the run is now (its ``run.dir``/``run.name`` set by ``overrides``)."""
     given = load_config(path, overrides)
     saved = read_saved(given.run_dir)
+    if from_saved:
+        saved.run.dir, saved.run.name = given.run.dir, given.run.name  # the run is where it is now
     if given.controller.port == 0:
         given.controller.port = saved.controller.port
-    if saved.environment is not None and saved.environment.serve:  # the addresses `relayrl up` appended itself
-        saved.environment.servers = saved.environment.servers[: -saved.environment.replicas]
+    for cfg in (saved, given) if from_saved else (saved,):
+        if cfg.environment is not None and cfg.environment.serve:  # the addresses `relayrl up` appended itself
+            cfg.environment.servers = cfg.environment.servers[: -cfg.environment.replicas]
     old, new = flatten(saved.model_dump(mode="json")), flatten(given.model_dump(mode="json"))
     differing = sorted(key for key in old.keys() | new.keys() if old.get(key, None) != new.get(key, None))
+    for key in allowed:
+        if not any(_under(changed, key) for changed in differing):
+            raise ConfigError(f"--allow-change {key}: the resume does not change it (give --set {key}=VALUE)")
     explicit = _set_keys(overrides)
-    refused = [
-        key
-        for key in differing
-        if not any(_under(key, safe) for safe in RESUME_SAFE_KEYS) or not any(_under(key, s) for s in explicit)
-    ]
+
+    def may_change(key: str) -> bool:
+        return any(_under(key, s) for s in explicit) and any(_under(key, k) for k in (*RESUME_SAFE_KEYS, *allowed))
+
+    refused = [key for key in differing if not may_change(key)]
     if refused:
         shown = ", ".join(f"{key} ({old.get(key)!r} in the run, {new.get(key)!r} now)" for key in refused)
         raise ConfigError(
             f"--resume: differs from {given.run_dir / 'config.yaml'} in {shown}; a resumed run keeps its saved "
-            "config (the keys safe to change on resume, docs/operating.md, change by an explicit --set)"
+            "config (the keys safe to change on resume, docs/operating.md, change by an explicit --set; any other "
+            "by --set and --allow-change KEY)"
         )
     trained = max((r["step"] for r in read_metrics(given.run_dir / "metrics.jsonl")), default=0)
     if given.trainer.steps <= trained:
@@ -102,7 +126,11 @@ def resume_config(path: str | Path, overrides: list[str]) -> tuple[RelayConfig, 
             f"trainer.steps: {given.trainer.steps}, and the run has trained {trained} steps; "
             f"--set trainer.steps=N (N > {trained}) to train on"
         )
-    return given, [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in differing]
+    unsafe = [key for key in differing if not any(_under(key, safe) for safe in RESUME_SAFE_KEYS)]
+    return given, [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}" + (" (--allow-change)" if key in unsafe else "")
+        for key in differing
+    ]
 
 
 def record_changes(cfg: RelayConfig, changes: list[str]) -> None:

@@ -65,6 +65,31 @@ def test_resume_with_a_forgotten_set_is_refused_naming_the_key(tmp_path: Path) -
     assert (run_dir / "config.yaml").read_text() == saved and not (run_dir / "resume.log").exists()
 
 
+def test_resume_from_the_run_directory_alone_and_an_unsafe_change_only_when_named(tmp_path: Path) -> None:
+    """`relayrl up --resume runs/NAME` needs no config file and none of the original --set; an unsafe key (lr)
+    changes only when --allow-change names it, and the change is recorded in resume.log."""
+    from relayrl.ops.resume import record_changes, resume_run
+
+    run_dir = saved_run(tmp_path, "trainer.steps=20")
+    ok = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "check", "--resume", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert ok.returncode == 0 and f"`relayrl up` resumes {run_dir}" in ok.stdout, ok.stderr
+    line = relayrl("up", "--resume", str(run_dir), "--set", "trainer.lr=0.0005", cwd=tmp_path)
+    assert "trainer.lr (0.002 in the run, 0.0005 now)" in line and "--allow-change KEY" in line
+    line = relayrl("up", "--resume", str(run_dir), "--allow-change", "trainer.lr", cwd=tmp_path)
+    assert "--allow-change trainer.lr: the resume does not change it" in line
+    assert "--allow-change: only with --resume" in relayrl("up", str(DEMO), "--allow-change", "trainer.lr")
+    cfg, changes = resume_run(run_dir, ["trainer.lr=0.0005", "trainer.steps=30"], ["trainer.lr"])
+    assert changes == ["trainer.lr: 0.002 -> 0.0005 (--allow-change)", "trainer.steps: 20 -> 30"]
+    record_changes(cfg, changes)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["lr"] == 0.0005
+    logged = (run_dir / "resume.log").read_text()
+    assert "resumed; trainer.lr: 0.002 -> 0.0005 (--allow-change); trainer.steps: 20 -> 30" in logged
+    assert not (tmp_path / "runs" / "try" / "logs").exists()  # nothing started
+
+
 def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None:
     line = relayrl("up", str(DEMO), "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.name=nope", "--resume")
     assert "--resume: no run at" in line and "nope" in line
