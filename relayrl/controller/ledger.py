@@ -44,7 +44,11 @@ class Ledger:
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            self._replay()
+            try:
+                self._replay()
+            except LedgerError:
+                self.close()
+                raise
 
     def _replay(self) -> None:
         """Apply every event; cut a torn tail (then note it); refuse a bad line before the last."""
