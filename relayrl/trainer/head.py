@@ -12,7 +12,8 @@ With p = softmax(z) and E = sum p z, d logprob / dz = onehot(label) - p and d en
 
     dL/dz = g_lp (onehot - p) - g_H p (z - E),   dL/dh_c = (dL/dz / T) W,   dL/dW = sum_c (dL/dz_c / T)^T h_c
 
-(the two matmuls in the compute dtype, dL/dW summed over chunks in float32). A head the chunks cannot reproduce
+(z - E = log p + H, computed in place on one float32 buffer a chunk; no g_H term where the entropy is only a
+metric; the two matmuls in the compute dtype, dL/dW summed over chunks in float32). A head the chunks cannot reproduce
 (a bias, logit soft-capping or scaling) takes the model's own logits at the scored positions instead.
 """
 
@@ -50,12 +51,19 @@ class HeadLogprobs(torch.autograd.Function):
                 entropy[start:end] = entropy_from_logits(logits, temperature)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.set_materialize_grads(False)  # an entropy that reaches no loss (a metric) is skipped in backward
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
+        """dL/dz = g_lp onehot - p (g_lp + g_H (log p + H)) (z - E = log p + H), in place on one [rows, V] float32
+        buffer; a gradient autograd left out (None: that output reaches no loss) costs nothing."""
         hidden, weight, labels = ctx.saved_tensors
         temperature, dtype = ctx.temperature, ctx.dtype
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None, None
+        if grad_logprob is None:
+            grad_logprob = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         rows = chunk_rows(weight.shape[0])
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -63,14 +71,21 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             end = start + rows
             h = hidden[start:end].to(dtype)
-            z = (h @ w.T).float() / temperature
-            logz = torch.logsumexp(z, dim=-1, keepdim=True)
-            p = torch.exp(z - logz)
-            expected = (p * z).sum(-1, keepdim=True)
-            g_lp, g_h = grad_logprob[start:end, None], grad_entropy[start:end, None]
-            grad_z = -p * (g_lp + g_h * (z - expected))
+            logp = (h @ w.T).float()
+            if temperature != 1.0:
+                logp.div_(temperature)
+            logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))
+            p = logp.exp()
+            g_lp = grad_logprob[start:end, None]
+            if grad_entropy is None:
+                grad_z = p.mul_(-g_lp)
+            else:
+                entropy = -(p * logp).sum(-1, keepdim=True)
+                grad_z = logp.add_(entropy).mul_(grad_entropy[start:end, None]).add_(g_lp).mul_(p).neg_()
             grad_z.scatter_add_(-1, labels[start:end, None], g_lp)
-            grad_z = (grad_z / temperature).to(dtype)
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_z = grad_z.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_z @ w).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
