@@ -412,7 +412,24 @@ def episodes(r: dict) -> str:
     )
 
 
+def heldout(result: dict) -> str:
+    """A run's held-out evals (relayrl/bench/heldout.py): each set's metrics by the version measured."""
+    rows = []
+    for name, figures in result["heldout"].items():
+        keys = [k for k in figures["before"] if k != "version"]
+        rows += [[name, e["version"], *(f(e[k], 3) for k in keys)] for e in figures["by_version"]]
+    header = ["set", "policy version", *keys]
+    note = (
+        f"\n\nTraining reward (sampled at temperature 1): {f(result['train_reward_first10'], 3)} over the first 10 "
+        f"steps, {f(result['train_reward_last10'], 3)} over the last 10; {result['steps']} steps in "
+        f"{f(result['wall_s'], 0)} s (load average {f(result['machine']['loadavg_at_start'][0], 1)} at start, "
+        f"{result['machine']['cpus']} CPUs)."
+    )
+    return table(header, rows) + note
+
+
 TABLES: dict[str, tuple[str, str, Callable]] = {
+    "heldout-digits": ("heldout-digits.json", "relayrl bench heldout --out bench/results/heldout-digits.json", heldout),
     "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
     "e2e-overlap": ("e2e.json", "make bench-e2e", e2e_overlap),
     "e2e-demo": ("e2e.json", "make bench-e2e", e2e_demo),
