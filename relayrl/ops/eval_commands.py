@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from relayrl.ops.args import existing_dir, existing_file, positive_int
+from relayrl.ops.args import existing_dir, existing_file, non_negative_int, positive_int
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -31,6 +31,12 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workers", default=None, metavar="ADDR,...", help="score what these running rollout workers hold instead"
+    )
+    p.add_argument(
+        "--version",
+        type=non_negative_int,
+        default=None,
+        help="the policy version to label the results with (default: the checkpoint's step, best.json's, else 0)",
     )
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--generations", action="store_true", help="include every prompt's generations in the report")

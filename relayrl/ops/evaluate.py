@@ -153,6 +153,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _evaluate_checkpoint(args: argparse.Namespace, cfg: RelayConfig, checkpoint: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="relayrl-eval-") as workdir:
         model_dir, version = hf_weights(cfg, checkpoint, Path(workdir))
+        version = args.version if args.version is not None else version
         served = cfg.model_copy(deep=True)
         served.model.path = str(model_dir)
         address, worker = start_worker(args, model_dir, Path(workdir))

@@ -25,6 +25,7 @@ REQUIRED_KEYS = (
     "samples_per_second",
 )
 
+EVAL_COLORS = ("tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 EVAL_KEYS = ("eval", "step", "policy_version", "prompts", "prompts_failed")
 
 
@@ -110,11 +111,10 @@ def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | 
         ax.plot(
             steps, [r["score_mean"] for r in records], color="tab:green", alpha=0.6, label="score_mean (task reward)"
         )
-    for name, points in eval_curves(read_evals(metrics_path)).items():
-        key, xs, ys = points
-        ax.plot(xs, ys, marker="o", label=f"held-out {name}: {key}")
+    for color, (name, (key, xs, ys)) in zip(EVAL_COLORS, eval_curves(read_evals(metrics_path)).items()):
+        ax.plot(xs, ys, color=color, marker="o", label=f"held-out {name}: {key} (eval)")
     ax.set_xlabel("trainer step (= policy version)")
-    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_ylabel("mean reward (rollouts; held-out evals)")
     ax.set_title(title or metrics_path.parent.name)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

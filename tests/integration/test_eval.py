@@ -107,17 +107,21 @@ def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) ->
     assert json.loads(relayrl("samples", "--run", str(cfg.run_dir), "--step", "2", "--json"))[0]["step"] == 2
 
 
-def test_relayrl_eval_of_a_checkpoint_reproduces_the_greedy_in_run_eval_exactly(run) -> None:
+@pytest.mark.parametrize(("checkpoint", "version"), [("checkpoints/step_4", []), ("final", ["--version", "6"])])
+def test_relayrl_eval_of_a_checkpoint_reproduces_the_greedy_in_run_eval_exactly(run, checkpoint, version) -> None:
+    """A trainer checkpoint (converted, labelled with its step) and the run's Hugging Face export (final: the last
+    step's weights; an export says no version, --version labels it) score exactly as the run scored them."""
     path, cfg = run
-    checkpoint = cfg.run_dir / "checkpoints" / "step_4"
-    report = json.loads(relayrl("eval", str(path), "--checkpoint", str(checkpoint), "--generations"))
-    in_run = next(e for e in read_evals(cfg.run_dir / "metrics.jsonl") if e["step"] == 4)
+    argv = ["eval", str(path), "--checkpoint", str(cfg.run_dir / checkpoint), "--generations", *version]
+    report = json.loads(relayrl(*argv))
+    step = int(version[1]) if version else 4
+    in_run = next(e for e in read_evals(cfg.run_dir / "metrics.jsonl") if e["step"] == step)
     result = report["results"]["heldout"]
-    assert report["policy_version"] == result["step"] == 4
+    assert report["policy_version"] == result["step"] == step
     metrics = [k for k in in_run if "@" in k or k in ("response_len_mean", "truncated_frac")]
     assert {k: result[k] for k in metrics} == {k: in_run[k] for k in metrics}
     generations = [json.loads(line) for line in (cfg.run_dir / "eval_samples.jsonl").read_text().splitlines()]
-    responses = {g["prompt_id"]: [s["response"] for s in g["samples"]] for g in generations if g["step"] == 4}
+    responses = {g["prompt_id"]: [s["response"] for s in g["samples"]] for g in generations if g["step"] == step}
     assert {g["prompt_id"]: [s["response"] for s in g["samples"]] for g in report["generations"]["heldout"]} == (
         responses
     )
