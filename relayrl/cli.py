@@ -45,6 +45,7 @@ from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
 from relayrl.runtime.procs import announce, exit_now, stop_with_parent
+from relayrl.runtime.runlock import RunHeld
 
 
 def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
@@ -270,21 +271,25 @@ def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.launcher import run_local, start_forks
+    from relayrl.launcher import claim_run, run_local, start_forks
     from relayrl.ops.preflight import heavy_checks, preflight
     from relayrl.rpc.channels import configure_client
 
     cfg, changes = _loaded(args)
-    preflight(cfg, load_tokenizer=False)
-    forks = start_forks(cfg)  # its imports run beside the heavy checks' (seconds of a core each)
+    lock = claim_run(cfg)  # first: a second `up` of a live run is refused before it starts anything
+    forks = None
     try:
+        preflight(cfg, load_tokenizer=False)
+        forks = start_forks(cfg, keep_fds=(lock.fd,))  # its imports run beside the heavy checks' (seconds of a core)
         heavy_checks(cfg)
-    except BaseException:  # refused: nothing of the run may go on
+    except BaseException:  # refused: nothing of the run may go on, nor stay created
         if forks is not None:
             forks.kill()
+        if not cfg.run_dir.exists():
+            lock.abandon()
         raise
     configure_client(cfg.security)
-    return run_local(cfg, resume=changes, forks=forks)
+    return run_local(cfg, lock, resume=changes, forks=forks)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -427,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     except LedgerError as err:  # a corrupt line before the ledger's last: a person must look (not a restart)
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
+    except RunHeld as err:  # `relayrl up` of a run another live `up` holds
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 3
     if getattr(args, "fast_exit", False):
         exit_now(code)  # a process that finished cleanly skips the interpreter's teardown
     return code

@@ -38,7 +38,8 @@ from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
-from relayrl.runtime.procs import PARENT_ENV, kill_tree, reap_orphans
+from relayrl.runtime.procs import ORPHAN_GRACE_S, PARENT_ENV, kill_tree, reap_orphans
+from relayrl.runtime.runlock import RunLock
 from relayrl.runtime.words import counted
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import read_metrics
@@ -61,6 +62,7 @@ class LocalJob:
     devices: dict[str, str] = field(default_factory=dict)  # role -> CUDA_VISIBLE_DEVICES (GPU nodes)
     commands: dict[str, tuple[list[str], dict[str, str], bool]] = field(default_factory=dict)  # argv, env, own store
     forks: ForkServer | None = None
+    keep_fds: tuple[int, ...] = ()  # held by every role it starts: the run's lock (runtime.runlock)
 
     def spawn(
         self, role: str, argv: list[str], env: dict[str, str] | None = None, *, own_store: bool = False
@@ -83,7 +85,7 @@ class LocalJob:
                 if self.forks is not None:
                     log_file.write(f"relayrl up: {role} not forked ({', '.join(self.forks.refused[role])})\n".encode())
                 proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=child_env)  # fmt: skip
+                                        env=child_env, pass_fds=self.keep_fds)  # fmt: skip
         self.children[role] = proc
         return proc
 
@@ -159,9 +161,20 @@ def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: lis
     raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def claim_run(cfg: RelayConfig) -> RunLock:
+    """The lock of ``cfg``'s run directory for this launcher and the processes it starts (runtime.runlock), or
+    ``RunHeld``; the processes of a dead launcher are waited for while they stop (each within ORPHAN_GRACE_S)."""
+    return RunLock.take(
+        cfg.run_dir,
+        wait_dead_s=ORPHAN_GRACE_S + 30,
+        on_wait=lambda message: console.print(f"[yellow]{escape(message)}[/yellow]"),
+    )
+
+
 def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:
     """A fresh run directory, an existing one moved aside (never deleted), with ``cfg`` saved in it; or, resuming
-    (``resume``: the safe changes, relayrl.ops.resume), the run's own, its saved config updated by them."""
+    (``resume``: the safe changes, relayrl.ops.resume), the run's own, its saved config updated by them. The
+    caller holds the run's lock (``claim_run``): what is moved aside is a run that no live process holds."""
     run_dir = cfg.run_dir
     if resume is not None:
         record_changes(cfg, resume)
@@ -182,19 +195,19 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
     job.spawn(role, job.relay(*argv, "--worker-id", role))
 
 
-def start_forks(cfg: RelayConfig) -> ForkServer | None:
+def start_forks(cfg: RelayConfig, keep_fds: tuple[int, ...] = ()) -> ForkServer | None:
     """The run's fork server (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
     host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
     does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh. ``relayrl up``
     starts it before its last start-up check (it imports while the tokenizer loads), its log in a temporary file
-    until ``start_job`` names the run's (``ForkServer.log_to``)."""
+    until ``start_job`` names the run's (``ForkServer.log_to``). ``keep_fds``: held by the server and its roles."""
     if not cfg.supervisor.fork_roles:
         return None
     if any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         console.print("[dim]GPU host: roles start as fresh interpreters (no fork server)[/dim]")
         return None
     try:
-        return ForkServer.start(cfg.model.path)
+        return ForkServer.start(cfg.model.path, keep_fds)
     except OSError as err:
         console.print(f"[yellow]roles start as fresh interpreters: {err}[/yellow]")
         return None
@@ -218,11 +231,13 @@ def rollout_workers(cfg: RelayConfig, resume: bool) -> int:
     return cfg.rollout.workers
 
 
-def start_job(cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServer | None = None) -> LocalJob:
+def start_job(
+    cfg: RelayConfig, config_path: Path, resume: bool, forks: ForkServer | None = None, keep_fds: tuple[int, ...] = ()
+) -> LocalJob:
     """Start every role of ``cfg``, forked from ``forks`` (``start_forks``) when given, else each a fresh
-    interpreter; the controller binds ``controller.host:port`` (a fixed port: ``run_local`` records the one it
-    picks for ``controller.port: 0`` in the saved config first)."""
-    job = LocalJob(cfg, config_path, config_path.parent / "logs")
+    interpreter holding ``keep_fds``; the controller binds ``controller.host:port`` (a fixed port: ``run_local``
+    records the one it picks for ``controller.port: 0`` in the saved config first)."""
+    job = LocalJob(cfg, config_path, config_path.parent / "logs", keep_fds=keep_fds)
     job.forks = forks
     if forks is not None:
         forks.log_to(job.logs / "forkserver.log")
@@ -346,10 +361,13 @@ def signals_deferred(*signums: int):
         previous[came[0]](came[0], None)
 
 
-def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkServer | None = None) -> int:
-    """Run ``cfg`` (through relayrl.ops.preflight already) to its end, its roles forked from ``forks`` when given;
-    ``resume``: continue its stopped run, with these safe changes (relayrl.ops.resume). Ctrl-C exits 130, SIGTERM
-    0, each after stopping every role; before the roles started, a new run's directory is removed again."""
+def run_local(
+    cfg: RelayConfig, lock: RunLock, *, resume: list[str] | None = None, forks: ForkServer | None = None
+) -> int:
+    """Run ``cfg`` (through relayrl.ops.preflight already) to its end under its run's ``lock`` (``claim_run``),
+    its roles forked from ``forks`` when given; ``resume``: continue its stopped run, with these safe changes
+    (relayrl.ops.resume). Ctrl-C exits 130, SIGTERM 0, each after stopping every role; before the roles started, a
+    new run's directory is removed again."""
     started = time.monotonic()
     stop_signal: list[str] = []
 
@@ -368,7 +386,7 @@ def run_local(cfg: RelayConfig, *, resume: list[str] | None = None, forks: ForkS
             made_run_dir = resume is None
         for path in prepare_assets(cfg):
             console.print(f"[dim]built {path}[/dim]")
-        job = start_job(cfg, config_path, resume is not None, forks)
+        job = start_job(cfg, config_path, resume is not None, forks, keep_fds=(lock.fd,))
         console.print(
             f"controller {job.controller_address} · {counted(len(job.rollouts()), 'rollout worker')} · "
             f"trainer x{cfg.trainer.nproc} · logs in {job.logs}"

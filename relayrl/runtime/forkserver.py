@@ -291,15 +291,16 @@ class ForkServer:
     refused: dict[str, list[str]] = field(default_factory=dict)  # role -> why it was started fresh
 
     @classmethod
-    def start(cls, model_path: str | None) -> ForkServer:
+    def start(cls, model_path: str | None, keep_fds: tuple[int, ...] = ()) -> ForkServer:
         """Make this process a child subreaper and start the server (it imports while the caller goes on). Its
-        output goes to a temporary file until ``log_to`` names the log (the run directory may not exist yet)."""
+        output goes to a temporary file until ``log_to`` names the log (the run directory may not exist yet).
+        ``keep_fds``: descriptors the server and every role it forks hold (the run's lock, runtime.runlock)."""
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
         argv = [sys.executable, "-m", "relayrl.runtime.forkserver", *(["--model", model_path] if model_path else [])]
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                                    start_new_session=True)  # fmt: skip
+                                    start_new_session=True, pass_fds=keep_fds)  # fmt: skip
         return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})
 
     def log_to(self, log: Path) -> None:

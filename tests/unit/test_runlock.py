@@ -1,0 +1,65 @@
+"""runtime.runlock: one holder per run directory, a refusal naming it, a dead launcher told from a live one."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks
+
+
+def test_a_second_claim_is_refused_naming_the_holder_until_its_descriptor_closes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    with pytest.raises(RunHeld) as refused:
+        RunLock.take(run_dir)  # another open file description: flock refuses it as it would another process
+    assert f"is held by pid {os.getpid()} on {socket.gethostname()} since " in str(refused.value)
+    assert "\n" not in str(refused.value)
+    os.close(lock.fd)  # the holder gone: the next claim takes it
+    RunLock.take(run_dir)
+
+
+def test_a_lock_held_by_a_live_child_is_refused_and_taken_once_the_child_exits(tmp_path: Path) -> None:
+    """A run's processes hold the lock with the launcher (the descriptor passed on): it goes with the last."""
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             pass_fds=(lock.fd,))  # fmt: skip
+    os.close(lock.fd)
+    with pytest.raises(RunHeld):
+        RunLock.take(run_dir)
+    child.communicate(b"")
+    assert RunLock.take(run_dir).fd >= 0
+
+
+def test_an_owner_is_gone_when_no_process_has_its_pid_and_start_time() -> None:
+    me = Owner.me()
+    assert me.start_ticks == process_start_ticks(os.getpid()) and not me.gone()
+    assert Owner(me.pid, me.host, me.start_ticks + 1, me.since).gone()  # the pid reused by a later process
+    assert not Owner(me.pid, "another-host", None, me.since).gone()  # another host's: cannot be known dead
+
+
+def test_a_dead_launchers_record_is_waited_for_and_then_taken(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    dead = Owner(os.getpid(), socket.gethostname(), -1, 0.0)  # what a crashed launcher left behind
+    RunLock.path_for(run_dir).write_text(json.dumps(dead.__dict__))
+    said: list[str] = []
+    with pytest.raises(RunHeld, match="its launcher died; its processes are still stopping"):
+        RunLock.take(run_dir, wait_dead_s=0.6, on_wait=said.append)
+    assert len(said) == 1 and "died; waiting" in said[0]
+    os.close(lock.fd)  # its processes gone: the next claim takes it and writes its own record
+    RunLock.take(run_dir, wait_dead_s=0.6)
+    assert json.loads(RunLock.path_for(run_dir).read_text())["start_ticks"] == process_start_ticks(os.getpid())
+
+
+def test_abandon_removes_the_lock_and_the_runs_directory_it_made(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    RunLock.take(run_dir).abandon()
+    assert not (tmp_path / "runs").exists()
