@@ -45,7 +45,7 @@ from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
 from relayrl.runtime.procs import announce, exit_now, stop_with_parent
-from relayrl.runtime.runlock import RunHeld
+from relayrl.runtime.runlock import RunHeld, refuse_if_held
 
 
 def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
@@ -276,10 +276,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from relayrl.rpc.channels import configure_client
 
     cfg, changes = _loaded(args)
-    lock = claim_run(cfg)  # first: a second `up` of a live run is refused before it starts anything
-    forks = None
     try:
         preflight(cfg, load_tokenizer=False)
+    except ConfigError:
+        refuse_if_held(cfg.run_dir)  # a live run of the same name is why (its fixed controller.port is in use)
+        raise
+    lock = claim_run(cfg)  # before any process starts: they hold it with the launcher
+    forks = None
+    try:
         forks = start_forks(cfg, keep_fds=(lock.fd,))  # its imports run beside the heavy checks' (seconds of a core)
         heavy_checks(cfg)
     except BaseException:  # refused: nothing of the run may go on, nor stay created

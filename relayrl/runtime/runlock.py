@@ -128,6 +128,21 @@ def same_file(fd: int, path: Path) -> bool:
         return False
 
 
+def refuse_if_held(run_dir: Path) -> None:
+    """``RunHeld`` naming the owner when a live run holds ``run_dir``; creates nothing (no lock file: no live run)."""
+    path = RunLock.path_for(run_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: dropped with the descriptor below
+    except BlockingIOError:
+        raise RunHeld(refusal(run_dir, read_owner(path))) from None
+    finally:
+        os.close(fd)
+
+
 def read_owner(path: Path) -> Owner | None:
     """The record in a lock file, None when there is none or it is being written."""
     try:

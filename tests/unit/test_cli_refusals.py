@@ -408,15 +408,16 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
     runs = tmp_path / "runs"
 
-    def refused(command_and_case: tuple[str, tuple[str, list[str], str]]) -> tuple[str, str]:
-        command, (_, sets, expected) = command_and_case
-        sets = [f"run.dir={runs}", f"model.path={tiny_model_dir}", *sets]
+    def refused(numbered: tuple[int, tuple[str, tuple[str, list[str], str]]]) -> tuple[str, str]:
+        number, (command, (_, sets, expected)) = numbered
+        # a run name each: two `up` of one name at once are the run lock's refusal (tests/unit/test_runlock.py)
+        sets = [f"run.dir={runs}", f"run.name=refused-{number}", f"model.path={tiny_model_dir}", *sets]
         return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
 
     first_of_each = list({case[0]: case for case in reversed(cases)}.values())
     runs_of = [("check", case) for case in cases] + [("up", case) for case in first_of_each]
     with ThreadPoolExecutor(4) as pool:
-        for line, expected in pool.map(refused, runs_of):
+        for line, expected in pool.map(refused, enumerate(runs_of)):
             assert expected in line, line
     assert not runs.exists()
     ok = subprocess.run(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks
+from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks, refuse_if_held
 
 
 def test_a_second_claim_is_refused_naming_the_holder_until_its_descriptor_closes(tmp_path: Path) -> None:
@@ -63,3 +63,14 @@ def test_abandon_removes_the_lock_and_the_runs_directory_it_made(tmp_path: Path)
     run_dir = tmp_path / "runs" / "r"
     RunLock.take(run_dir).abandon()
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_probe_names_a_live_holder_and_creates_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    refuse_if_held(run_dir)  # no lock file: no live run
+    assert not (tmp_path / "runs").exists()
+    lock = RunLock.take(run_dir)
+    with pytest.raises(RunHeld, match=f"is held by pid {os.getpid()} "):
+        refuse_if_held(run_dir)
+    os.close(lock.fd)
+    refuse_if_held(run_dir)
