@@ -456,7 +456,7 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
     "trainer": (
         "trainer.json",
-        "relayrl bench trainer --model /path/to/smollm2-135m-instruct --prompts 4 --rounds 2 --threads 1 "
+        "relayrl bench trainer --model /path/to/smollm2-135m-instruct --rounds 1 --threads 1 "
         "> bench/results/trainer.json",
         trainer,
     ),
