@@ -266,6 +266,11 @@ class RewardConfig(Section):
     fns: dict[str, float] = Field(default_factory=dict)
     overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong punishment; 0 disables it
     overlong_penalty: float = Field(1.0, ge=0.0)
+    # the share of a step's scored prompts whose reward function may raise (each such prompt fails, with the error as
+    # its reason) before the run stops with the function's error and traceback. 0.1: a judge that times out now and
+    # then trains on; a function that raises on most responses (a bug, a missing key) stops the run within one step
+    # instead of training on the few prompts it scores. 1.0: never stop for this
+    max_failed_share: float = Field(0.1, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _named_finite_weights(self) -> RewardConfig:

@@ -36,6 +36,9 @@ class ResourceExhausted(RelayError):
 PAUSED_DETAIL = "run paused by an operator"
 # While the batch a trainer pulls is still being generated, UNAVAILABLE details start with this (a normal wait).
 NOT_READY_DETAIL = "no batch for step"
+# A run that failed for good (a deterministic error: a restart would fail alike) has an error starting with this;
+# `relayrl up` stops on it instead of restarting the trainer.
+RUN_STOPPED_DETAIL = "run stopped"
 
 
 class Unavailable(RelayError):

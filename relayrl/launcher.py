@@ -28,12 +28,13 @@ from rich.table import Table
 
 from relayrl.config import RelayConfig, dump_config
 from relayrl.cores.threads import COLOCATED_ENV, trainer_env
+from relayrl.errors import RUN_STOPPED_DETAIL
 from relayrl.models.assets import prepare_assets
 from relayrl.ops.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.scaler import LocalScaler
-from relayrl.ops.supervise import RestartBudgetExhausted, Supervisor, last_error
+from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
@@ -288,7 +289,10 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
     stub = controller_pb2_grpc.ControllerServiceStub(open_channel(job.controller_address))
     with Progress(*columns, console=console, transient=False) as progress:
         scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=progress.console.print)
-        supervisor = Supervisor(job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, progress))
+        supervisor = Supervisor(
+            job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, progress),
+            run_stopped=lambda: run_stopped(job),
+        )  # fmt: skip
         task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
         while job.children["trainer"].poll() != 0:
             job.reap_orphans()
@@ -310,6 +314,28 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
             progress.update(task, completed=records[-1]["step"])
 
 
+def run_stopped(job: LocalJob) -> str:
+    """Why the controller stopped the run for good (relayrl.errors.RUN_STOPPED_DETAIL), with the traceback its log
+    holds; "" when it did not (or cannot be asked)."""
+    try:
+        status = controller_status(job.controller_address)
+    except grpc.RpcError:
+        return ""
+    if status.state != "failed" or not status.error.startswith(RUN_STOPPED_DETAIL):
+        return ""
+    log = job.logs / "controller.log"
+    logged = logged_failure(log, status.error)
+    return f"{logged or status.error}\n(log: {log})"
+
+
+def failed_by_reason(job: LocalJob) -> dict[str, int]:
+    """The run's failed prompts by the kind of their reason (the controller's ledger); {} when it cannot be asked."""
+    try:
+        return dict(controller_status(job.controller_address).ledger.failed_by_reason)
+    except grpc.RpcError:
+        return {}
+
+
 def supervisor_log(job: LocalJob, progress: Progress):
     """Restart events go to the console and to ``<logs>/supervisor.log``, timestamped."""
 
@@ -321,8 +347,10 @@ def supervisor_log(job: LocalJob, progress: Progress):
     return on_event
 
 
-def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
+def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[str, int] | None = None) -> dict:
+    """The run's summary on the console and in summary.json; ``failed``: failed prompts by reason."""
     records = read_metrics(metrics_path)
+    failed = failed or {}
     first, last = records[:10], records[-10:]
     result = {
         "run_dir": str(cfg.run_dir),
@@ -332,6 +360,8 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
         "wall_seconds": wall_s,
         "weight_syncs": sum(1 for r in records if r.get("workers_synced", 0) > 0),
         "sync_seconds_total": sum(r["sync_seconds"] for r in records),
+        "prompts_failed": sum(failed.values()),
+        "prompts_failed_by_reason": failed,
     }
     table = Table(title=f"relayrl run '{cfg.run.name}'")
     table.add_column("metric")
@@ -341,6 +371,8 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float) -> dict:
     table.add_row("reward, last 10 steps", f"{result['reward_last10']:.3f}")
     table.add_row("wall time", f"{wall_s:.1f} s")
     table.add_row("weight syncs", f"{result['weight_syncs']} ({result['sync_seconds_total']:.1f} s total)")
+    for reason, count in sorted(failed.items(), key=lambda item: -item[1]):
+        table.add_row(f"failed prompts: {escape(reason)}", str(count))
     table.add_row("run directory", str(cfg.run_dir))
     console.print(table)
     (cfg.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -406,13 +438,14 @@ def run_local(
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
             console.print(f"[dim]removed {cfg.run_dir}: stopped before the run started[/dim]")
         return 0 if stop_signal else 130
-    except (LaunchError, RestartBudgetExhausted) as err:
+    except (LaunchError, RestartBudgetExhausted, RunStopped) as err:
         console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")
         if job is not None:
             job.stop()
             job.close()
         return 1
+    failed = failed_by_reason(job)  # before the controller stops
     job.stop([r for r in job.children if r != "trainer"], in_order=False)
     job.close()
-    summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started)
+    summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed)
     return 0

@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -42,8 +43,16 @@ from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.episodes.stats import fill_episode_stats
-from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from relayrl.rewards import RewardRaised, RewardShapeError
+from relayrl.errors import (
+    NOT_READY_DETAIL,
+    PAUSED_DETAIL,
+    RUN_STOPPED_DETAIL,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from relayrl.rewards import RewardFailures, RewardRaised, RewardShapeError
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.v1 import controller_pb2, rollout_pb2
@@ -102,6 +111,8 @@ class _Build:
     kept: int = 0
     closed: bool = False  # between generation rounds: late group callbacks are ignored
     reward_error: RewardShapeError | None = None  # a reward function's wrong return: the round stops, the run fails
+    scored: int = 0  # groups given to the reward function
+    reward_raised: list[RewardRaised] = field(default_factory=list)  # of those, the ones whose function raised
     filtered: dict[str, list[str]] = field(default_factory=dict)  # reason -> prompt ids: the round's, to record
     episodes: list = field(default_factory=list)  # agentic runs: every episode that ended (BatchStats 35-42)
     too_long: int = 0  # prompts drawn and filtered as longer than data.max_prompt_tokens
@@ -304,6 +315,10 @@ class Controller:
             except DynamicSamplingExhausted as err:
                 self._fail(str(err))
                 continue
+            except (RewardShapeError, RewardFailures) as err:  # deterministic: the next try would fail the same way
+                trace = err.traceback if isinstance(err, RewardFailures) else "".join(traceback.format_exception(err))
+                self._fail(f"{RUN_STOPPED_DETAIL}: step {step}: {err}", trace)
+                continue
             except Exception as err:  # the run fails loudly (the trainer hears it), never hangs on a dead thread
                 log.exception("batch production for step %d failed", step)
                 self._fail(f"batch production for step {step} failed: {err}")
@@ -321,8 +336,9 @@ class Controller:
                 self._next_step = step + 1
                 self._cond.notify_all()
 
-    def _fail(self, message: str) -> None:
-        log.error("run failed: %s", message)
+    def _fail(self, message: str, trace: str = "") -> None:
+        """The run fails with ``message`` (the trainer hears it); ``trace``: a traceback to log with it."""
+        log.error("run failed: %s%s", message, f"\n{trace.rstrip()}" if trace else "")
         with self._cond:
             self.state, self.error = "failed", message
             self._cond.notify_all()
@@ -396,6 +412,7 @@ class Controller:
                             self._offer(build, group)
                     if build.reward_error is not None:
                         raise build.reward_error
+                self._check_reward_failures(build)
                 with offer_lock:
                     self._record_filtered(build)
                 filler.close_batch()
@@ -406,9 +423,9 @@ class Controller:
             else:
                 self._fail_pending(build, "controller shut down mid-generation")
             return None
-        except RewardShapeError as err:
+        except (RewardShapeError, RewardFailures) as err:
             self._record_filtered(build)
-            self._fail_pending(build, str(err))
+            self._fail_pending(build, f"{RUN_STOPPED_DETAIL}: {err}")
             raise
         except DynamicSamplingExhausted as err:  # raised by close_batch, after the round's filtered were recorded
             shortfall = self._min_partial_groups() - len(filler.kept)
@@ -437,6 +454,19 @@ class Controller:
                 build.too_long += 1
         return [r for r in records if not r.too_long]
 
+    def _check_reward_failures(self, build: _Build) -> None:
+        """RewardFailures (the first error's message and traceback) once more of the step's scored groups failed
+        their reward function than ``controller.reward.max_failed_share`` of them."""
+        share = self.cfg.controller.reward.max_failed_share
+        with self._cond:
+            raised, scored = list(build.reward_raised), build.scored
+        if len(raised) > share * scored:
+            raise RewardFailures(
+                f"{len(raised)} of the {scored} prompts scored failed their reward function (more than "
+                f"controller.reward.max_failed_share = {share}); the first: {raised[0]}",
+                "".join(traceback.format_exception(raised[0])),
+            )
+
     def _fail_pending(self, build: _Build, reason: str) -> None:
         """Fail the build's drawn prompts that are still pending (not yet settled), with ``reason``."""
         pending = [pid for pid in build.drawn if (self.ledger.state(pid) or ("",))[0] == PENDING]
@@ -446,6 +476,8 @@ class Controller:
         """The scored group (an agentic run's ``completions`` are its Episodes: ``Scorer.episode_group``), or None: its
         reward function raised (the prompt fails with the reason) or returned a
         wrong shape (kept in ``build.reward_error``: the round stops and the run fails with it)."""
+        with self._cond:  # streamed groups are scored on dispatch threads
+            build.scored += 1
         try:
             if self.episodes is not None:
                 return self.scorer.episode_group(record, completions)
@@ -453,8 +485,9 @@ class Controller:
         except RewardRaised as err:
             log.warning("prompt %s failed: %s", record.prompt_id, err)
             self.ledger.mark([record.prompt_id], FAILED, str(err), build.step)
-            with self._cond:  # streamed groups are scored on dispatch threads
+            with self._cond:
                 build.failed += 1
+                build.reward_raised.append(err)
         except RewardShapeError as err:
             build.reward_error = build.reward_error or err
         return None
@@ -793,6 +826,7 @@ class Controller:
                 failed=counts.get(FAILED, 0),
                 pending=counts.get(PENDING, 0) + counts.get(QUEUED, 0),
                 torn_tails=self.ledger.torn_tails,
+                failed_by_reason=self.ledger.reason_kinds(FAILED),
             ),
             last_sync_seconds=self.progress.last_sync_seconds,
             last_sync_unix=self.progress.last_sync_unix,

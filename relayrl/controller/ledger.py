@@ -166,6 +166,13 @@ class Ledger:
         with self._lock:
             return dict(Counter(reason for s, reason, _ in self._entries.values() if s == state))
 
+    def reason_kinds(self, state: str) -> dict[str, int]:
+        """``reasons(state)`` counted by ``reason_kind``: what operators read (a reason's details vary per prompt)."""
+        kinds: Counter[str] = Counter()
+        for reason, count in self.reasons(state).items():
+            kinds[reason_kind(reason)] += count
+        return dict(kinds)
+
     def ids_in(self, state: str) -> list[str]:
         with self._lock:
             return [pid for pid, (s, _, _) in self._entries.items() if s == state]
@@ -180,6 +187,11 @@ class Ledger:
             self.sync()
             os.close(self._fd)
             self._fd = None
+
+
+def reason_kind(reason: str) -> str:
+    """A reason up to its first ": " ("reward function 'f' raised ValueError: ..." -> its first part), "" -> "?"."""
+    return reason.split(": ", 1)[0] or "?"
 
 
 def _event(raw: bytes) -> dict | None:

@@ -92,7 +92,20 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
         ledger.add_column(column, justify="right")
     c = status.ledger
     ledger.add_row(*(str(v) for v in (c.dispatched, c.trained, c.filtered, c.failed, c.pending, c.torn_tails)))
-    return [run, workers, ledger]
+    tables = [run, workers, ledger]
+    if c.failed_by_reason:
+        tables.append(failed_table(dict(c.failed_by_reason)))
+    return tables
+
+
+def failed_table(by_reason: dict[str, int]) -> Table:
+    """Failed prompts by the kind of their reason (``LedgerCounts.failed_by_reason``), the most first."""
+    table = Table(title="failed prompts by reason")
+    table.add_column("reason")
+    table.add_column("prompts", justify="right")
+    for reason, count in sorted(by_reason.items(), key=lambda item: -item[1]):
+        table.add_row(reason, str(count))
+    return table
 
 
 def weights_tables(weights: controller_pb2.WeightsStatusResponse) -> list[Table]:

@@ -4,8 +4,10 @@
 rollout worker or the controller; the trainer only with a non-zero code) is restarted with the argv and
 environment it was first started with, after ``backoff_s * 2**k`` seconds (k = its restarts so far, at most
 ``backoff_max_s``); the trainer comes back with ``--resume``. The death after ``max_restarts`` restarts raises
-``RestartBudgetExhausted`` naming the role and its log. Every restart is logged and counted in
-``<run dir>/supervisor.json`` (role -> pid, restarts, last exit codes), which ``relayrl status`` shows.
+``RestartBudgetExhausted`` naming the role and its log. A deterministic failure is not retried: a role that exits
+with ``NO_RESTART_CODE``, or a trainer whose run the controller stopped, raises ``RunStopped``. Every restart is
+logged and counted in ``<run dir>/supervisor.json`` (role -> pid, restarts, last exit codes), which ``relayrl status``
+shows.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ STATE_FILE = "supervisor.json"
 
 class RestartBudgetExhausted(RuntimeError):
     pass
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on and a restart would fail the same way: a role refused its start (exit code
+    ``NO_RESTART_CODE``), or the trainer died of a run its controller stopped (``Supervisor``'s ``run_stopped``)."""
+
+
+NO_RESTART_CODE = 2  # relayrl.cli's exit code for a config error or a corrupt ledger: a person must look
 
 
 @dataclass
@@ -61,6 +71,29 @@ def last_error(log: Path, tail_bytes: int = 65536) -> str:
     return next((line for line in reversed(lines) if _ERROR_LINE.match(line)), lines[-1] if lines else "")
 
 
+def logged_failure(log: Path, marker: str, tail_bytes: int = 262144) -> str:
+    """The last log record of ``log`` that contains ``marker``, with the lines that follow it (a traceback) up to
+    the next record (a line that starts with a date); "" when there is none."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, log.stat().st_size - tail_bytes))
+            lines = file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    starts = [i for i, line in enumerate(lines) if marker in line]
+    if not starts:
+        return ""
+    block = [lines[starts[-1]]]
+    for line in lines[starts[-1] + 1 :]:
+        if _RECORD_START.match(line):
+            break
+        block.append(line)
+    return "\n".join(block).rstrip()
+
+
+_RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d ")  # relayrl.cli's log format starts each record with its date
+
+
 def read_restarts(run_dir: Path) -> dict[str, int]:
     """role -> restarts so far, from the supervisor's state file ({} when there is none). A file that cannot be
     read is logged at WARNING naming it and the error ({}): it is written atomically, so it is damaged, and
@@ -80,9 +113,16 @@ class Supervisor:
     """``job``: the launcher's LocalJob (``children``, ``respawn(role)``, ``logs``); ``run_dir`` gets the state file."""
 
     def __init__(
-        self, job, cfg: SupervisorConfig, run_dir: Path, *, on_event: Callable[[str], None] = log.warning
+        self,
+        job,
+        cfg: SupervisorConfig,
+        run_dir: Path,
+        *,
+        on_event: Callable[[str], None] = log.warning,
+        run_stopped: Callable[[], str] = str,
     ) -> None:
-        self.job, self.run_dir, self.on_event = job, run_dir, on_event
+        """``run_stopped()``: why the run was stopped for good ("" while it was not), asked when the trainer dies."""
+        self.job, self.run_dir, self.on_event, self.run_stopped = job, run_dir, on_event, run_stopped
         self.budget = RestartBudget(cfg)
         self.due: dict[str, float] = {}  # role -> when its restart is due (monotonic)
         self.exit_codes: dict[str, list[int]] = {}
@@ -104,6 +144,13 @@ class Supervisor:
                 code = self.job.children[role].returncode
                 self.exit_codes.setdefault(role, []).append(code)
                 logfile = self.job.logs / f"{role}.log"
+                if code == NO_RESTART_CODE:
+                    self.write_state()
+                    why = f"{role} refused to start (exit code {code}): {last_error(logfile)} (log: {logfile})"
+                    raise RunStopped(why)
+                if role == "trainer" and (why := self.run_stopped()):
+                    self.write_state()
+                    raise RunStopped(why)
                 if self.budget.exhausted(role):
                     self.write_state()
                     raise RestartBudgetExhausted(

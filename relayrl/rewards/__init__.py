@@ -11,6 +11,7 @@ from relayrl.rewards.builtin import REWARDS, RewardFn, resolve_reward
 from relayrl.rewards.call import (
     GroupInputs,
     RewardCaller,
+    RewardFailures,
     RewardRaised,
     RewardShapeError,
     check_reward,
@@ -24,6 +25,7 @@ __all__ = [
     "SAMPLE_ARGS",
     "GroupInputs",
     "RewardCaller",
+    "RewardFailures",
     "RewardFn",
     "RewardRaised",
     "RewardShapeError",

@@ -27,6 +27,15 @@ class RewardRaised(RuntimeError):
     """A reward function raised: its group has no reward (the controller fails that prompt with this reason)."""
 
 
+class RewardFailures(RuntimeError):
+    """More of a step's prompts failed their reward function than ``controller.reward.max_failed_share`` allows:
+    the run stops with the first error's message and ``traceback`` (text), since the next step would fail alike."""
+
+    def __init__(self, message: str, traceback: str) -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+
 @dataclass
 class GroupInputs:
     """One prompt's group: what a reward function may ask for, one list entry per response.

@@ -342,20 +342,29 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class LedgerCounts(_message.Message):
-    __slots__ = ("dispatched", "trained", "filtered", "failed", "pending", "torn_tails")
+    __slots__ = ("dispatched", "trained", "filtered", "failed", "pending", "torn_tails", "failed_by_reason")
+    class FailedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DISPATCHED_FIELD_NUMBER: _ClassVar[int]
     TRAINED_FIELD_NUMBER: _ClassVar[int]
     FILTERED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     TORN_TAILS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     dispatched: int
     trained: int
     filtered: int
     failed: int
     pending: int
     torn_tails: int
-    def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ..., torn_tails: _Optional[int] = ...) -> None: ...
+    failed_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ..., torn_tails: _Optional[int] = ..., failed_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals")

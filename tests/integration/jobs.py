@@ -103,10 +103,11 @@ def assert_nothing_lost(job: LocalJob, cfg, *, finished: bool = True) -> None:
         assert controller_status(job.controller_address).ledger.pending == 0
 
 
-def start_up(config_path: Path, *, resume: bool = False) -> subprocess.Popen:
-    """``relayrl up CONFIG`` as a user starts it, in its own session; its stderr is kept for the assertion message."""
+def start_up(config_path: Path, *, resume: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``relayrl up CONFIG`` as a user starts it, in its own session (``env`` added to this process's environment);
+    its stderr is kept for the assertion message."""
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(config_path), *(["--resume"] if resume else [])]
-    env = {**os.environ, "COLUMNS": "400"}  # rich wraps its messages at the console width
+    env = {**os.environ, "COLUMNS": "400", **(env or {})}  # rich wraps its messages at the console width
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
 
 
