@@ -14,7 +14,7 @@ import yaml
 from relayrl.config import ConfigError, SupervisorConfig, parse_config
 from relayrl.launcher import LocalJob
 from relayrl.ops.placement import place
-from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, Supervisor, read_restarts
+from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, RunStopped, Supervisor, read_restarts
 
 GPU_RUN = {
     "model": {"path": "m"},
@@ -105,6 +105,23 @@ def test_supervisor_restarts_with_backoff_then_names_the_role_that_exhausted_its
             time.sleep(0.01)
     assert respawned == ["rollout-0", "rollout-0"]  # a trainer that finished (code 0) is left alone
     assert read_restarts(tmp_path) == {"rollout-0": 2, "trainer": 0}
+
+
+def test_a_start_up_refusal_or_a_run_the_controller_stopped_is_not_restarted(tmp_path):
+    """Exit code 2 (a config error, a corrupt ledger) of any role, or a trainer whose run the controller stopped
+    for good (``run_stopped`` says why): RunStopped at once, nothing respawned."""
+
+    def respawn(role):
+        raise AssertionError(f"{role} restarted")
+
+    refused = SimpleNamespace(children={"controller": Died(2)}, logs=tmp_path / "logs", respawn=respawn)
+    with pytest.raises(RunStopped, match=r"^controller refused to start \(exit code 2\)"):
+        Supervisor(refused, SupervisorConfig(max_restarts=2, backoff_s=0.05), tmp_path).tick()
+    stopped = SimpleNamespace(children={"trainer": Died(1)}, logs=tmp_path / "logs", respawn=respawn)
+    supervisor = Supervisor(stopped, SupervisorConfig(), tmp_path, run_stopped=lambda: "run stopped: step 1: ...")
+    with pytest.raises(RunStopped, match=r"^run stopped: step 1"):
+        supervisor.tick()
+    assert read_restarts(tmp_path) == {"trainer": 0}
 
 
 def test_a_damaged_supervisor_state_is_a_warning_naming_it_not_zero_restarts_unseen(tmp_path, caplog):
