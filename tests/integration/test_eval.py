@@ -1,7 +1,8 @@
 """Held-out evaluation through ``relayrl up``, one real run shared by every assertion: at K = 1 with in-flight weight
-updates (``rollout.partial: keep_kv``), each eval measures one policy version while training goes on; the readable
-samples of training and eval are written and ``relayrl samples`` prints them; the best version by an eval metric
-is kept as ``best``; ``relayrl eval`` on a checkpoint of that run reproduces its greedy in-run eval exactly."""
+updates (``rollout.partial: keep_kv``), each eval measures one policy version while training goes on; evals and
+samples reach TensorBoard; the readable samples of training and eval are written and ``relayrl samples`` prints
+them; the best version by an eval metric is kept as ``best``; ``relayrl eval`` on a checkpoint of that run
+reproduces its greedy in-run eval exactly."""
 
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def run(tmp_path_factory, tiny_model_dir, digits_path):
             "max_staleness": 1, "dynamic_sampling": False, "dispatch_chunk": 1, "worker_max_calls": 2,
             "prompts_per_gen_batch": 4, "train_batch_groups": 4, "reward": {"fn": "prefix_match"},
         },
-        "trainer": {"steps": STEPS, "nproc": 1, "lr": 0.003, "mini_batches": 1, "checkpoint_every": EVERY},
+        "trainer": {
+            "steps": STEPS, "nproc": 1, "lr": 0.003, "mini_batches": 1, "checkpoint_every": EVERY,
+            "tensorboard": True,
+        },
         "algorithm": {"old_logprobs": "rollout"},
         "weight_sync": {"bucket_mib": 1, "timeout_s": 30},
         "eval": {
@@ -84,6 +88,17 @@ def test_each_eval_under_k1_with_in_flight_updates_measures_one_version_and_trai
     top = max(e["mean@1"] for e in evals)
     assert best["value"] == top and best["step"] == next(e["step"] for e in evals if e["mean@1"] == top)
     assert (cfg.run_dir / "best" / "config.json").is_file() and not (cfg.run_dir / "candidates").exists()
+
+
+def test_evals_and_samples_reach_tensorboard(run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, cfg = run
+    events = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    evals = read_evals(cfg.run_dir / "metrics.jsonl")
+    scalars = events.Scalars("eval/heldout/mean@1")  # at the version each eval measured
+    assert [(e.step, e.value) for e in scalars] == [(r["step"], pytest.approx(r["mean@1"])) for r in evals]
+    assert "samples/text_summary" in events.Tags()["tensors"]  # the readable samples, as a markdown table
 
 
 def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) -> None:
