@@ -386,6 +386,23 @@ def guess(result: dict) -> str:
     return table(["figure", "value"], rows)
 
 
+def addition(result: dict) -> str:
+    """The real-model example's run (relayrl/bench/addition.py): reward gain and held-out accuracy."""
+    before, after = result["heldout_before"], result["heldout_after"]
+    rows = [
+        ["steps", result["steps"]],
+        ["wall time (start included)", f"{f(result['wall_s'], 0)} s"],
+        ["training wall time (first step to last)", f"{f(result['train_wall_s'], 0)} s"],
+        ["mean reward, first 10 steps", f(result["reward_first10"], 3)],
+        ["mean reward, last 10 steps", f(result["reward_last10"], 3)],
+        ["gain", f"**{f(result['reward_gain'], 3)}**"],
+        [f"held-out greedy accuracy, version {before['policy_version']} (before)", f(before["accuracy"], 2)],
+        [f"held-out greedy accuracy, version {after['policy_version']} (after)", f"**{f(after['accuracy'], 2)}**"],
+        ["load average at start (2 CPUs)", f(result["machine"]["loadavg_at_start"][0], 1)],
+    ]
+    return table(["figure", "value"], rows)
+
+
 def episodes(r: dict) -> str:
     s = r["settings"]
     rows = [
@@ -466,4 +483,9 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         guess,
     ),
     "episodes": ("episodes.json", "make bench-episodes", episodes),
+    "addition": (
+        "addition-smollm2.json",
+        "relayrl bench addition --out bench/results/addition-smollm2.json --png docs/addition-smollm2.png",
+        addition,
+    ),
 }
