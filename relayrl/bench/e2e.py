@@ -1,8 +1,8 @@
 """``relayrl bench e2e``: relayrl against TRL's ``GRPOTrainer``, side by side, on the same machine.
 
-Each workload is one relayrl config (examples/digits.yaml plus overrides). relayrl runs it as a user
-would, ``relayrl up CONFIG --set ...`` in its own run directory, and is read back from
-``<run>/metrics.jsonl``; TRL runs the same model directory, JSONL data, batch shape, sampling and loss
+Each workload is one relayrl config (examples/digits.yaml plus overrides, its held-out eval and sample logs off:
+``UNMEASURED``). relayrl runs it as a user would, ``relayrl up CONFIG --set ...`` in its own run directory, and
+is read back from ``<run>/metrics.jsonl``; TRL runs the same model directory, JSONL data, batch shape, sampling and loss
 settings, taken from the same resolved config (``relayrl.bench.trl_runner``, its own process). The
 systems alternate within one invocation: per round every relayrl variant, then TRL.
 
@@ -20,7 +20,7 @@ Workloads:
   relayrl run of the same round generated.
 - ``real`` (not run by default): a real pretrained model, examples/addition-smollm2.yaml as it is
   (builtin:smollm2-135m-instruct: Llama, 30 layers, a 49,152-token vocabulary; 8 prompts x 8 samples, responses
-  ended by EOS or ``max_tokens``, one optimizer step per batch), without its eval, ``--steps`` steps; relayrl
+  ended by EOS or ``max_tokens``, one optimizer step per batch), ``--steps`` steps; relayrl
   with its defaults (``default``) and at K = 1 (``k1``); TRL in each of its precisions and generation modes
   (float32 or ``bf16=True``, ``generate`` or continuous batching: ``trl``, ``trl-bf16``, ``trl-cb``,
   ``trl-cb-bf16``), the fastest of them the baseline. relayrl's ``logprob_mismatch`` (|trainer - engine| logprob
@@ -71,6 +71,8 @@ from relayrl.runtime.cpus import format_cpu_list
 from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
 
+# Off in every relayrl run: the held-out evals and sample logs of the example configs, which TRL's side does not do
+UNMEASURED = ["eval=null", "samples=null"]
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 REAL_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "addition-smollm2.yaml"
 WORKLOADS = ("gen-heavy", "demo", "long-tail", "real")
@@ -206,10 +208,10 @@ def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
 
 
 def real_workload(args: argparse.Namespace) -> Workload:
-    """The real-model workload (module docstring): examples/addition-smollm2.yaml, its eval off."""
+    """The real-model workload (module docstring): examples/addition-smollm2.yaml."""
     quick = ["rollout.max_tokens=4", "rollout.n=2", "controller.prompts_per_gen_batch=2"] if args.quick else []
     quick += ["controller.train_batch_groups=2"] if args.quick else []
-    overrides = ["eval=null", f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", *quick, *args.set]
+    overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", *quick, *args.set]
     variants = {"default": [], "k1": ["controller.max_staleness=1"]}
     return Workload("real", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES), config=REAL_CONFIG)
 
@@ -337,7 +339,7 @@ def launch(argv: list[str], log: Path, env: dict[str, str], timeout_s: float, sa
 
 def run_relayrl(wl: Workload, variant: str, rnd: int, workdir: Path, args: argparse.Namespace) -> Run:
     name = f"{wl.name}-relayrl-{variant}-r{rnd}"
-    sets = [*wl.overrides, *wl.variants[variant], f"run.dir={workdir / 'runs'}", f"run.name={name}"]
+    sets = [*UNMEASURED, *wl.overrides, *wl.variants[variant], f"run.dir={workdir / 'runs'}", f"run.name={name}"]
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(wl.config)]
     for item in sets:
         argv += ["--set", item]
