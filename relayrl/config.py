@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relayrl.runtime.address import AddressError, parse_address, parse_host
 from relayrl.runtime.cpus import parse_cpu_list
 from relayrl.wire.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, temperature_ok
+
+
+def _greedy_or_sane(value: float) -> float:
+    """A sampling temperature: 0 (greedy) or at least MIN_TEMPERATURE (below it, logits / T overflow)."""
+    if not temperature_ok(value):
+        raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
+    return value
+
+
+Temperature = Annotated[float, AfterValidator(_greedy_or_sane)]
 
 
 class ConfigError(ValueError):
@@ -168,7 +178,7 @@ class RolloutConfig(Section):
     workers: int = Field(2, ge=1)  # how many `relayrl up` starts
     n: int = Field(8, ge=1)  # samples per prompt: the GRPO group size
     # 0 (greedy) or at least 0.01 (MIN_TEMPERATURE, relayrl/rollout/sampling.py)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: Temperature = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling; 1 samples the whole vocabulary
     max_tokens: int = Field(16, ge=1)  # most tokens sampled per response (finish reason `length` there)
     stop_token_ids: list[int] = Field(default_factory=list)  # tokens that end a response, besides EOS
@@ -220,13 +230,6 @@ class RolloutConfig(Section):
         for string in value:
             if not string or len(string) > MAX_STOP_CHARS:
                 raise ValueError(f"a stop string has 1 to {MAX_STOP_CHARS} characters, got {string!r}")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sane(cls, value: float) -> float:
-        if not temperature_ok(value):
-            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -666,7 +669,7 @@ class EvalConfig(Section):
     # the eval's own sampling: greedy (temperature 0, n 1) by default, so an eval is a deterministic function of the
     # weights (repeatable by `relayrl eval`); pass@k for k > 1 needs n >= k samples at a temperature > 0
     n: int = Field(1, ge=1)  # samples per prompt
-    temperature: float = Field(0.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE
+    temperature: Temperature = Field(0.0, ge=0.0)  # 0 (greedy) or >= MIN_TEMPERATURE
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)  # null: rollout.max_tokens (the length the policy is trained at)
     # which metrics: mean (mean@n), pass (pass@k for each k), pass^ (pass^k: all k pass), maj (maj@n, majority vote
@@ -696,13 +699,6 @@ class EvalConfig(Section):
         for name in value:
             if not name or "/" in name or name != name.strip():
                 raise ValueError(f"set name {name!r}: non-empty, no '/' and no surrounding spaces")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sane(cls, value: float) -> float:
-        if not temperature_ok(value):
-            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
 
     @model_validator(mode="after")
