@@ -20,11 +20,11 @@ Workloads:
   relayrl run of the same round generated.
 - ``real`` (not run by default): a real pretrained model, examples/addition-smollm2.yaml as it is
   (builtin:smollm2-135m-instruct: Llama, 30 layers, a 49,152-token vocabulary; 8 prompts x 8 samples, responses
-  ended by EOS or ``max_tokens``, one optimizer step per batch), ``--steps`` steps; relayrl
-  with its defaults (``default``) and at K = 1 (``k1``); TRL in each of its precisions and generation modes
-  (float32 or ``bf16=True``, ``generate`` or continuous batching: ``trl``, ``trl-bf16``, ``trl-cb``,
-  ``trl-cb-bf16``), the fastest of them the baseline. relayrl's ``logprob_mismatch`` (|trainer - engine| logprob
-  per response token) is reported per run.
+  ended by EOS or ``max_tokens``, one optimizer step per batch), ``--steps`` steps; relayrl with its defaults
+  (``default``) and at K = 1 (``k1``; ``k1-rollout`` with the engine's logprobs as old logprobs); TRL in each of
+  its precisions and generation modes (float32 or ``bf16=True``, ``generate`` or continuous batching: ``trl``,
+  ``trl-bf16``, ``trl-cb``, ``trl-cb-bf16``), the fastest of them the baseline. relayrl's ``logprob_mismatch``
+  (|trainer - engine| logprob per response token) is reported per run.
 - ``long-tail`` (not run by default): a model whose responses have geometric lengths with mean ~48 tokens,
   capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
   tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
@@ -212,7 +212,11 @@ def real_workload(args: argparse.Namespace) -> Workload:
     quick = ["rollout.max_tokens=4", "rollout.n=2", "controller.prompts_per_gen_batch=2"] if args.quick else []
     quick += ["controller.train_batch_groups=2"] if args.quick else []
     overrides = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0", *quick, *args.set]
-    variants = {"default": [], "k1": ["controller.max_staleness=1"]}
+    variants = {  # K = 1's stale batches take the trainer's old logprobs (k1) or the engine's (k1-rollout)
+        "default": [],
+        "k1": ["controller.max_staleness=1"],
+        "k1-rollout": ["controller.max_staleness=1", "algorithm.old_logprobs=rollout"],
+    }
     return Workload("real", overrides, variants, samples_budget=False, trl_systems=tuple(TRL_MODES), config=REAL_CONFIG)
 
 
@@ -615,7 +619,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.trl_systems is not None:
         loads = [replace(wl, trl_systems=args.trl_systems) for wl in loads]
     assets = [f"run.dir={workdir / 'assets'}"]
-    cfgs = {wl.name: load_config(wl.config, [*wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads}
+    cfgs = {
+        wl.name: load_config(wl.config, [*UNMEASURED, *wl.overrides, *assets, f"run.name={wl.name}"]) for wl in loads
+    }
     for wl in loads:
         check_mirrorable(cfgs[wl.name])
         prepare_workload(wl, cfgs[wl.name])

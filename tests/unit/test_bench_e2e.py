@@ -12,6 +12,7 @@ from relayrl.bench.cpu import CpuSampler, cpu_seconds, tree_cpu_by_role
 from relayrl.bench.e2e import (
     CRITIC_PAIRS,
     DEMO_CONFIG,
+    UNMEASURED,
     WORKLOADS,
     Run,
     aggregate,
@@ -191,12 +192,17 @@ def test_every_variant_of_every_workload_is_a_valid_config_and_variants_select_t
     loads = [workload(name, args, tmp_path) for name in WORKLOADS]
     for wl in loads:
         for variant, sets in wl.variants.items():
-            cfg = load_config(wl.config, [*wl.overrides, *sets])
+            cfg = load_config(wl.config, [*UNMEASURED, *wl.overrides, *sets])
             if f"relayrl-{variant}" not in CRITIC_PAIRS:  # PPO with a critic is compared with relayrl's GRPO
                 check_mirrorable(cfg)
             assert cfg.trainer.steps == 3, (wl.name, variant)
     picked = select_variants(loads, ["default", "k0-whole", "k1-rollout"])
-    assert [list(wl.variants) for wl in picked] == [["k0-whole", "k1-rollout"], ["default"], ["default"], ["default"]]
+    assert [list(wl.variants) for wl in picked] == [
+        ["k0-whole", "k1-rollout"],
+        ["default"],
+        ["default"],
+        ["default", "k1-rollout"],
+    ]
     assert select_variants(loads, None) == loads
     with pytest.raises(SystemExit, match=r"--variants: unknown \['k2'\]"):
         select_variants(loads, ["k1", "k2"])
@@ -212,9 +218,9 @@ def test_the_real_workload_runs_the_example_beside_every_trl_precision_and_gener
 
     args = argparse.Namespace(quick=False, steps=4, set=[])
     wl = workload("real", args, tmp_path)
-    assert wl.config.name == "addition-smollm2.yaml" and set(wl.variants) == {"default", "k1"}
+    assert wl.config.name == "addition-smollm2.yaml" and set(wl.variants) == {"default", "k1", "k1-rollout"}
     assert wl.trl_systems == ("trl", "trl-cb", "trl-bf16", "trl-cb-bf16")
-    cfg = load_config(wl.config, wl.overrides)
+    cfg = load_config(wl.config, [*UNMEASURED, *wl.overrides])
     check_mirrorable(cfg)
     assert cfg.eval is None and cfg.trainer.steps == 4 and cfg.model.path == "builtin:smollm2-135m-instruct"
     for cb, bf16 in [(False, False), (True, True)]:
