@@ -2,9 +2,9 @@
 for each decode runner of the hf engine.
 
 Starts one ``relayrl rollout serve`` per ``--hf-decode`` value (embedded hf engine with that
-``rollout.hf_decode``, a tiny Qwen2 built here: ``--hidden``/``--layers``) and sends ``--prompts`` prompts x
-``--n`` samples as ``--calls`` Generate calls, every response exactly ``--max-tokens`` long (``ignore_eos``),
-alternating per round over the workers and, for each, between
+``rollout.hf_decode`` and float32 weights, a tiny Qwen2 built here: ``--hidden``/``--layers``) and sends
+``--prompts`` prompts x ``--n`` samples as ``--calls`` Generate calls, every response exactly ``--max-tokens``
+long (``ignore_eos``), alternating per round over the workers and, for each, between
 
 - ``serialized``: one call after the other, as the worker ran them before continuous batching (one call
   through the engine at a time), and
@@ -68,7 +68,10 @@ def start_worker(workdir: Path, args: argparse.Namespace, decode: str) -> tuple[
     model = workdir / "model"
     if not model.exists():
         write_tiny_model(model, seed=0, hidden_size=args.hidden, layers=args.layers)
+    # float32 weights: logprob_parity_max compares with a float32 plain forward (the default follows the trainer's
+    # compute dtype, bf16 on a CPU with AMX/AVX512-BF16, where rounding and not batching would set the gap)
     rollout = {"max_batch_size": args.prompts * args.n, "threads": args.threads, "hf_decode": decode}
+    rollout["weight_dtype"] = "float32"
     config = {"model": {"path": str(model)}, "data": {"path": str(workdir / "unused.jsonl")}, "rollout": rollout}
     config_path = workdir / f"bench-rollout-{decode}.yaml"
     config_path.write_text(yaml.safe_dump(config))
