@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
+from relayrl.config import load_config
 from relayrl.runtime.procs import kill_tree
 from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.precision import Precision
 from relayrl.weightsync.checksum import weights_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,5 +72,9 @@ def test_megatron_tp2_demo_learns_and_resumes_after_a_kill(tmp_path):
     # on both backends; the sampling order of concurrent workers is not reproducible)
     assert mean_reward(records[-10:]) >= 0.6
     assert all(r["workers_synced"] == 2 for r in records[CHECKPOINT:])
-    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
-    assert weights_checksum(final.named_parameters()) == records[-1]["weights_checksum"]
+    # the export holds the float32 master weights; the last sync sent them cast once to the engine's dtype
+    cfg = load_config(run_dir / "config.yaml")
+    engine = Precision.resolve(cfg.trainer, cfg.rollout.weight_dtype, torch.device("cpu")).engine
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32)
+    sent = ((name, p.detach().to(engine)) for name, p in final.named_parameters())
+    assert weights_checksum(sent) == records[-1]["weights_checksum"]
