@@ -128,7 +128,7 @@ def test_pause_is_forwarded_and_a_retrying_client_gets_through_after_resume(serv
             list(patient.submit(["1 + 1 ="], SamplingParams(n=2, max_tokens=2), timeout=1.0))
         assert time.monotonic() - started < 2.5  # the deadline bounds the retries
 
-    timer = threading.Timer(1.0, lambda: RelayClient(service.address).resume())
+    timer = threading.Timer(1.0, lambda: RelayClient(service.address).unpause())
     timer.start()
     with RelayClient(service.address, attempts=30, backoff_s=0.1, max_backoff_s=0.3) as patient:
         results = list(patient.submit(["2 + 1 ="], SamplingParams(n=2, max_tokens=2), timeout=60))
