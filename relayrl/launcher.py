@@ -436,6 +436,7 @@ def run_local(
             forks.kill()
         if job is None and made_run_dir and cfg.run_dir.exists():  # stopped before any role started
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
+            lock.abandon()  # nothing of the run is left to hold
             console.print(f"[dim]removed {cfg.run_dir}: stopped before the run started[/dim]")
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted, RunStopped) as err:

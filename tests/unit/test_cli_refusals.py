@@ -410,8 +410,9 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
 
     def refused(numbered: tuple[int, tuple[str, tuple[str, list[str], str]]]) -> tuple[str, str]:
         number, (command, (_, sets, expected)) = numbered
-        # a run name each: two `up` of one name at once are the run lock's refusal (tests/unit/test_runlock.py)
-        sets = [f"run.dir={runs}", f"run.name=refused-{number}", f"model.path={tiny_model_dir}", *sets]
+        # a runs directory each: `up`s refused at once would otherwise race over making and removing a shared one
+        # (each removes it only when it made it), and two `up` of one name are the run lock's refusal
+        sets = [f"run.dir={runs}-{number}", f"model.path={tiny_model_dir}", *sets]
         return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
 
     first_of_each = list({case[0]: case for case in reversed(cases)}.values())
@@ -419,7 +420,7 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     with ThreadPoolExecutor(4) as pool:
         for line, expected in pool.map(refused, enumerate(runs_of)):
             assert expected in line, line
-    assert not runs.exists()
+    assert not list(tmp_path.glob("runs*"))
     ok = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "check", str(DEMO), "--set", f"run.dir={runs}"],
         capture_output=True,
@@ -451,7 +452,7 @@ def test_ctrl_c_early_in_start_up_exits_130_in_one_line_and_leaves_no_run_direct
     assert up.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert "SIGINT: stopping every process" in stderr and "stopped before the run started" in stderr
-    assert not any(runs.iterdir())
+    assert not runs.exists()  # the run directory, the run lock and the runs directory this up made
 
 
 def test_a_role_that_dies_at_start_has_its_error_on_the_console(tmp_path: Path, tiny_model_dir: Path) -> None:
