@@ -11,12 +11,9 @@ every step's reward, response length, seconds and ``logprob_mismatch``. ``--png`
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-from pathlib import Path
 
-from relayrl.bench.example_run import ROOT, read_lines, reward_gain, run_example
+from relayrl.bench.example_run import ROOT, publish, read_lines, reward_gain, run_example
 
 CONFIG = ROOT / "examples" / "addition-smollm2.yaml"
 COMMAND = "relayrl bench addition --out bench/results/addition-smollm2.json --png docs/addition-smollm2.png"
@@ -66,11 +63,4 @@ def main(argv: list[str] | None = None) -> int:
         "machine": run.machine,
         **summarize(records, evals, run.wall_s),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.png:
-        shutil.copyfile(run.run_dir / "reward.png", args.png)
-    shutil.rmtree(run.workdir, ignore_errors=True)
-    return 0
+    return publish(result, run, args.out, args.png)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,3 +54,16 @@ def reward_gain(records: list[dict]) -> dict:
     rewards = [r["reward_mean"] for r in records]
     first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
     return {"reward_first10": first, "reward_last10": last, "reward_gain": last - first}
+
+
+def publish(result: dict, run: ExampleRun, out: str | None, png: str | None) -> int:
+    """Print ``result`` as JSON, write it to ``out`` and the run's reward.png to ``png`` (each when given), then
+    remove the run's workdir; returns the exit code 0."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    if png:
+        shutil.copyfile(run.run_dir / "reward.png", png)
+    shutil.rmtree(run.workdir, ignore_errors=True)
+    return 0

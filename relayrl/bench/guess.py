@@ -9,13 +9,10 @@ and every step's reward, turns and seconds. ``--png`` copies the run's reward cu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-from pathlib import Path
 
-from relayrl.bench.example_run import ROOT, read_lines, reward_gain, run_example
+from relayrl.bench.example_run import ROOT, publish, read_lines, reward_gain, run_example
 
 CONFIG = ROOT / "examples" / "guess.yaml"
 COMMAND = "relayrl bench guess --out bench/results/guess.json --png docs/guess-reward.png"
@@ -66,11 +63,4 @@ def main(argv: list[str] | None = None) -> int:
         "machine": run.machine,
         **summarize(read_lines(run.run_dir / "metrics.jsonl")[0], run.wall_s),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.png:
-        shutil.copyfile(run.run_dir / "reward.png", args.png)
-    shutil.rmtree(run.workdir, ignore_errors=True)
-    return 0
+    return publish(result, run, args.out, args.png)
