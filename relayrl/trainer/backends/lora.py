@@ -13,14 +13,17 @@ PEFT initialises B to zero, so the adapted policy at step 0 is the base model it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import peft
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import LoraConfig
 from relayrl.wire.lora import LoraAdapterSpec
+
+if TYPE_CHECKING:  # peft is imported where it is used: it costs every trainer's start-up ~0.8 s of CPU otherwise
+    import peft
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # PEFT's name of the one adapter
@@ -29,6 +32,8 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 def peft_config(cfg: LoraConfig, base_path: str = "") -> peft.LoraConfig:
     """``model.lora`` as PEFT's LoraConfig for a causal LM (no bias trained)."""
+    import peft
+
     return peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
@@ -49,6 +54,8 @@ def lora_spec(cfg: LoraConfig) -> LoraAdapterSpec:
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     """``model`` wrapped by PEFT: every weight frozen but the adapter's. ValueError naming ``model.lora.
     target_modules`` when no module matches (an adapter on nothing would train nothing)."""
+    import peft
+
     try:
         return peft.get_peft_model(model, peft_config(cfg))
     except ValueError as err:
@@ -81,6 +88,8 @@ def write_adapter(directory: Path, cfg: LoraConfig, base_path: str, tensors: dic
 def write_merged(directory: Path, base_path: str, adapter_dir: Path, dtype: torch.dtype) -> None:
     """The base model with the adapter of ``adapter_dir`` merged in (W + scale * B A, by PEFT), as a Hugging
     Face model directory."""
+    import peft
+
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(directory)
