@@ -407,8 +407,13 @@ class TrainerConfig(Section):
     # of its positions (the choice is logged), "on" every forward, "off" none. FSDP only: Megatron trains padded.
     padding_free: Literal["auto", "on", "off"] = "auto"
     pack_token_budget: int = Field(1024, ge=1)  # most positions (rows x longest row) in a padding-free micro-batch
+    # Forward a group's common prompt once (relayrl/trainer/prefix.py): its rows laid out as [prompt, response_1,
+    # ..., response_k] under a mask where each response sees the prompt and itself. "auto" does so for a forward
+    # where that saves >= 25 % of the rows' positions and every group's layout fits pack_token_budget (the mask is
+    # dense), "on" every forward, "off" none. FSDP only: Megatron forwards each row.
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
 
-    @field_validator("stream", "padding_free", mode="before")
+    @field_validator("stream", "padding_free", "shared_prefix", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         """YAML reads a bare on / off (``stream: on``, ``--set trainer.stream=off``) as true / false."""
@@ -444,6 +449,11 @@ class TrainerConfig(Section):
             raise ValueError(
                 f"trainer.padding_free: 'on' is not available with trainer.backend megatron: {MEGATRON_NO_PACKING} "
                 "(use auto or off: Megatron trains padded)"
+            )
+        if self.backend == "megatron" and self.shared_prefix == "on":
+            raise ValueError(
+                "trainer.shared_prefix: 'on' is not available with trainer.backend megatron: its stages forward "
+                "each row causally, without the layout's attention mask (use auto or off)"
             )
         return self
 

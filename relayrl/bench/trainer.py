@@ -1,14 +1,18 @@
 """``relayrl bench trainer``: one GRPO trainer step on a real model, float32 as before against the trainer of today.
 
-The batch: ``--prompts`` x ``--n`` rows of random tokens, prompts ~``--prompt-tokens`` and responses
-~``--response-tokens`` long (each +-20 %, uniform), random rewards, the engine's logprobs the float32 trainer's
-own (the K = 0 path: old logprobs from the engine, ratio ~1). Modes, each a trainer world of one rank on this
-process (FSDP backend, one optimizer step, from the model's saved weights, AdamW's state already allocated as in
-every step of a run but the first), alternating order round by round:
+The batch: ``--prompts`` GRPO groups of ``--n`` rows of random tokens, a group's rows one prompt of
+~``--prompt-tokens`` and each its own response of ~``--response-tokens`` (each +-20 %, uniform), random rewards,
+the engine's logprobs the float32 trainer's own (the K = 0 path: old logprobs from the engine, ratio ~1). Modes,
+each a trainer world of one rank on this process (FSDP backend, one optimizer step, from the model's saved
+weights, AdamW's state already allocated as in every step of a run but the first, rows padded), alternating
+order round by round:
 - ``float32_full_logits``: the trainer before mixed precision and the chunked head: float32 matmuls, every
   position's float32 [rows, length, vocab] logits and their gradient (``FullLogitsBackend``);
 - ``float32``: float32 compute, the response positions alone through the head in chunks (relayrl/trainer/head.py);
-- ``bfloat16``: the same under bf16 autocast (float32 parameters and optimizer state).
+- ``bfloat16``: the same under bf16 autocast (float32 parameters and optimizer state);
+- ``bfloat16_shared_prefix``: the same with each group's prompt forwarded once (relayrl/trainer/prefix.py).
+A mode's loss and gradient norm are within ``TOLERANCE`` of ``float32_full_logits``'s, or ``within_tolerance``
+says which is not.
 Prints one JSON object: the batch's shape, seconds per step of each mode (median over rounds, and every round),
 microseconds per token (real tokens of the batch), ``speedup`` against ``float32_full_logits`` (per round and the
 median), the same for the process's CPU seconds (on a shared machine, where a step also waits for a core, steadier
@@ -39,7 +43,12 @@ from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.step import train_on_batch
 
-MODES = ("float32_full_logits", "float32", "bfloat16")
+MODES = ("float32_full_logits", "float32", "bfloat16", "bfloat16_shared_prefix")
+# A mode's step against float32_full_logits: |loss gap| (the loss is a token mean of ratio x advantage terms near
+# 0 here) and |grad norm gap| / grad norm. bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2 % a value),
+# compounded over 30 layers forward and back; its per-token logprob error (logprob_mismatch) averages out over
+# the batch's tokens in the loss.
+TOLERANCE = {"loss_abs": 0.01, "grad_norm_rel": 0.05}
 METRICS = ("loss", "grad_norm", "entropy", "logprob_mismatch", "logprob_mismatch_max", "clip_frac")
 # torch.profiler operator names by kind, first match wins ("other": the rest)
 KINDS = {
@@ -57,7 +66,7 @@ class FullLogitsBackend(FSDPBackend):
     """The trainer before mixed precision and the chunked head: every position's logits through the model's own
     head (float32 [rows, length, vocab], kept for backward with their gradient), then the shared functions."""
 
-    def _logprobs(self, model, input_ids, attention_mask, scored, temperature, dtype):
+    def _logprobs(self, model, input_ids, attention_mask, scored, temperature, dtype, groups):
         logits = model(input_ids=input_ids.to(self.device)).logits[:, :-1]  # right-padded: causal attention alone
         labels = input_ids[:, 1:].to(self.device)
         return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
@@ -87,15 +96,16 @@ def make_batch(vocab: int, args: argparse.Namespace) -> TrainBatch:
     def around(mean: int) -> int:
         return max(1, round(mean * float(0.8 + 0.4 * torch.rand(1, generator=g))))
 
-    prompts = [around(args.prompt_tokens) for _ in range(args.prompts)]
-    rows = [(p, around(args.response_tokens)) for p in prompts for _ in range(args.n)]
-    width = max(p + r for p, r in rows)
+    prompts = [torch.randint(3, vocab, (around(args.prompt_tokens),), generator=g) for _ in range(args.prompts)]
+    rows = [(prompt, around(args.response_tokens)) for prompt in prompts for _ in range(args.n)]
+    width = max(len(prompt) + r for prompt, r in rows)
     count = len(rows)
     input_ids = torch.zeros(count, width, dtype=torch.long)
     attention_mask = torch.zeros(count, width, dtype=torch.long)
     response_mask = torch.zeros(count, width - 1)
-    for i, (p, r) in enumerate(rows):
-        input_ids[i, : p + r] = torch.randint(3, vocab, (p + r,), generator=g)
+    for i, (prompt, r) in enumerate(rows):
+        p = len(prompt)
+        input_ids[i, : p + r] = torch.cat([prompt, torch.randint(3, vocab, (r,), generator=g)])
         attention_mask[i, : p + r] = 1
         response_mask[i, p - 1 : p + r - 1] = 1.0
     return TrainBatch(
@@ -114,7 +124,10 @@ def make_batch(vocab: int, args: argparse.Namespace) -> TrainBatch:
 
 
 def backend_for(mode: str, model: str) -> tuple[FSDPBackend, TrainerConfig]:
-    tcfg = TrainerConfig(lr=1e-6, precision="bfloat16" if mode == "bfloat16" else "float32", padding_free="off")
+    tcfg = TrainerConfig(
+        lr=1e-6, precision="float32" if mode.startswith("float32") else "bfloat16", padding_free="off",
+        shared_prefix="on" if mode == "bfloat16_shared_prefix" else "off",
+    )  # fmt: skip
     kind = FullLogitsBackend if mode == "float32_full_logits" else FSDPBackend
     return kind(ModelConfig(path=model), tcfg, with_reference=False), tcfg
 
@@ -163,6 +176,13 @@ def where_time_went(profiler) -> dict:
             {"op": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3), "calls": e.count} for e in top
         ],
     }
+
+
+def within_tolerance(metrics: dict, base: dict) -> bool:
+    """Whether a step's loss and gradient norm are within ``TOLERANCE`` of the baseline's."""
+    loss_gap = abs(metrics["loss"] - base["loss"])
+    norm_gap = abs(metrics["grad_norm"] - base["grad_norm"]) / max(abs(base["grad_norm"]), 1e-12)
+    return loss_gap <= TOLERANCE["loss_abs"] and norm_gap <= TOLERANCE["grad_norm_rel"]
 
 
 def command(args: argparse.Namespace) -> str:
@@ -219,6 +239,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             mode: {k: metrics[mode][k] - metrics[base][k] for k in ("loss", "grad_norm", "entropy")}
             for mode in MODES[1:]
         },
+        "tolerance": TOLERANCE,
+        "within_tolerance": {mode: within_tolerance(metrics[mode], metrics[base]) for mode in MODES[1:]},
         "machine": {
             "cpus_usable": len(os.sched_getaffinity(0)),
             "loadavg_at_start": load_at_start,

@@ -112,17 +112,22 @@ def scored_logprobs(
     cols: torch.Tensor,
     temperature: float,
     dtype: torch.dtype,
+    *,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of ``input_ids`` [B, L] (``attention_mask`` None: causal only); (logprob, entropy) [N] float32
-    of token ``cols + 1`` at positions (``rows``, ``cols``), the scored ones. ``model``: a causal LM (a PEFT
-    wrapper's base model answers ``get_output_embeddings``)."""
+    """One forward of ``input_ids`` [B, L] (``attention_mask`` None: causal only; a 4D boolean one is taken as
+    is, with its ``position_ids``); (logprob, entropy) [N] float32 of ``labels`` [N] (None: token ``cols + 1``)
+    at positions (``rows``, ``cols``), the scored ones. ``model``: a causal LM (a PEFT wrapper's base model
+    answers ``get_output_embeddings``)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    labels = input_ids[rows, cols + 1]
+    labels = input_ids[rows, cols + 1] if labels is None else labels
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     if not chunkable(base):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
+        logits = model(**inputs, use_cache=False).logits[rows, cols]
         return logprobs_from_logits(logits, labels, temperature), entropy_from_logits(logits, temperature)
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+        **inputs, use_cache=False, output_hidden_states=True,
         logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
     )  # fmt: skip
     hidden = out.hidden_states[-1][rows, cols]

@@ -126,8 +126,8 @@ class PaddingFree:
     def __init__(self, mode: str, token_budget: int, *, available: bool = True, reason: str = "") -> None:
         self.mode, self.token_budget, self.available, self.reason = mode, token_budget, available, reason
         self._logged: set[bool] = set()
-        # since the last take(): positions computed, real tokens, forwards, packed forwards
-        self.counts = torch.zeros(4, dtype=torch.float64)
+        # since the last take(): positions computed, real tokens, forwards, packed forwards, the rows' tokens
+        self.counts = torch.zeros(5, dtype=torch.float64)
 
     def decide(self, tokens: int, positions: int) -> bool:
         """Whether a forward of ``tokens`` real tokens in a padded layout of ``positions`` packs."""
@@ -141,11 +141,14 @@ class PaddingFree:
             self._logged.add(pack)
         return pack
 
-    def record(self, tokens: int, positions: int, packed: bool) -> None:
-        """A forward that computed ``positions`` positions for ``tokens`` real tokens."""
-        self.counts += torch.tensor([positions, tokens, 1, float(packed)], dtype=torch.float64)
+    def record(self, tokens: int, positions: int, packed: bool, row_tokens: int | None = None) -> None:
+        """A forward that computed ``positions`` positions for ``tokens`` real tokens, of rows that hold
+        ``row_tokens`` (None: ``tokens``; more where shared prefixes were forwarded once: trainer/prefix.py)."""
+        rows = tokens if row_tokens is None else row_tokens
+        self.counts += torch.tensor([positions, tokens, 1, float(packed), rows], dtype=torch.float64)
 
     def take(self) -> torch.Tensor:
-        """The counts since the last call (then zeroed): [positions computed, real tokens, forwards, packed]."""
-        counts, self.counts = self.counts, torch.zeros(4, dtype=torch.float64)
+        """The counts since the last call (then zeroed): [positions computed, real tokens, forwards, packed, the
+        rows' tokens]."""
+        counts, self.counts = self.counts, torch.zeros(5, dtype=torch.float64)
         return counts

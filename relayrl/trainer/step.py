@@ -85,8 +85,9 @@ def backward_rows(
     detached logprobs, the masked loss pieces and the policy-loss metrics."""
     m = mask[shard].to(backend.device)
     logprob, entropy = backend.logprobs(
-        batch.input_ids[shard], batch.attention_mask[shard], temperature, scored=mask[shard]
-    )
+        batch.input_ids[shard], batch.attention_mask[shard], temperature, scored=mask[shard],
+        groups=batch.group_ids[shard],
+    )  # fmt: skip
     adv = advantages[shard].to(backend.device)
     adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprob)  # [B] per response, or GAE's per token
     if old is None:  # the starting weights, not updated yet this step: this forward is pi_old (module docstring)
@@ -162,10 +163,11 @@ class StepMetrics:
         metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
         metrics["old_logprobs_from_engine"] = sum(self.engine_old) / max(len(self.engine_old), 1)  # of mini-batches
         metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
-        padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed
-        dist.all_reduce(padding)
+        padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed,
+        dist.all_reduce(padding)  # the rows' tokens
         metrics["padding_share"] = 1.0 - float(padding[1]) / max(float(padding[0]), 1.0)  # of positions computed
         metrics["padding_free"] = float(padding[3]) / max(float(padding[2]), 1.0)  # share of forwards packed
+        metrics["prefix_shared"] = 1.0 - float(padding[1]) / max(float(padding[4]), 1.0)  # rows' tokens not forwarded
         return metrics
 
 
@@ -221,12 +223,19 @@ def train_on_batch(
             elif k == 0:
                 old.append(None)  # its own training forward, the first at the starting weights
             else:
-                forward = backend.logprobs(batch.input_ids[s], batch.attention_mask[s], temperature, scored=mask[s])
+                forward = backend.logprobs(
+                    batch.input_ids[s], batch.attention_mask[s], temperature, scored=mask[s], groups=batch.group_ids[s]
+                )
                 old.append(forward[0])
         ref = (
             [
                 backend.logprobs(
-                    batch.input_ids[s], batch.attention_mask[s], temperature, reference=True, scored=mask[s]
+                    batch.input_ids[s],
+                    batch.attention_mask[s],
+                    temperature,
+                    reference=True,
+                    scored=mask[s],
+                    groups=batch.group_ids[s],
                 )[0]
                 for s in shards
             ]

@@ -155,6 +155,7 @@ class StreamedStep:
                     self.temperature,
                     reference=True,
                     scored=mask[shard],
+                    groups=chunk.group_ids[shard],
                 )[0]
         old = chunk.rollout_logprobs[shard].to(backend.device)
         logprob, pieces, pg = backward_rows(

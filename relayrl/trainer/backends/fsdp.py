@@ -49,6 +49,7 @@ from relayrl.trainer.head import scored_logprobs
 from relayrl.trainer.optim import adamw
 from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs, scatter
 from relayrl.trainer.precision import Precision
+from relayrl.trainer.prefix import SharedPrefix, group_layouts, shared_prefix_logprobs
 
 
 def load_trained_model(
@@ -134,6 +135,7 @@ class FSDPBackend:
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
+        self.shared_prefix = SharedPrefix(cfg.shared_prefix, cfg.pack_token_budget)
         self.critic = None  # the value model (relayrl/trainer/backends/critic.py) under algorithm.advantage: gae
 
     @property
@@ -149,12 +151,15 @@ class FSDPBackend:
         *,
         reference: bool = False,
         scored: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``; only the positions
         ``scored`` [B, L-1] (the loss's; None: every valid one) go through the output head, the others are 0
         (relayrl/trainer/head.py).
 
-        Rows go in length buckets (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
+        Rows of one ``groups`` id [B] (None: no groups) forward their common prefix once where
+        ``trainer.shared_prefix`` decides so (relayrl/trainer/prefix.py); otherwise they go in length buckets
+        (relayrl/trainer/packing.py) where ``trainer.padding_free`` decides so. Otherwise a
         right-padded batch (every row's mask ones then zeros, what ``to_train_batch`` builds) goes in without
         its mask: causal attention never looks right, so the valid positions come out bit for bit the same,
         and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward).
@@ -166,7 +171,7 @@ class FSDPBackend:
         model = self.reference if reference else self.model
         dtype = self.precision.reference if reference else self.precision.compute
         with self.precision.autocast(self.device):
-            return self._logprobs(model, input_ids, attention_mask, scored, temperature, dtype)
+            return self._logprobs(model, input_ids, attention_mask, scored, temperature, dtype, groups)
 
     def _logprobs(
         self,
@@ -176,12 +181,26 @@ class FSDPBackend:
         scored: torch.Tensor,
         temperature: float,
         dtype: torch.dtype,
+        groups: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, positions = int(attention_mask.sum()), attention_mask.numel()
         is_right_padded = right_padded(attention_mask)
-        totals = self._agreed([tokens, positions, not is_right_padded], dist.ReduceOp.SUM)
+        budget, lengths = self.padding_free.token_budget, attention_mask.sum(-1).tolist()
+        layouts = group_layouts(input_ids, lengths, groups) if groups is not None and is_right_padded else None
+        shared = sum(layout.length for layout in layouts) if layouts else tokens
+        longest = max(layout.length for layout in layouts) if layouts else 0
+        totals = self._agreed([tokens, positions, not is_right_padded, shared], dist.ReduceOp.SUM)
+        longest = self._agreed([longest], dist.ReduceOp.MAX)[0]
+        if not totals[2] and layouts is not None and self.shared_prefix.decide(totals[0], totals[3], longest):
+            buckets = micro_batches([layout.length for layout in layouts], budget)
+            forwards = self._agreed([len(buckets)], dist.ReduceOp.MAX)[0]
+            computed = computed_positions(buckets, [layout.length for layout in layouts])
+            self.padding_free.record(shared, computed, packed=True, row_tokens=tokens)
+            return shared_prefix_logprobs(
+                model, layouts, input_ids, scored, temperature, dtype, device=self.device, token_budget=budget,
+                min_forwards=forwards,
+            )  # fmt: skip
         if not totals[2] and self.padding_free.decide(totals[0], totals[1]):
-            budget, lengths = self.padding_free.token_budget, attention_mask.sum(-1).tolist()
             batches = micro_batches(lengths, budget)
             forwards = self._agreed([len(batches)], dist.ReduceOp.MAX)[0]
             self.padding_free.record(tokens, computed_positions(batches, lengths), packed=True)

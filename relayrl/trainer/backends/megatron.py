@@ -129,9 +129,11 @@ class MegatronBackend:
         *,
         reference: bool = False,
         scored: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``, on every rank.
-        ``scored`` is the FSDP backend's hint (the positions the loss reads); the output layer here scores them all."""
+        ``scored`` and ``groups`` are the FSDP backend's hints (the positions the loss reads, the rows that share a
+        prompt); the output layer here scores every position and each row forwards its own prompt."""
         check_right_padded(attention_mask)
         tokens = int(attention_mask.sum())
         self.padding_free.decide(tokens, attention_mask.numel())  # never packs; logs why once
