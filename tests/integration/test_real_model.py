@@ -56,7 +56,9 @@ def test_the_builtin_is_a_plain_llama_chat_directory(model_dir: Path) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_two_steps_train_it_on_the_fast_decode_path_with_the_trainers_logprobs(tmp_path: Path, model_dir) -> None:
+def test_two_steps_train_it_on_the_fast_decode_path_with_shared_prompts_and_the_trainers_logprobs(
+    tmp_path: Path, model_dir
+) -> None:
     overrides = {
         "run.dir": str(tmp_path / "runs"),
         "trainer.steps": 2,
@@ -85,4 +87,5 @@ def test_two_steps_train_it_on_the_fast_decode_path_with_the_trainers_logprobs(t
     for r in records:
         assert r["samples_trained"] == 4 and r["response_len_mean"] > 0
         assert 0 < r["logprob_mismatch"] < 1e-3, r  # float rounding of a 30-layer model, not another policy
+        assert r["prefix_shared"] > 0.3, r  # each group's 38-token prompt forwarded once (trainer.shared_prefix auto)
     assert "decoding with the fast Llama-family runner" in (run_dir / "logs" / "rollout-0.log").read_text()
