@@ -1,7 +1,9 @@
 """One trainer step on a rollout batch: advantages, old logprobs, mini-batch PPO updates.
 
 Every rank holds the whole batch (so global token and sequence counts are known locally) and
-trains on rows ``rank::world`` of each mini-batch. Gradient reduction averages over ranks, so the
+trains on the ``rank``-th of ``world`` contiguous runs of each mini-batch's rows, grouped (``shard_rows``): a
+group's rows stay together on a rank but where a run's end cuts it, so its prompt is forwarded once there
+(relayrl/trainer/prefix.py). Gradient reduction averages over ranks, so the
 local loss is multiplied by the world size: the result is the loss of the whole mini-batch.
 
 Old logprobs (``algorithm.old_logprobs``), the anchor of the PPO ratio pi_theta / pi_old:
@@ -42,10 +44,20 @@ SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: e
 
 
 def minibatch_rows(group_ids: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    """Row indices of each mini-batch, ``sizes[k]`` groups in mini-batch k (groups in id order); a group never
-    spans two mini-batches."""
+    """Row indices of each mini-batch, ``sizes[k]`` groups in mini-batch k (groups in id order, a group's rows
+    contiguous, in batch order); a group never spans two mini-batches."""
     groups = torch.unique(group_ids)
-    return [torch.nonzero(torch.isin(group_ids, chunk)).flatten() for chunk in torch.split(groups, list(sizes))]
+    out = []
+    for chunk in torch.split(groups, list(sizes)):
+        rows = torch.nonzero(torch.isin(group_ids, chunk)).flatten()
+        out.append(rows[torch.argsort(group_ids[rows], stable=True)])
+    return out
+
+
+def shard_rows(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Data-parallel rank ``rank``'s rows of ``rows`` (a mini-batch's, groups contiguous in batch order): the
+    ``rank``-th of ``world`` contiguous runs, their sizes differing by at most one."""
+    return torch.tensor_split(rows, world)[rank]
 
 
 def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
@@ -198,7 +210,7 @@ def train_on_batch(
     mask = loss_mask(batch, alg.overlong_filter)
     sizes = list(minibatch_groups or split_sizes(len(torch.unique(batch.group_ids)), tcfg.mini_batches))
     minibatches = minibatch_rows(batch.group_ids, sizes)
-    shards = [rows[rank::world] for rows in minibatches]
+    shards = [shard_rows(rows, rank, world) for rows in minibatches]
     critic = None
     if backend.critic is not None:
         began = time.perf_counter()

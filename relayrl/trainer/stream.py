@@ -36,7 +36,7 @@ from relayrl.config import AlgorithmConfig, TrainerConfig
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.retry import RETRYABLE
 from relayrl.trainer.batch import to_train_batch
-from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatch_counts
+from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatch_counts, shard_rows
 from relayrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class StreamedStep:
             raise RuntimeError(f"stream: a chunk of {len(chunk)} rows for {backend.dp_size} data-parallel ranks")
         advantages = compute_advantages(alg.advantage, chunk.rewards, chunk.group_ids, norm_by_std=alg.norm_by_std)
         mask = loss_mask(chunk, alg.overlong_filter)
-        shard = torch.arange(len(chunk))[backend.dp_rank :: backend.dp_size]
+        shard = shard_rows(torch.arange(len(chunk)), backend.dp_rank, backend.dp_size)
         ref = None
         if alg.kl_coef > 0:
             with torch.no_grad():

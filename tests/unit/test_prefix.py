@@ -167,8 +167,9 @@ def test_a_shared_prefix_step_is_the_padded_update(tiny_model_dir) -> None:
 
 
 def test_two_ranks_agree_on_their_shared_forwards(tiny_model_dir, tmp_path) -> None:
-    """Budget 40: each rank holds every other row of a group, so the ranks' layouts differ in length and cut into
-    different numbers of forwards; FSDP's gathers stay matched (no hang) and the update is still the padded one."""
+    """Budget 40: each rank holds a contiguous run of a mini-batch's rows (the second mini-batch's 5 rows cut one
+    group), so the ranks' layouts differ in number and length and cut into different numbers of forwards; FSDP's
+    gathers stay matched (no hang) and the update is still the padded one."""
     out = tmp_path / "result.json"
     mp.spawn(same_update_case, args=(2, free_port(), str(tiny_model_dir), 40, str(out)), nprocs=2)
     check(json.loads(out.read_text()))
