@@ -577,6 +577,17 @@ def machine(args: argparse.Namespace, cfgs: dict[str, RelayConfig]) -> dict:
     }
 
 
+def model_facts(cfg: RelayConfig) -> dict:
+    """The model's path, width, depth and vocabulary: from its config.json where the directory exists (a real
+    model), else the tiny model's sizes the config builds it with."""
+    config = Path(cfg.model.path) / "config.json"
+    if config.is_file():
+        hf = json.loads(config.read_text())
+        return {"path": cfg.model.path, "hidden_size": hf.get("hidden_size"), "layers": hf.get("num_hidden_layers"),
+                "vocab_size": hf.get("vocab_size")}  # fmt: skip
+    return {"path": cfg.model.path, "hidden_size": cfg.model.tiny_hidden_size, "layers": cfg.model.tiny_layers}
+
+
 def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
     """What both systems share, and how each gets equal work."""
     tokens = cfg.rollout.max_tokens
@@ -584,7 +595,7 @@ def settings(wl: Workload, cfg: RelayConfig, args: argparse.Namespace) -> dict:
         "config": str(wl.config),
         "overrides": wl.overrides,
         "variants": wl.variants,
-        "model": {"path": cfg.model.path, "hidden_size": cfg.model.tiny_hidden_size, "layers": cfg.model.tiny_layers},
+        "model": model_facts(cfg),
         "prompts_per_step": cfg.controller.train_batch_groups,
         "n": cfg.rollout.n,
         "max_tokens": tokens,
