@@ -21,7 +21,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_bench_load_serves_every_request(tmp_path) -> None:
-    argv = ["--clients", "8", "--duration", "4", "--warmup", "1", "--workers", "1", "--workdir", str(tmp_path)]
+    argv = ["--clients", "8", "--duration", "2", "--warmup", "0.5", "--workers", "1", "--workdir", str(tmp_path)]
     result = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "bench", "load", *argv], capture_output=True, text=True, timeout=300
     )
