@@ -35,7 +35,7 @@ def _wait_for(what: str, fn, timeout: float, diag):
         value = fn()
         if value:
             return value
-        time.sleep(1.0)
+        time.sleep(0.25)  # each poll is a CLI process already
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{diag()}")
 
 
