@@ -175,21 +175,29 @@ nodes_idle() {
   [[ $idle -eq ${#NODES[@]} ]]
 }
 
-stop_pidfile() { # stop_pidfile NAME PIDFILE
-  local name=$1 pidfile=$2 pid
-  [[ -s $pidfile ]] || return 0
-  pid="$(cat "$pidfile")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid"
-    local deadline=$((SECONDS + 15))
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+stop_pidfiles() { # stop_pidfiles NAME=PIDFILE...: SIGTERM to all at once (each takes seconds to stop), then wait
+  local entry name pidfile pid deadline
+  local -a names=() pids=() pidfiles=()
+  for entry in "$@"; do
+    name=${entry%%=*} pidfile=${entry#*=}
+    [[ -s $pidfile ]] || continue
+    pid="$(cat "$pidfile")"
     if kill -0 "$pid" 2>/dev/null; then
-      log "$name ($pid) ignored SIGTERM; sending SIGKILL"
-      kill -KILL "$pid" 2>/dev/null || true
+      kill -TERM "$pid"
+      names+=("$name") pids+=("$pid")
     fi
-    log "stopped $name ($pid)"
-  fi
-  rm -f "$pidfile"
+    pidfiles+=("$pidfile")
+  done
+  deadline=$((SECONDS + 15))
+  for i in "${!pids[@]}"; do
+    while kill -0 "${pids[i]}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+    if kill -0 "${pids[i]}" 2>/dev/null; then
+      log "${names[i]} (${pids[i]}) ignored SIGTERM; sending SIGKILL"
+      kill -KILL "${pids[i]}" 2>/dev/null || true
+    fi
+    log "stopped ${names[i]} (${pids[i]})"
+  done
+  rm -f "${pidfiles[@]}"
 }
 
 cmd_stop() {
@@ -201,9 +209,10 @@ cmd_stop() {
     # cancel leftover jobs so their steps do not outlive the daemons
     SLURM_CONF="$CONF" scancel --quiet --full --partition=debug 2>/dev/null || true
   fi
-  for n in "${NODES[@]}"; do stop_pidfile "slurmd $n" "$BASE/run/slurmd-$n.pid"; done
-  stop_pidfile slurmctld "$BASE/run/slurmctld.pid"
-  stop_pidfile munged "$BASE/munge/munged.pid"
+  local daemons=("slurmctld=$BASE/run/slurmctld.pid")
+  for n in "${NODES[@]}"; do daemons+=("slurmd $n=$BASE/run/slurmd-$n.pid"); done
+  stop_pidfiles "${daemons[@]}"
+  stop_pidfiles "munged=$BASE/munge/munged.pid" # last: the Slurm daemons authenticate through it
   if [[ ${1:-} == --purge ]]; then
     rm -rf "$BASE"
     log "removed $BASE"
