@@ -132,6 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--workdir", type=existing_dir, help="models, data, run dirs and logs (default: a new temp dir)"
     )
     parser.add_argument("--json", action="store_true", help="print the JSON result to stdout (else a table)")
+    parser.add_argument("--no-trl", action="store_true", help="relayrl's variants only: no TRL system runs")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
@@ -200,7 +201,8 @@ def long_tail_workload(args: argparse.Namespace, workdir: Path) -> Workload:
         *args.set,
     ]  # fmt: skip
     in_flight = ["controller.max_staleness=1", "rollout.partial=keep_kv", "algorithm.old_logprobs=rollout"]
-    variants = {"default": [], "k1-keep-kv": in_flight}  # default: K = 0, whole batches, trainer.padding_free auto
+    # default: K = 0, whole batches, trainer.padding_free auto; k0-stream: the same batches streamed to the trainer
+    variants = {"default": [], "k0-stream": ["trainer.stream=on"], "k1-keep-kv": in_flight}
     if (pinned := pinned_halves()) is not None:  # the phases alone and overlapped on disjoint cores
         variants["k0-split"] = ["trainer.stream=off", *pinned]
         variants["k1-keep-kv-split"] = [*in_flight, *pinned]
@@ -653,7 +655,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             steps = cfg.trainer.steps
             if wl.samples_budget and max(relayrl_samples) > 0:
                 steps = math.ceil(max(relayrl_samples) / per_step)
-            for system in wl.trl_systems:
+            for system in () if args.no_trl else wl.trl_systems:
                 progress(f"{wl.name} round {rnd}/{args.rounds}: {system} ({steps} steps)")
                 run = run_trl(wl, cfg, steps, rnd, workdir, args, system)
                 rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
