@@ -227,9 +227,10 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
     restarted = restart_attempt() > 0  # torchrun --max-restarts brought us back
 
     pin_role(cfg, "trainer")  # before any thread starts (relayrl/runtime/cpus.py)
-    yield_cores_to_generation()  # under relayrl up: generation first on the shared cores (relayrl/cores/threads.py)
+    # under relayrl up: generation first on the shared cores (relayrl/cores/threads.py)
+    priority = yield_cores_to_generation()
     try:
-        return run_trainer(cfg, controller, resume=args.resume or restarted)
+        return run_trainer(cfg, controller, resume=args.resume or restarted, priority=priority)
     except grpc.RpcError as err:
         if not STOPPING.is_set():
             raise

@@ -12,16 +12,26 @@ the roles share one machine's C cores, and the split follows the loop:
   the other roles decode's small kernels would pay the wake-ups.
 
 Generation first while a step streams: a colocated trainer rank that trains a batch's groups as they arrive
-(``RelayConfig.streams``) runs at the lowest CPU priority (nice 19, ``RELAYRL_TRAINER_NICE``), so where its
-chunks want the cores of the batch's last decode steps the kernel runs the worker and gives the trainer
-what is left. It has to be the session's *autogroup*: each role starts in a session of its own (the
-launcher's ``start_new_session``, torchrun's for its ranks) and with ``kernel.sched_autogroup_enabled`` CFS
-first splits a core evenly between sessions, whatever the threads' nice values say; ``/proc/self/autogroup``
-takes the nice of the whole session. Without it a decode step that shares the cores with a training chunk
-slows by orders of magnitude: a decode step is many short OpenMP regions, and each waits for whichever of
-the worker's threads the kernel has just handed to the trainer. Not done for the other loops: at K = 1 the
-trainer's passive threads already give way, and a whole batch's phases alternate; there a niced trainer only
-loses the cores to the worker's spinning OpenMP threads after each decode.
+(``RelayConfig.streams``) runs at the lowest CPU priority (nice 19, ``RELAYRL_TRAINER_NICE``) while that batch
+is being generated, so where its chunks want the cores of the batch's last decode steps the kernel runs the
+worker and gives the trainer what is left. It has to be the session's *autogroup*: each role starts in a
+session of its own (the launcher's ``start_new_session``, torchrun's for each rank) and with
+``kernel.sched_autogroup_enabled`` CFS first splits a core evenly between sessions, whatever the threads' nice
+values say; ``/proc/self/autogroup`` takes the nice of the whole session. Without it a decode step that shares
+the cores with a training chunk slows by orders of magnitude: a decode step is many short OpenMP regions, and
+each waits for whichever of the worker's threads the kernel has just handed to the trainer.
+
+Only while the batch is being generated (``GenerationFirst``): from the start of a streamed step until its
+stream's last part is read, then back to the session's own nice for the rest of the step (the chunks still to
+train, the optimizer steps, the weight sync). A session at nice 19 gets ~1/70 of a core that any other nice-0
+session wants, so a trainer niced for the whole run is starved by whatever else runs on the machine (another
+job, an editor, a test suite) long after its workers went idle. Raising an autogroup's nice back to 0 needs no
+privilege (only a negative nice does); a thread's does, so where the kernel has no autogroups the threads run
+at nice 19 for the whole run, as the only way to yield there.
+
+Not done for the other loops: at K = 1 the trainer's passive threads already give way, and a whole batch's
+phases alternate; there a niced trainer only loses the cores to the worker's spinning OpenMP threads after
+each decode.
 
 An explicit ``rollout.threads`` / ``trainer.threads`` overrides the count; a wait policy or trainer nice already
 in the environment is kept (``RELAYRL_TRAINER_NICE=0``: the trainer keeps its priority).
@@ -34,9 +44,9 @@ beside it), as on separate machines.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +59,7 @@ COLOCATED_ENV = "RELAYRL_COLOCATED"
 TRAINER_NICE_ENV = "RELAYRL_TRAINER_NICE"
 COLOCATED_TRAINER_NICE = 19  # the lowest priority: the trainer takes only the cores generation leaves
 AUTOGROUP = Path("/proc/self/autogroup")  # this session's CPU share (kernel CONFIG_SCHED_AUTOGROUP)
+AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
 Role = Literal["rollout", "trainer"]
 
 
@@ -127,10 +138,57 @@ def trainer_env(cfg: RelayConfig) -> dict[str, str]:
     return env
 
 
-def yield_cores_to_generation() -> int:
-    """Lower this process to the nice in ``RELAYRL_TRAINER_NICE`` (module docstring): the calling thread (the
-    threads it starts inherit it) and, where the kernel has them, its session's autogroup. Call it before the
-    process starts its threads. Returns the nice applied, 0 when the variable is unset or 0."""
+class GenerationFirst:
+    """A streaming trainer's priority beside its rollout workers (module docstring): ``generating`` lowers the
+    autogroups of ``pids`` (this host's trainer ranks) to nice ``nice``, ``generated`` puts back the nice each had.
+    Both do nothing unless ``scoped`` (a nice to apply and a kernel with autogroups)."""
+
+    def __init__(self, nice: int = 0, *, scoped: bool = False, pids: Sequence[int] = ()) -> None:
+        self.nice, self.scoped = nice, scoped and nice > 0
+        self.own = {pid: autogroup_nice(pid) for pid in pids or [os.getpid()]} if self.scoped else {}
+
+    def for_ranks(self, pids: Sequence[int]) -> GenerationFirst:
+        """The same, applied to the autogroups of ``pids`` (rank 0: every rank on its host)."""
+        return GenerationFirst(self.nice, scoped=self.scoped, pids=pids)
+
+    def generating(self) -> None:
+        """The step's batch is being generated: its workers first."""
+        self._set(lambda own: max(own, self.nice))
+
+    def generated(self) -> None:
+        """The batch is complete: each session back to its own nice."""
+        self._set(lambda own: own)
+
+    def _set(self, nice_of) -> None:
+        for pid, own in self.own.items():
+            try:
+                autogroup_path(pid).write_text(str(nice_of(own)))
+            except OSError as err:  # a rank that exited: its run is ending
+                log.debug("autogroup of pid %d: %s", pid, err)
+
+
+def autogroup_path(pid: int) -> Path:
+    return AUTOGROUP if pid == os.getpid() else Path(f"/proc/{pid}/autogroup")
+
+
+def autogroup_nice(pid: int) -> int:
+    """The nice of ``pid``'s autogroup ("/autogroup-N nice K")."""
+    return int(autogroup_path(pid).read_text().split()[-1])
+
+
+def autogroups() -> bool:
+    """Whether CFS splits the cores between sessions first (``kernel.sched_autogroup_enabled`` = 1)."""
+    try:
+        return AUTOGROUP.exists() and AUTOGROUP_ENABLED.read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def yield_cores_to_generation() -> GenerationFirst:
+    """This trainer's ``GenerationFirst`` from the nice in ``RELAYRL_TRAINER_NICE`` (module docstring); call it
+    before the process starts its threads. With autogroups it changes nothing yet (the trainer loop calls
+    ``generating`` / ``generated`` around each streamed step's generation); without them the calling thread (the
+    threads it starts inherit it) takes that nice for the whole run. Unset or 0: nothing, ever."""
     raw = os.environ.get(TRAINER_NICE_ENV, "0")
     try:
         nice = int(raw)
@@ -139,9 +197,10 @@ def yield_cores_to_generation() -> int:
     if not 0 <= nice <= 19:
         raise ConfigError(f"{TRAINER_NICE_ENV}: {raw!r} is not a nice value from 0 to 19")
     if nice == 0:
-        return 0
+        return GenerationFirst()
+    if autogroups():
+        log.info("beside the rollout workers: this trainer's session runs at nice %d while a batch generates", nice)
+        return GenerationFirst(nice, scoped=True)
     os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    with contextlib.suppress(OSError):  # no autogroups in this kernel: the threads' nice is what counts
-        AUTOGROUP.write_text(str(nice))
-    log.info("beside the rollout workers: this trainer rank runs at nice %d, generation first", nice)
-    return nice
+    log.info("beside the rollout workers: this trainer rank runs at nice %d (no autogroups: for the run)", nice)
+    return GenerationFirst(nice)

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -22,7 +23,7 @@ from transformers import AutoTokenizer
 
 from relayrl.algorithms.version_mix import version_mix
 from relayrl.config import RelayConfig, TrainerConfig, dump_config
-from relayrl.cores.threads import torch_threads
+from relayrl.cores.threads import GenerationFirst, torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
@@ -38,7 +39,7 @@ from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.samples import SamplesWriter, step_samples
 from relayrl.trainer.schedule import lr_at, set_lr
 from relayrl.trainer.step import train_on_batch
-from relayrl.trainer.stream import StreamedStep, read_stream
+from relayrl.trainer.stream import StreamedStep, read_ahead, read_stream
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
 from relayrl.trainer.world import init_world, world_backend
@@ -196,53 +197,71 @@ def broadcast_from_rank0(*values: object) -> list:
     return box
 
 
-def train_streamed(backend, cfg: RelayConfig, step: int, parts, verified: frozenset[str], pad_id: int):
+def train_streamed(
+    backend,
+    cfg: RelayConfig,
+    step: int,
+    parts,
+    verified: frozenset[str],
+    pad_id: int,
+    priority: GenerationFirst | None = None,
+):
     """One step from StreamBatch parts (``parts()``: rank 0's fresh read_stream, None elsewhere; rank 0
     broadcasts each item, so every rank trains the same parts in the same order). Returns (the batch, the
-    train metrics), or (None, {}) when a shutdown was requested. A broken stream is pulled again."""
+    train metrics), or (None, {}) when a shutdown was requested. A broken stream is pulled again.
+    ``priority`` (rank 0's): lowered while the stream is open, back the moment its last part is read."""
     rank0 = parts is not None
-    while True:
-        source = parts() if rank0 else None
-        streamed = StreamedStep(
-            backend, cfg.algorithm, cfg.trainer, target_groups=cfg.controller.train_batch_groups,
-            version=step - 1, verified=verified, pad_id=pad_id, norm_len=cfg.max_response_tokens,
-        )  # fmt: skip
-        whole: list[controller_pb2.Sample] = []  # parts of a batch sent whole (not streamed)
-        waited = 0.0
-        began = time.perf_counter()
+    priority = priority or GenerationFirst()
+    try:
         while True:
-            before = time.perf_counter()
-            kind, payload = broadcast_from_rank0(*(next(source) if rank0 else (None, None)))
-            waited += time.perf_counter() - before
-            if kind == "stop":
-                return None, {}
-            if kind == "broken":
-                log.warning("the batch stream of step %d broke (%s): its parts are void; pulling again", step, payload)
-                streamed.discard()
-                break
-            part = controller_pb2.BatchPart.FromString(payload)
-            if kind == "part":
+            if rank0:
+                priority.generating()
+            source = read_ahead(parts(), priority.generated) if rank0 else None
+            streamed = StreamedStep(
+                backend, cfg.algorithm, cfg.trainer, target_groups=cfg.controller.train_batch_groups,
+                version=step - 1, verified=verified, pad_id=pad_id, norm_len=cfg.max_response_tokens,
+            )  # fmt: skip
+            whole: list[controller_pb2.Sample] = []  # parts of a batch sent whole (not streamed)
+            waited = 0.0
+            began = time.perf_counter()
+            while True:
+                before = time.perf_counter()
+                kind, payload = broadcast_from_rank0(*(next(source) if rank0 else (None, None)))
+                waited += time.perf_counter() - before
+                if kind == "stop":
+                    return None, {}
+                if kind == "broken":
+                    log.warning(
+                        "the batch stream of step %d broke (%s): its parts are void; pulling again", step, payload
+                    )
+                    streamed.discard()
+                    break
+                part = controller_pb2.BatchPart.FromString(payload)
+                if kind == "part":
+                    if part.streamed:
+                        streamed.add(part.samples, part.temperature)
+                    else:
+                        whole.extend(part.samples)
+                    continue
+                batch_msg = part.batch
                 if part.streamed:
-                    streamed.add(part.samples, part.temperature)
+                    batch_msg.samples.extend(streamed.samples)
+                    train = streamed.finish(batch_msg)
                 else:
-                    whole.extend(part.samples)
-                continue
-            batch_msg = part.batch
-            if part.streamed:
-                batch_msg.samples.extend(streamed.samples)
-                train = streamed.finish(batch_msg)
-            else:
-                batch_msg.samples.extend(whole)
-                batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
-                train = train_on_batch(
-                    backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-                    norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
-                    critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
-                )  # fmt: skip
-            train["streamed"] = float(part.streamed)
-            train["train_wait_seconds"] = waited
-            train["train_seconds"] = time.perf_counter() - began - waited  # compute only
-            return batch_msg, train
+                    batch_msg.samples.extend(whole)
+                    batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
+                    train = train_on_batch(
+                        backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
+                        norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
+                        critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
+                    )  # fmt: skip
+                train["streamed"] = float(part.streamed)
+                train["train_wait_seconds"] = waited
+                train["train_seconds"] = time.perf_counter() - began - waited  # compute only
+                return batch_msg, train
+    finally:  # an error mid-step too: the session's own nice back
+        if rank0:
+            priority.generated()
 
 
 def export_candidate(backend, keeper: BestKeeper | None, version: int, tokenizer) -> None:
@@ -291,7 +310,23 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
     }
 
 
-def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = False) -> int:
+def local_ranks(priority: GenerationFirst) -> GenerationFirst:
+    """Collective: rank 0's ``priority`` over the autogroups of every rank on its host (torchrun starts each rank
+    in a session of its own), the others' nothing: rank 0 reads the stream, so it knows when generation ends."""
+    here = (socket.gethostname(), os.getpid())
+    ranks = [here]
+    if dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, here)
+    if dist.get_rank() != 0:
+        return GenerationFirst()
+    return priority.for_ranks([pid for host, pid in ranks if host == here[0]])
+
+
+def run_trainer(
+    cfg: RelayConfig, controller_address: str, *, resume: bool = False, priority: GenerationFirst | None = None
+) -> int:
+    """``priority``: how a streaming rank yields the cores to generation (relayrl/cores/threads.py)."""
     init_world(world_backend(torch.cuda.is_available()))
     rank = dist.get_rank()
     if torch.cuda.is_available():
@@ -340,6 +375,7 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         )
         call_with_retry(partial(stub.ReportWeightSync, initial, timeout=60), what="ReportWeightSync", deadline_s=600)
     streaming = cfg.streams
+    priority = local_ranks(priority or GenerationFirst()) if streaming else None
     stream_timeout_s = cfg.trainer.pull_timeout_s + cfg.controller.generate_timeout_s * cfg.controller.max_gen_batches
 
     stop = ShutdownFlag()
@@ -355,7 +391,9 @@ def run_trainer(cfg: RelayConfig, controller_address: str, *, resume: bool = Fal
         (verified,) = broadcast_from_rank0(frozenset(verified))
         if streaming:
             parts = partial(read_stream, stub, step, cfg.trainer.pull_timeout_s, stream_timeout_s, stop)
-            batch_msg, train = train_streamed(backend, cfg, step, parts if rank == 0 else None, verified, pad_id)
+            batch_msg, train = train_streamed(
+                backend, cfg, step, parts if rank == 0 else None, verified, pad_id, priority
+            )
         else:
             payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
             (payload,) = broadcast_from_rank0(payload)

@@ -23,8 +23,10 @@ part of a step is ever trained twice.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -166,6 +168,32 @@ class StreamedStep:
         if self.k == 0:  # trainer logprobs at the step's starting weights
             self.metrics.add_mismatch(logprob, chunk.rollout_logprobs[shard], pieces["mask"])
         self.row_tokens.append(mask.sum(-1))
+
+
+def read_ahead(items: Iterator[tuple[str, bytes]], on_last: Callable[[], None]) -> Iterator[tuple[str, bytes]]:
+    """``items`` (read_stream's) read by a thread of their own, so a part that arrives while a chunk trains is
+    read at once; ``on_last`` runs the moment the last one ("end", "broken", "stop": generation is over) or an
+    error is read, not once the caller has trained what came before it. Errors reach the caller in order."""
+    box: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump() -> None:
+        try:
+            for item in items:
+                if item[0] != "part":
+                    on_last()
+                box.put(item)
+        except BaseException as err:  # handed to the caller, raised there
+            on_last()
+            box.put(err)
+
+    threading.Thread(target=pump, name="batch-stream", daemon=True).start()
+    while True:
+        item = box.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item[0] != "part":
+            return
 
 
 def read_stream(stub, step: int, deadline_s: float, call_timeout_s: float, stop) -> Iterator[tuple[str, bytes]]:
