@@ -173,7 +173,11 @@ class StreamedStep:
 def read_ahead(items: Iterator[tuple[str, bytes]], on_last: Callable[[], None]) -> Iterator[tuple[str, bytes]]:
     """``items`` (read_stream's) read by a thread of their own, so a part that arrives while a chunk trains is
     read at once; ``on_last`` runs the moment the last one ("end", "broken", "stop": generation is over) or an
-    error is read, not once the caller has trained what came before it. Errors reach the caller in order."""
+    error is read, not once the caller has trained what came before it. Errors reach the caller in order.
+
+    The parts read while the caller was busy come as one: their BatchPart bytes concatenated, which protobuf
+    parses as one message with their samples in order (repeated fields append). So a trainer that fell behind
+    generation trains what has arrived in one chunk per mini-batch, as a whole batch would, not part by part."""
     box: queue.SimpleQueue = queue.SimpleQueue()
 
     def pump() -> None:
@@ -187,10 +191,20 @@ def read_ahead(items: Iterator[tuple[str, bytes]], on_last: Callable[[], None]) 
             box.put(err)
 
     threading.Thread(target=pump, name="batch-stream", daemon=True).start()
+    held = None
     while True:
-        item = box.get()
+        item, held = held or box.get(), None
         if isinstance(item, BaseException):
             raise item
+        if item[0] == "part":
+            parts = [item[1]]
+            while held is None and not box.empty():
+                more = box.get()
+                if isinstance(more, tuple) and more[0] == "part":
+                    parts.append(more[1])
+                else:
+                    held = more
+            item = ("part", b"".join(parts))
         yield item
         if item[0] != "part":
             return
