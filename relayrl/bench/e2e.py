@@ -28,8 +28,8 @@ Workloads:
 - ``long-tail`` (not run by default): a model whose responses have geometric lengths with mean ~48 tokens,
   capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
   tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
-  with its defaults (K = 0, whole batches, ``trainer.padding_free`` auto) and at K = 1 with in-flight
-  weight updates (``rollout.partial=keep_kv``, the engine's old logprobs), each also pinned to disjoint halves of
+  with its defaults (K = 0, whole batches, ``trainer.padding_free`` auto), the same K = 0 batches streamed to the
+  trainer (``k0-stream``: ``trainer.stream=on``) and at K = 1 with in-flight weight updates (``rollout.partial=keep_kv``, the engine's old logprobs), each also pinned to disjoint halves of
   the cores (``k0-split``, ``k1-keep-kv-split``) as gen-heavy's split variants are; TRL in both of its generation modes,
   ``generate`` (system ``trl``) and ``use_transformers_continuous_batching`` (``trl-cb``). Ratios are against
   the faster TRL mode (``trl_baseline``); each system's measured mean response length is reported.
@@ -43,8 +43,9 @@ control plane's share of a step = controller CPU seconds / steady wall seconds.
 ``step_vs_longer_phase`` = s/step / max(generation s, training s), each phase as measured in that run:
 1.0 when a step costs only its longer phase (generation and training fully overlapped), about 2 when
 they alternate with equal lengths. Per workload: medians
-over rounds per system, relayrl/TRL ratios, and ``overlap``: each K = 1 variant's s/step against the phases of
-the K = 0 variant that ran them alone on the same cores (``overlap``).
+over rounds per system, relayrl/TRL ratios, ``overlap``: each K = 1 variant's s/step against the phases of
+the K = 0 variant that ran them alone on the same cores, and ``stream_vs_whole``: the whole-batch K = 0 run's
+s/step over the streamed one's of the same round (``--no-trl`` runs relayrl's variants alone).
 """
 
 from __future__ import annotations
@@ -486,7 +487,7 @@ def aggregate(rows: list[dict]) -> dict:
         }
     return {
         "systems": systems, "trl_baseline": baseline, "relayrl_vs_trl": ratios, "overlap": overlap(rows),
-        "critic_vs_grpo": critic_cost(rows),
+        "critic_vs_grpo": critic_cost(rows), "stream_vs_whole": stream_vs_whole(rows),
     }  # fmt: skip
 
 
@@ -536,6 +537,28 @@ def critic_cost(rows: list[dict]) -> dict:
             "critic_s_per_step": statistics.median(a["critic_s"] for a, _ in pairs),
             "rounds": len(pairs),
         }
+    return out
+
+
+# streamed K = 0 -> the whole-batch K = 0 variant of its workload (long-tail's default trains whole batches)
+STREAM_PAIRS = {"relayrl-k0-stream": ("relayrl-k0-whole", "relayrl-default")}
+
+
+def stream_vs_whole(rows: list[dict]) -> dict:
+    """Per streamed variant of ``STREAM_PAIRS``, over the rounds where its whole-batch partner ran: the whole-batch
+    run's s/step over the streamed run's, per round and their median (> 1: streaming faster)."""
+    out = {}
+    for streamed, partners in STREAM_PAIRS.items():
+        for whole in partners:
+            if pairs := same_round_pairs(rows, streamed, whole):
+                by_round = [b["s_per_step"] / a["s_per_step"] for a, b in pairs]
+                out[streamed] = {
+                    "vs": whole,
+                    "speedup_by_round": by_round,
+                    "speedup": statistics.median(by_round),
+                    "rounds": len(pairs),
+                }
+                break
     return out
 
 

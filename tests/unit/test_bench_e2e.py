@@ -117,6 +117,21 @@ def test_critic_cost_pairs_ppo_with_grpo_of_the_same_round() -> None:
     assert out["critic_s_per_step"] == pytest.approx((0.5 + 0.4) / 2)
 
 
+def test_stream_vs_whole_pairs_each_streamed_run_with_the_whole_batch_run_of_its_round() -> None:
+    """Whole-batch s/step over streamed s/step per round (> 1: streaming faster); long-tail's whole-batch K = 0 is
+    its default variant; a round without its partner is left out."""
+    rows = [
+        summarize(Run("w", system, rnd, 90.0, 60.0, 0, records([0.0] * 5, step_s=s), Path("log")), ARGS, 8, False)
+        for system, rnd, s in [
+            ("relayrl-default", 1, 2.0), ("relayrl-k0-stream", 1, 1.6),
+            ("relayrl-k0-stream", 2, 2.5), ("relayrl-default", 2, 2.0), ("relayrl-k0-stream", 3, 1.0),
+        ]
+    ]  # fmt: skip
+    out = aggregate(rows)["stream_vs_whole"]["relayrl-k0-stream"]
+    assert out["vs"] == "relayrl-default" and out["rounds"] == 2
+    assert out["speedup_by_round"] == pytest.approx([1.25, 0.8]) and out["speedup"] == pytest.approx(1.025)
+
+
 def test_overlap_compares_a_k1_step_with_the_phases_k0_ran_alone() -> None:
     """K = 1 s/step over max(generation, training) of the same round's K = 0 run (1.0 s of training, 0.5 of
     generation in these records); rounds without their K = 0 partner are left out."""
