@@ -29,9 +29,10 @@ Workloads:
   capped at 256 (``relayrl.models.tiny.write_long_tail_model``: near-uniform next-token distribution over 48
   tokens, EOS one of them), 16 prompts x 16 samples, a negligible lr (1e-7) so the lengths do not drift; relayrl
   with its defaults (K = 0, whole batches, ``trainer.padding_free`` auto), the same K = 0 batches streamed to the
-  trainer (``k0-stream``: ``trainer.stream=on``) and at K = 1 with in-flight weight updates (``rollout.partial=keep_kv``, the engine's old logprobs), each also pinned to disjoint halves of
-  the cores (``k0-split``, ``k1-keep-kv-split``) as gen-heavy's split variants are; TRL in both of its generation modes,
-  ``generate`` (system ``trl``) and ``use_transformers_continuous_batching`` (``trl-cb``). Ratios are against
+  trainer (``k0-stream``: ``trainer.stream=on``) and at K = 1 with in-flight weight updates
+  (``rollout.partial=keep_kv``, the engine's old logprobs), each but k0-stream also pinned to disjoint halves of
+  the cores (``k0-split``, ``k1-keep-kv-split``) as gen-heavy's split variants are; TRL in both of its generation
+  modes, ``generate`` (system ``trl``) and ``use_transformers_continuous_batching`` (``trl-cb``). Ratios are against
   the faster TRL mode (``trl_baseline``); each system's measured mean response length is reported.
 
 Per run (s/step and rates over the steady steps, after ``--warmup``): s/step = wall time between the
