@@ -4,8 +4,9 @@ The result is ``train_on_batch`` on the whole batch up to float rounding: the sa
 mini-batch partition (the batch's ``minibatch_groups``: the plan for ``train_batch_groups``, see
 relayrl/algorithms/partition.py), per-group advantages, the same clip and grad clip. Mini-batch k's rows are
 forwarded and backwarded as their groups arrive, in chunks of whole groups (a quarter of the mini-batch or
-more, CHUNKS_PER_MINIBATCH; at least one row per data-parallel rank, since ``rollout.n`` >= the ranks: every
-rank makes the same collective calls), with un-normalised loss sums (``agg_loss`` with UNIT_COUNTS). Once its
+more, CHUNKS_PER_MINIBATCH, and every group that arrived while the previous chunk trained: ``read_ahead``; at
+least one row per data-parallel rank, since ``rollout.n`` >= the ranks: every rank makes the same collective
+calls), with un-normalised loss sums (``agg_loss`` with UNIT_COUNTS). Once its
 last group is in, the accumulated gradient is divided by the mini-batch's ``agg_denominator`` (its global
 token/sequence counts, known then) and the optimizer steps, while the rest of the batch is still generating.
 
