@@ -316,15 +316,19 @@ def trainer(result: dict) -> str:
         "float32_full_logits": "float32, full logits (the trainer before)",
         "float32": "float32, response positions through the chunked head",
         "bfloat16": "bf16 compute (autocast), the chunked head",
+        "bfloat16_shared_prefix": "bf16 compute, the chunked head, each group's prompt forwarded once",
     }
     rows = []
-    for mode, label in labels.items():
+    cpu, within = result["cpu_speedup_vs_float32_full_logits"], result.get("within_tolerance", {})
+    for mode, label in [(mode, label) for mode, label in labels.items() if mode in s]:
         m = result["metrics"][mode]
         ratio = f"**{f(speed[mode])}×** ({', '.join(f(r) for r in by_round[mode])})" if mode in speed else "1.00"
-        rows.append([label, f(s[mode]), f(us[mode], 0), ratio, f(m["loss"], 5), f(m["grad_norm"], 4),
-                     f(m["entropy"], 4), f"{m['logprob_mismatch']:.1e}"])  # fmt: skip
-    header = ["mode", "s/step", "µs/token", "speedup (per round)", "loss", "grad norm", "entropy",
-              "logprob mismatch"]  # fmt: skip
+        cpu_ratio = f"{f(cpu[mode])}×" if mode in cpu else "1.00"
+        held = {True: "yes", False: "**no**"}.get(within.get(mode), "")
+        rows.append([label, f(s[mode]), f(us[mode], 0), ratio, cpu_ratio, f(m["loss"], 5), f(m["grad_norm"], 4),
+                     f(m["entropy"], 4), f"{m['logprob_mismatch']:.1e}", held])  # fmt: skip
+    header = ["mode", "s/step", "µs/token", "speedup (per round)", "CPU speedup", "loss", "grad norm", "entropy",
+              "logprob mismatch", "within tolerance"]  # fmt: skip
     out = table(header, rows)
     if "profile" in result:
         kinds = sorted({k for p in result["profile"].values() for k in p["share_by_kind"]})

@@ -11,8 +11,8 @@ order round by round:
 - ``float32``: float32 compute, the response positions alone through the head in chunks (relayrl/trainer/head.py);
 - ``bfloat16``: the same under bf16 autocast (float32 parameters and optimizer state);
 - ``bfloat16_shared_prefix``: the same with each group's prompt forwarded once (relayrl/trainer/prefix.py).
-A mode's loss and gradient norm are within ``TOLERANCE`` of ``float32_full_logits``'s, or ``within_tolerance``
-says which is not.
+A mode's loss, gradient norm and entropy are within ``TOLERANCE`` of ``float32_full_logits``'s, or
+``within_tolerance`` says which is not.
 Prints one JSON object: the batch's shape, seconds per step of each mode (median over rounds, and every round),
 microseconds per token (real tokens of the batch), ``speedup`` against ``float32_full_logits`` (per round and the
 median), the same for the process's CPU seconds (on a shared machine, where a step also waits for a core, steadier
@@ -45,10 +45,10 @@ from relayrl.trainer.step import train_on_batch
 
 MODES = ("float32_full_logits", "float32", "bfloat16", "bfloat16_shared_prefix")
 # A mode's step against float32_full_logits: |loss gap| (the loss is a token mean of ratio x advantage terms near
-# 0 here) and |grad norm gap| / grad norm. bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2 % a value),
-# compounded over 30 layers forward and back; its per-token logprob error (logprob_mismatch) averages out over
-# the batch's tokens in the loss.
-TOLERANCE = {"loss_abs": 0.01, "grad_norm_rel": 0.05}
+# 0 here), |grad norm gap| / grad norm and |entropy gap| (nats a token). bf16 keeps 8 mantissa bits (relative
+# rounding 2^-9 ~ 0.2 % a value), compounded over 30 layers forward and back; its per-token logprob error
+# (logprob_mismatch) averages out over the batch's tokens in the loss.
+TOLERANCE = {"loss_abs": 0.01, "grad_norm_rel": 0.05, "entropy_abs": 0.01}
 METRICS = ("loss", "grad_norm", "entropy", "logprob_mismatch", "logprob_mismatch_max", "clip_frac")
 # torch.profiler operator names by kind, first match wins ("other": the rest)
 KINDS = {
@@ -179,10 +179,15 @@ def where_time_went(profiler) -> dict:
 
 
 def within_tolerance(metrics: dict, base: dict) -> bool:
-    """Whether a step's loss and gradient norm are within ``TOLERANCE`` of the baseline's."""
+    """Whether a step's loss, gradient norm and entropy are within ``TOLERANCE`` of the baseline's."""
     loss_gap = abs(metrics["loss"] - base["loss"])
     norm_gap = abs(metrics["grad_norm"] - base["grad_norm"]) / max(abs(base["grad_norm"]), 1e-12)
-    return loss_gap <= TOLERANCE["loss_abs"] and norm_gap <= TOLERANCE["grad_norm_rel"]
+    entropy_gap = abs(metrics["entropy"] - base["entropy"])
+    return (
+        loss_gap <= TOLERANCE["loss_abs"]
+        and norm_gap <= TOLERANCE["grad_norm_rel"]
+        and entropy_gap <= TOLERANCE["entropy_abs"]
+    )
 
 
 def command(args: argparse.Namespace) -> str:
