@@ -28,12 +28,16 @@ import torch
 
 from relayrl.trainer.head import scored_logprobs
 from relayrl.trainer.packing import micro_batches, scatter
+from relayrl.trainer.precision import FLOAT32_SDPA
 
 log = logging.getLogger(__name__)
 
 # trainer.shared_prefix "auto" shares where that saves at least this share of the rows' positions: below it the
 # masked attention and the smaller forwards do not pay.
 AUTO_MIN_SAVED_SHARE = 0.25
+# attention implementations that apply a custom 4D boolean mask as given (transformers' sdpa and eager, and
+# relayrl's float32 SDPA of trainer/precision.py); flash-attention kernels take none
+MASKED_ATTENTION = ("sdpa", "eager", FLOAT32_SDPA)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,14 @@ class GroupLayout:
         """Layout positions of row ``i``'s positions ``t`` (module docstring)."""
         offset = self.prefix + sum(n - self.prefix for n in self.lengths[:i])
         return torch.where(t < self.prefix, t, t + offset - self.prefix)
+
+
+def mask_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s attention cannot take a layout's mask (None: it can)."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention in MASKED_ATTENTION:
+        return None
+    return f"attention {attention!r} takes no [T, T] mask (shared prefixes need one of {', '.join(MASKED_ATTENTION)})"
 
 
 def common_prefix(rows: torch.Tensor) -> int:

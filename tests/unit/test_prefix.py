@@ -27,6 +27,7 @@ from relayrl.trainer.prefix import (
     SharedPrefix,
     group_layouts,
     layout_inputs,
+    mask_unsupported,
     shared_prefix_logprobs,
 )
 from relayrl.trainer.step import train_on_batch
@@ -190,3 +191,12 @@ def test_megatron_refuses_shared_prefix_on_naming_the_key() -> None:
         parse_config(raw)
     raw["trainer"]["shared_prefix"] = "auto"
     assert parse_config(raw).trainer.shared_prefix == "auto"
+
+
+def test_an_attention_that_takes_no_mask_never_shares_and_says_why(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert mask_unsupported(model) is None  # sdpa
+    model.config._attn_implementation = "flash_attention_2"
+    reason = mask_unsupported(model)
+    assert "flash_attention_2" in reason
+    assert not SharedPrefix("on", 1024, available=False, reason=reason).decide(400, 100, 50)

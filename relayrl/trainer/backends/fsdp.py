@@ -49,7 +49,7 @@ from relayrl.trainer.head import scored_logprobs
 from relayrl.trainer.optim import adamw
 from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs, scatter
 from relayrl.trainer.precision import Precision
-from relayrl.trainer.prefix import SharedPrefix, group_layouts, shared_prefix_logprobs
+from relayrl.trainer.prefix import SharedPrefix, group_layouts, mask_unsupported, shared_prefix_logprobs
 
 
 def load_trained_model(
@@ -135,7 +135,10 @@ class FSDPBackend:
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
-        self.shared_prefix = SharedPrefix(cfg.shared_prefix, cfg.pack_token_budget)
+        unsupported = mask_unsupported(self.model)
+        self.shared_prefix = SharedPrefix(
+            cfg.shared_prefix, cfg.pack_token_budget, available=unsupported is None, reason=unsupported or ""
+        )
         self.critic = None  # the value model (relayrl/trainer/backends/critic.py) under algorithm.advantage: gae
 
     @property
