@@ -440,7 +440,7 @@ def test_ctrl_c_early_in_start_up_exits_130_in_one_line_and_leaves_no_run_direct
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"},  # rich wraps a long run path's line
     )
     try:
         while not (runs / "digits").exists() and up.poll() is None:
