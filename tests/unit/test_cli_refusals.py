@@ -461,7 +461,7 @@ def test_a_role_that_dies_at_start_has_its_error_on_the_console(tmp_path: Path, 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     (model / "model.safetensors").write_bytes(b"not safetensors")
-    sets = [f"run.dir={tmp_path / 'runs'}", f"model.path={model}", "supervisor.fork_roles=false"]
+    sets = [f"run.dir={tmp_path / 'runs'}", f"model.path={model}"]
     done = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "up", str(DEMO), *(arg for s in sets for arg in ("--set", s))],
         capture_output=True,
