@@ -158,7 +158,7 @@ def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: lis
                 return
         except grpc.RpcError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)  # on every start's path: the controller up, then each worker registered
     raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
@@ -308,7 +308,7 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
                     version=last["policy_version"],
                     sps=f"{last['samples_per_second']:.0f}",
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)  # how late the run's end, or a dead role, is seen
         records = read_metrics(metrics_path)
         if records:
             progress.update(task, completed=records[-1]["step"])
