@@ -278,10 +278,7 @@ class _HFRunner:
         banned: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sample_step`` with one generator for the slice, or one per row (seeded requests)."""
-        if len(generators) == 1:
-            return sample_step(logits, params, generators[0], banned)
-        picks = [sample_step(logits[i : i + 1], params, g, banned) for i, g in enumerate(generators)]
-        return torch.cat([t for t, _ in picks]), torch.cat([lp for _, lp in picks])
+        return sample_step(logits, params, generators[0] if len(generators) == 1 else generators, banned)
 
 
 @dataclass
@@ -370,21 +367,43 @@ def stop_token_set(eos_token_ids: frozenset[int], params: SamplingParams) -> fro
 
 
 def sample_step(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, banned: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | Sequence[torch.Generator],
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from logits [B, V]: (tokens [B] int64, their logprobs [B] float32).
 
     temperature 0: argmax, logprob at temperature 1. Otherwise sample from softmax(logits / T) restricted to
     the top-p nucleus; the logprob is that of the full softmax(logits / T) (before top-p). ``banned`` token
     ids (``min_tokens`` not reached yet) cannot be picked; logprobs stay those of the unmasked logits.
+    ``generator``: one for every row, or one per row (``inverse_cdf``: a row's pick then depends on its own
+    generator and logits alone).
     """
     scores = logits if banned is None else logits.index_fill(-1, banned, float("-inf"))
     if params.temperature == 0:
         tokens = scores.argmax(dim=-1)
         return tokens, logprobs_from_logits(logits, tokens, 1.0)
     probs = torch.softmax(scores.float() / params.temperature, dim=-1)
-    tokens = torch.multinomial(top_p_filter(probs, params.top_p), 1, generator=generator).squeeze(-1)
+    tokens = inverse_cdf(top_p_filter(probs, params.top_p), generator)
     return tokens, logprobs_from_logits(logits, tokens, params.temperature)
+
+
+def inverse_cdf(weights: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
+    """One index per row of ``weights`` [B, V] (>= 0, unnormalised), drawn with probability proportional to its
+    weight: the first index whose running sum exceeds u x (the row's total), u ~ U[0, 1) from ``generator`` (one
+    for every row, or one per row), the target kept below the total where rounding would reach it. One random
+    number a row, where ``torch.multinomial``'s without-replacement kernel draws one exponential per vocabulary
+    entry. A zero-weight index never comes first: its running sum equals its predecessor's."""
+    cdf = weights.cumsum(dim=-1)
+    rows, device = weights.shape[0], weights.device
+    if isinstance(generator, torch.Generator):
+        u = torch.rand(rows, generator=generator, device=device)
+    else:
+        u = torch.cat([torch.rand(1, generator=g, device=device) for g in generator])
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
 
 
 def eos_token_ids(tokenizer: object, generation_config: GenerationConfig | None) -> frozenset[int]:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.rollout.engine import ENGINES, EngineCompletion, create_engine
-from relayrl.rollout.hf import HFEngine, top_p_filter
+from relayrl.rollout.hf import HFEngine, inverse_cdf, top_p_filter
 from relayrl.wire.sampling import SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]  # different lengths: left padding matters
@@ -336,3 +336,18 @@ def test_only_the_scheduler_thread_runs_multithreaded_torch(model_dir) -> None:
     finally:
         engine.close()
         torch.set_num_threads(before)
+
+
+def test_inverse_cdf_draws_each_index_with_its_weights_share_and_never_a_zero_weight() -> None:
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0, 6.0, 0.0]]).repeat(4000, 1)
+    picks = inverse_cdf(weights, torch.Generator().manual_seed(0))
+    counts = torch.bincount(picks, minlength=7).float() / len(picks)
+    assert counts[[0, 2, 4, 6]].sum() == 0
+    assert torch.allclose(counts[[1, 3, 5]], torch.tensor([0.1, 0.3, 0.6]), atol=0.03), counts
+
+
+def test_with_a_generator_a_row_its_pick_depends_on_its_own_row_alone() -> None:
+    weights = torch.rand(6, 50, generator=torch.Generator().manual_seed(1))
+    together = inverse_cdf(weights, [torch.Generator().manual_seed(i) for i in range(6)])
+    alone = torch.cat([inverse_cdf(weights[i : i + 1], [torch.Generator().manual_seed(i)]) for i in range(6)])
+    assert torch.equal(together, alone)
