@@ -27,7 +27,7 @@ from relayrl.env.sessions import SessionTable
 from relayrl.env.types import EnvError, Reset, Step
 from relayrl.errors import InvalidArgument, RelayError
 from relayrl.rpc.auth import ClientSecurity
-from relayrl.rpc.channels import FAST_RECONNECT, open_aio_channel, open_channel
+from relayrl.rpc.channels import open_aio_channel, open_channel
 from relayrl.v1 import environment_pb2 as pb
 from relayrl.v1 import environment_pb2_grpc as pb_grpc
 
@@ -156,7 +156,7 @@ class AsyncEnvironmentClient:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         self.address, self.timeout_s = address, timeout_s
-        self._channel, self._metadata = open_aio_channel(address, FAST_RECONNECT, security=security)
+        self._channel, self._metadata = open_aio_channel(address, security=security)
         self._stub = pb_grpc.EnvironmentServiceStub(self._channel)
 
     async def _call(self, method: str, request):

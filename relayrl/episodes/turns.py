@@ -26,7 +26,7 @@ import grpc
 from relayrl.client.workers import WorkerHandle, WorkerRegistry
 from relayrl.episodes.loop import GenerationFailed
 from relayrl.errors import rpc_error_text
-from relayrl.rpc.channels import FAST_RECONNECT, open_aio_channel
+from relayrl.rpc.channels import open_aio_channel
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from relayrl.wire.sampling import SamplingParams
 
@@ -147,7 +147,7 @@ class TurnDispatcher:
     def _stub(self, worker: WorkerHandle) -> tuple[rollout_pb2_grpc.RolloutServiceStub, tuple]:
         key = (worker.worker_id, worker.address)
         if key not in self._stubs:
-            channel, metadata = open_aio_channel(worker.address, FAST_RECONNECT)
+            channel, metadata = open_aio_channel(worker.address)
             self._stubs[key] = (channel, rollout_pb2_grpc.RolloutServiceStub(channel), metadata)
         _, stub, metadata = self._stubs[key]
         return stub, metadata

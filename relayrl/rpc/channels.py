@@ -36,8 +36,15 @@ def client_security() -> ClientSecurity:
     return _configured or ClientSecurity.from_config(SecurityConfig())
 
 
+# A server that restarts (the controller, a supervised environment server or worker) is reached again within ~2 s,
+# not after gRPC's default reconnect backoff, which grows to two minutes while it is down: every channel's default.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 def _channel_options(options: list | None, security: ClientSecurity) -> list:
     opts = (options or []) + message_options() + [("grpc.enable_retries", 1)]
+    given = {key for key, _ in opts}
+    opts += [option for option in FAST_RECONNECT if option[0] not in given]
     if security.server_name:
         opts.append(("grpc.ssl_target_name_override", security.server_name))
     return opts
@@ -52,11 +59,6 @@ def open_channel(address: str, options: list | None = None, security: ClientSecu
     else:
         channel = grpc.insecure_channel(address, options=opts)
     return grpc.intercept_channel(channel, BearerToken(security.token)) if security.token else channel
-
-
-# A server that restarts (a supervised environment server or worker) is reached again within ~2 s, not after gRPC's
-# default reconnect backoff, which grows to two minutes while it is down.
-FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def open_aio_channel(

@@ -85,7 +85,9 @@ class RetryPolicy:
                 await asyncio.sleep(wait)
 
 
-SERVICES = RetryPolicy()  # the roles' calls to each other: 0.5 s doubling to 5 s, until the call's deadline
+# the roles' calls to each other: 0.5 s doubling to 2 s, until the call's deadline; a peer that comes back (a
+# restarted controller: seconds) is reached within 2 s of it, and a try every 2 s costs a down peer nothing
+SERVICES = RetryPolicy(max_backoff_s=2.0)
 
 
 def call_with_retry(call: Callable[[], T], *, what: str, deadline_s: float) -> T:
