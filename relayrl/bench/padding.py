@@ -4,7 +4,8 @@ The batch: ``--groups`` prompts of the digits task x ``--n`` responses whose len
 ``--mean-length`` tokens, capped at ``--max-tokens`` (a few rows run to the cap, so the padded batch is as wide as
 its longest row), random rewards. The model: ``write_long_tail_model`` (tiny Qwen2, ``--hidden`` x ``--layers``).
 Each round trains the step from the same starting weights with ``trainer.padding_free`` off, then on (the order
-alternates between rounds), in a trainer world of one rank on this process: FSDP backend, ``--mini-batches``
+alternates between rounds; ``trainer.shared_prefix`` off in both, so they differ in packing alone), in a trainer
+world of one rank on this process: FSDP backend, ``--mini-batches``
 optimizer steps, old logprobs the engine's (the K = 0 path). Prints one JSON object: the batch's shape (rows, real
 tokens, padded positions, padding share, the positions each mode's forwards computed), seconds per step of each
 mode (median over rounds, and every round), ``speedup`` (padded / padding-free, per round and the median), the same
@@ -96,7 +97,7 @@ def train_once(
 ) -> tuple[float, float, dict, float]:
     """One step from the model's saved weights with ``trainer.padding_free`` ``mode``: (wall seconds, CPU seconds
     of this process, weights after, the step's ``padding_share`` metric: padding in the positions computed)."""
-    tcfg = TrainerConfig(lr=1e-3, mini_batches=args.mini_batches, padding_free=mode)
+    tcfg = TrainerConfig(lr=1e-3, mini_batches=args.mini_batches, padding_free=mode, shared_prefix="off")
     torch.manual_seed(args.seed)
     backend = FSDPBackend(ModelConfig(path=str(model_dir)), tcfg, with_reference=False)
     began, cpu = time.perf_counter(), time.process_time()
