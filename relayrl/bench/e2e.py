@@ -421,6 +421,8 @@ def summarize(run: Run, args: argparse.Namespace, max_tokens: int, expect_equal_
         "samples_total": sum(r["samples_generated"] for r in records),
         "target": reach_target(run, args.target, args.target_window),
     }
+    if "step_seconds" in steady[0]:  # what a step costs as the machine was for most steps: a burst of other load
+        out["step_s_median"] = statistics.median(r["step_seconds"] for r in steady)  # moves s_per_step, not this
     if "sync_seconds" in steady[0]:
         out["sync_s"] = statistics.fmean(r["sync_seconds"] for r in steady)
     if "critic_update_seconds" in steady[0]:  # a critic's forward at the starting weights and its updates
@@ -547,16 +549,20 @@ STREAM_PAIRS = {"relayrl-k0-stream": ("relayrl-k0-whole", "relayrl-default")}
 
 def stream_vs_whole(rows: list[dict]) -> dict:
     """Per streamed variant of ``STREAM_PAIRS``, over the rounds where its whole-batch partner ran: the whole-batch
-    run's s/step over the streamed run's, per round and their median (> 1: streaming faster)."""
+    run's s/step over the streamed run's, per round and their median (> 1: streaming faster); the same for their
+    median steps (``step_s_median``), which a burst of other load on a shared machine moves less."""
     out = {}
     for streamed, partners in STREAM_PAIRS.items():
         for whole in partners:
             if pairs := same_round_pairs(rows, streamed, whole):
                 by_round = [b["s_per_step"] / a["s_per_step"] for a, b in pairs]
+                medians = [b["step_s_median"] / a["step_s_median"] for a, b in pairs if a.get("step_s_median")]
                 out[streamed] = {
                     "vs": whole,
                     "speedup_by_round": by_round,
                     "speedup": statistics.median(by_round),
+                    "median_step_speedup_by_round": medians,
+                    "median_step_speedup": statistics.median(medians) if medians else None,
                     "rounds": len(pairs),
                 }
                 break

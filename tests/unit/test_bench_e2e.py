@@ -118,18 +118,27 @@ def test_critic_cost_pairs_ppo_with_grpo_of_the_same_round() -> None:
 
 
 def test_stream_vs_whole_pairs_each_streamed_run_with_the_whole_batch_run_of_its_round() -> None:
-    """Whole-batch s/step over streamed s/step per round (> 1: streaming faster); long-tail's whole-batch K = 0 is
-    its default variant; a round without its partner is left out."""
+    """Whole-batch s/step over streamed s/step per round (> 1: streaming faster), and the same for the runs' median
+    steps; long-tail's whole-batch K = 0 is its default variant; a round without its partner is left out."""
+
+    def timed(step_s: float, medians: float) -> list[dict]:
+        recs = records([0.0] * 5, step_s=step_s)
+        for r in recs:
+            r["step_seconds"] = medians
+        recs[-1]["step_seconds"] = 100.0  # a burst of other load on one step: the median keeps out of it
+        return recs
+
     rows = [
-        summarize(Run("w", system, rnd, 90.0, 60.0, 0, records([0.0] * 5, step_s=s), Path("log")), ARGS, 8, False)
-        for system, rnd, s in [
-            ("relayrl-default", 1, 2.0), ("relayrl-k0-stream", 1, 1.6),
-            ("relayrl-k0-stream", 2, 2.5), ("relayrl-default", 2, 2.0), ("relayrl-k0-stream", 3, 1.0),
+        summarize(Run("w", system, rnd, 90.0, 60.0, 0, timed(s, m), Path("log")), ARGS, 8, False)
+        for system, rnd, s, m in [
+            ("relayrl-default", 1, 2.0, 2.0), ("relayrl-k0-stream", 1, 1.6, 1.0),
+            ("relayrl-k0-stream", 2, 2.5, 2.0), ("relayrl-default", 2, 2.0, 1.0), ("relayrl-k0-stream", 3, 1.0, 1.0),
         ]
     ]  # fmt: skip
     out = aggregate(rows)["stream_vs_whole"]["relayrl-k0-stream"]
     assert out["vs"] == "relayrl-default" and out["rounds"] == 2
     assert out["speedup_by_round"] == pytest.approx([1.25, 0.8]) and out["speedup"] == pytest.approx(1.025)
+    assert out["median_step_speedup_by_round"] == pytest.approx([2.0, 0.5]) and out["median_step_speedup"] == 1.25
 
 
 def test_overlap_compares_a_k1_step_with_the_phases_k0_ran_alone() -> None:
