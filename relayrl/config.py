@@ -400,7 +400,9 @@ class TrainerConfig(Section):
     # "auto" where the result is exactly the whole-batch update (see stream_blockers), "on" refuses a config
     # where it is not, "off" trains whole batches. Off by default: on the demo each streamed chunk's forward/backward
     # (2 ranks, a tiny model) cost more than the overlap saved, and a step holds a copy of the shard's weights and
-    # optimizer state in case its stream breaks.
+    # optimizer state in case its stream breaks. On cores it shares with the rollout workers (relayrl up) the trainer
+    # yields them while the batch generates (relayrl/cores/threads.py), so streaming gains only what decode leaves
+    # idle there (bench/results/e2e-long-tail-stream.json)
     stream: Literal["auto", "on", "off"] = "off"
     # Train padding-free (relayrl/trainer/packing.py): rows sorted by length into micro-batches padded only to
     # their own longest row, attention never crossing rows. "auto" does so for a forward whose padding is >= 25 %

@@ -309,6 +309,29 @@ def e2e_long_tail(result: dict) -> str:
     return table(header, rows) + "\n\n" + over + "\n\n" + machine(result)
 
 
+def e2e_long_tail_stream(result: dict) -> str:
+    wl = result["workloads"]["long-tail"]
+    variants = wl["settings"]["variants"]
+    runs = sorted(wl["runs"], key=lambda r: (r["round"], r["system"]))
+    settings = {f"relayrl-{name}": " ".join(f"`{v}`" for v in sets) or "defaults" for name, sets in variants.items()}
+    rows = [
+        [r["round"], f"`{r['system']}`", settings[r["system"]],
+         f(r.get("s_per_step")), f(r.get("step_s_median")), f(r.get("generation_s")), f(r.get("train_s"))]
+        for r in runs
+    ]  # fmt: skip
+    out = table(["round", "system", "settings", "s/step", "median step s", "generation s", "training s"], rows)
+    for system, pair in wl["stream_vs_whole"].items():
+        by_round = ", ".join(f(r) for r in pair["speedup_by_round"])
+        medians = ", ".join(f(r) for r in pair["median_step_speedup_by_round"])
+        out += (
+            f"\n\n`{pair['vs']}` ÷ `{system}` (above 1: streaming faster), per round: s/step {by_round} (median "
+            f"**{f(pair['speedup'])}×**); median step {medians} (median **{f(pair['median_step_speedup'])}×**)."
+        )
+    m = result["machine"]
+    load = f"Load average {f(m['loadavg_at_start'][0], 1)} at start, {f(m['loadavg_at_end'][0], 1)} at the end."
+    return out + "\n\n" + machine(result) + " " + load
+
+
 def trainer(result: dict) -> str:
     s, us, speed = result["seconds_per_step"], result["us_per_token"], result["speedup_vs_float32_full_logits"]
     by_round = result["speedup_by_round"]
@@ -473,6 +496,12 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "relayrl bench e2e --workloads gen-heavy,demo,long-tail --rounds 2 --steps 10 --json"
         " > bench/results/e2e-long-tail.json",
         e2e_long_tail,
+    ),
+    "e2e-long-tail-stream": (
+        "e2e-long-tail-stream.json",
+        "relayrl bench e2e --workloads long-tail --variants default,k0-stream --no-trl --rounds 3 --steps 8 --json"
+        " > bench/results/e2e-long-tail-stream.json",
+        e2e_long_tail_stream,
     ),
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
     "trainer": (
