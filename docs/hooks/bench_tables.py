@@ -506,8 +506,8 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     "padding": ("padding.json", "relayrl bench padding --threads 1 > bench/results/padding.json", padding),
     "trainer": (
         "trainer.json",
-        "relayrl bench trainer --model /path/to/smollm2-135m-instruct --rounds 1 --threads 1 "
-        "> bench/results/trainer.json",
+        "relayrl bench trainer --model /path/to/smollm2-135m-instruct --prompts 8 --n 8 --prompt-tokens 38 "
+        "--response-tokens 12 --rounds 2 --threads 2 > bench/results/trainer.json",
         trainer,
     ),
     "guess": (
