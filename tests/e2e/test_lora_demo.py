@@ -1,5 +1,6 @@
 """`relayrl up examples/digits-lora.yaml` as a user runs it, one run for every promise: the rank-8 adapter learns
-(last-10 >= 0.85); each step's sync sent the adapter's bytes alone; the trainer, SIGKILLed after its first
+(last-10 >= 0.85); each step's sync sent the adapter's bytes alone, but for the base sent once to a worker that
+joined after the trainer's first sync; the trainer, SIGKILLed after its first
 checkpoint, is restarted with --resume and continues the curve (no step repeated or skipped, the reward does not
 fall back to the start); the exported adapter loads with PEFT."""
 
@@ -56,7 +57,9 @@ def test_lora_demo_learns_syncs_only_the_adapter_and_resumes_after_a_kill(tmp_pa
     base = AutoModelForCausalLM.from_pretrained(builtin_model_path(cfg))
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert adapter_bytes < full_bytes / 2
-    # a worker that registered after the trainer's starting sync gets the base weights once, with step 1's update
-    assert records[0]["sync_bytes"] in (adapter_bytes, adapter_bytes + full_bytes), records[0]["sync_bytes"]
-    assert {r["sync_bytes"] for r in records[1:]} == {adapter_bytes}  # every later update: the adapter only
+    # every update sends the adapter; a worker that registered after the trainer's starting sync gets the base
+    # weights once, with the first update after it joined (at most one such update a worker: none restarted)
+    sizes = [r["sync_bytes"] for r in records]
+    assert set(sizes) <= {adapter_bytes, adapter_bytes + full_bytes}, set(sizes)
+    assert sizes.count(adapter_bytes + full_bytes) <= cfg.rollout.workers, sizes
     assert isinstance(peft.PeftModel.from_pretrained(base, cfg.run_dir / "final/adapter"), peft.PeftModel)
