@@ -98,11 +98,25 @@ def packed_logprobs(
         entropies.append(entropy)
         at_rows.append(index.to(device)[rows_at])
         at_cols.append(cols_at)
-    at = (torch.cat(at_rows), torch.cat(at_cols)) if batches else None
-    logprob, entropy = (
-        scatter(torch.cat(v) if batches else None, at, scored.shape, device) for v in (logprobs, entropies)
-    )
-    for _ in range(min_forwards - len(batches)):
+    return assemble(model, logprobs, entropies, at_rows, at_cols, scored.shape, device, min_forwards)
+
+
+def assemble(
+    model: torch.nn.Module,
+    logprobs: list[torch.Tensor],
+    entropies: list[torch.Tensor],
+    at_rows: list[torch.Tensor],
+    at_cols: list[torch.Tensor],
+    shape: torch.Size,
+    device: torch.device,
+    min_forwards: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob, entropy) float32 ``shape`` [B, L-1]: each forward's scored values at its rows ``at_rows`` and
+    columns ``at_cols`` of the padded layout, 0 elsewhere (differentiable into the values); then one-token forwards
+    whose output enters times zero, up to ``min_forwards`` forwards in all (FSDP ranks make the same calls)."""
+    at = (torch.cat(at_rows).to(device), torch.cat(at_cols).to(device)) if logprobs else None
+    logprob, entropy = (scatter(torch.cat(v) if v else None, at, shape, device) for v in (logprobs, entropies))
+    for _ in range(min_forwards - len(logprobs)):
         one = torch.zeros(1, 1, dtype=torch.long, device=device)
         logprob = logprob + 0.0 * model(input_ids=one, use_cache=False).logits.sum()
     return logprob, entropy

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.trainer.head import scored_logprobs
-from relayrl.trainer.packing import micro_batches, scatter
+from relayrl.trainer.packing import assemble, micro_batches
 from relayrl.trainer.precision import FLOAT32_SDPA
 
 log = logging.getLogger(__name__)
@@ -153,14 +153,7 @@ def shared_prefix_logprobs(
         entropies.append(entropy)
         at_rows.append(torch.cat(batch_rows))
         at_cols.append(torch.cat(batch_cols))
-    at = (torch.cat(at_rows).to(device), torch.cat(at_cols).to(device)) if buckets else None
-    logprob, entropy = (
-        scatter(torch.cat(v) if buckets else None, at, scored.shape, device) for v in (logprobs, entropies)
-    )
-    for _ in range(min_forwards - len(buckets)):
-        one = torch.zeros(1, 1, dtype=torch.long, device=device)
-        logprob = logprob + 0.0 * model(input_ids=one, use_cache=False).logits.sum()
-    return logprob, entropy
+    return assemble(model, logprobs, entropies, at_rows, at_cols, scored.shape, device, min_forwards)
 
 
 class SharedPrefix:
