@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_testing import full_weights
+from trainer_testing import GradsBackend, on_ranks_case, trained_once, update_gaps
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
-from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
+from relayrl.config import AlgorithmConfig, ConfigError, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
-from relayrl.runtime.procs import exit_now
-from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.packing import FORWARD_COST, computed_positions, micro_batches, packed_logprobs
-from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
 
 TOLERANCE = 1e-5
@@ -94,51 +90,20 @@ def test_packed_rows_see_only_themselves_and_score_as_padded(tiny_model_dir) -> 
     assert float(packed[batch.attention_mask[:, 1:] == 0].abs().max()) == 0.0  # nothing past a row's end
 
 
-class GradsBackend(FSDPBackend):
-    """The FSDP backend, keeping each optimizer step's gradients."""
-
-    def step(self, max_norm: float) -> float:
-        self.grads = [*getattr(self, "grads", []), [p.grad.clone() for p in self.model.parameters()]]
-        return super().step(max_norm)
-
-
 def one_step(model_dir: str, padding_free: str, budget: int = 1024) -> tuple[GradsBackend, dict, dict]:
-    torch.manual_seed(0)
     tcfg = TrainerConfig(
         lr=1e-3, mini_batches=2, padding_free=padding_free, pack_token_budget=budget, precision="float32"
     )  # packed and padded agree to float rounding
-    backend = GradsBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
-    before = full_weights(backend)
-    metrics = train_on_batch(backend, long_tail_batch(), ALG, tcfg, temperature=1.0, norm_len=40)
-    return backend, metrics, before
+    return trained_once(model_dir, tcfg, long_tail_batch(), ALG, norm_len=40)
 
 
 def same_update(model_dir: str, budget: int) -> dict:
     """Packed against padded, one step each: the largest gradient and weight gaps, and how far weights moved."""
-    padded, padded_metrics, before = one_step(model_dir, "off")
-    packed, packed_metrics, _ = one_step(model_dir, "on", budget)
-    w_padded, w_packed = full_weights(padded), full_weights(packed)
-    return {
-        "grads": max(float((a - b).abs().max()) for k in range(2) for a, b in zip(padded.grads[k], packed.grads[k])),
-        "weights": max(float((w_padded[k] - w_packed[k]).abs().max()) for k in w_padded),
-        "moved": max(float((w_padded[k] - before[k]).abs().max()) for k in w_padded),
-        "loss": abs(padded_metrics["loss"] - packed_metrics["loss"]),
-        "padding": [padded_metrics["padding_share"], packed_metrics["padding_share"]],
-        "packed": [padded_metrics["padding_free"], packed_metrics["padding_free"]],
+    padded, packed = one_step(model_dir, "off"), one_step(model_dir, "on", budget)
+    return update_gaps(padded, packed) | {
+        "padding": [padded[1]["padding_share"], packed[1]["padding_share"]],
+        "packed": [padded[1]["padding_free"], packed[1]["padding_free"]],
     }
-
-
-def same_update_case(rank: int, world: int, port: int, model_dir: str, budget: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = same_update(model_dir, budget)
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    exit_now(0)
 
 
 def check(result: dict) -> None:
@@ -163,7 +128,7 @@ def test_two_ranks_agree_on_their_packed_forwards(tiny_model_dir, tmp_path) -> N
     goes alone, rank 0's rows of that mini-batch fit in one); FSDP's gathers stay matched (no hang) and the update
     is still the padded one."""
     out = tmp_path / "result.json"
-    mp.spawn(same_update_case, args=(2, free_port(), str(tiny_model_dir), 48, str(out)), nprocs=2)
+    mp.spawn(on_ranks_case, args=(2, free_port(), same_update, (str(tiny_model_dir), 48), str(out)), nprocs=2)
     check(json.loads(out.read_text()))
 
 

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_testing import full_weights
+from trainer_testing import GradsBackend, on_ranks_case, trained_once, update_gaps
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
-from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
+from relayrl.config import AlgorithmConfig, ConfigError, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
-from relayrl.runtime.procs import exit_now
-from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.prefix import (
     AUTO_MIN_SAVED_SHARE,
@@ -30,7 +27,6 @@ from relayrl.trainer.prefix import (
     mask_unsupported,
     shared_prefix_logprobs,
 )
-from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
 
 TOLERANCE = 1e-5
@@ -105,51 +101,18 @@ def test_shared_rows_see_their_prompt_and_own_response_only_and_score_as_padded(
     assert float(shared[~every].abs().max()) == 0.0  # nothing past a row's end
 
 
-class GradsBackend(FSDPBackend):
-    """The FSDP backend, keeping each optimizer step's gradients."""
-
-    def step(self, max_norm: float) -> float:
-        self.grads = [*getattr(self, "grads", []), [p.grad.clone() for p in self.model.parameters()]]
-        return super().step(max_norm)
-
-
 def one_step(model_dir: str, shared_prefix: str, budget: int) -> tuple[GradsBackend, dict, dict]:
-    torch.manual_seed(0)
     tcfg = TrainerConfig(
         lr=1e-3, mini_batches=2, padding_free="off", shared_prefix=shared_prefix, pack_token_budget=budget,
         precision="float32",
     )  # fmt: skip
-    backend = GradsBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
-    before = full_weights(backend)
-    metrics = train_on_batch(backend, grpo_batch(), ALG, tcfg, temperature=1.0, norm_len=22)
-    return backend, metrics, before
+    return trained_once(model_dir, tcfg, grpo_batch(), ALG, norm_len=22)
 
 
 def same_update(model_dir: str, budget: int) -> dict:
     """Shared against padded, one step each: the largest gradient and weight gaps, and how far weights moved."""
-    padded, padded_metrics, before = one_step(model_dir, "off", budget)
-    shared, shared_metrics, _ = one_step(model_dir, "on", budget)
-    w_padded, w_shared = full_weights(padded), full_weights(shared)
-    return {
-        "grads": max(float((a - b).abs().max()) for k in range(2) for a, b in zip(padded.grads[k], shared.grads[k])),
-        "weights": max(float((w_padded[k] - w_shared[k]).abs().max()) for k in w_padded),
-        "moved": max(float((w_padded[k] - before[k]).abs().max()) for k in w_padded),
-        "loss": abs(padded_metrics["loss"] - shared_metrics["loss"]),
-        "prefix_shared": [padded_metrics["prefix_shared"], shared_metrics["prefix_shared"]],
-    }
-
-
-def same_update_case(rank: int, world: int, port: int, model_dir: str, budget: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = same_update(model_dir, budget)
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    exit_now(0)
+    padded, shared = one_step(model_dir, "off", budget), one_step(model_dir, "on", budget)
+    return update_gaps(padded, shared) | {"prefix_shared": [padded[1]["prefix_shared"], shared[1]["prefix_shared"]]}
 
 
 def check(result: dict) -> None:
@@ -172,7 +135,7 @@ def test_two_ranks_agree_on_their_shared_forwards(tiny_model_dir, tmp_path) -> N
     group), so the ranks' layouts differ in number and length and cut into different numbers of forwards; FSDP's
     gathers stay matched (no hang) and the update is still the padded one."""
     out = tmp_path / "result.json"
-    mp.spawn(same_update_case, args=(2, free_port(), str(tiny_model_dir), 40, str(out)), nprocs=2)
+    mp.spawn(on_ranks_case, args=(2, free_port(), same_update, (str(tiny_model_dir), 40), str(out)), nprocs=2)
     check(json.loads(out.read_text()))
 
 
