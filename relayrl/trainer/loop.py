@@ -197,6 +197,18 @@ def broadcast_from_rank0(*values: object) -> list:
     return box
 
 
+def train_whole(
+    backend, cfg: RelayConfig, step: int, batch_msg: controller_pb2.Batch, pad_id: int, verified: frozenset[str]
+) -> dict[str, float]:
+    """Step ``step`` on a whole batch (every rank): its train metrics."""
+    batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
+    return train_on_batch(
+        backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
+        norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
+        critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
+    )  # fmt: skip
+
+
 def train_streamed(
     backend,
     cfg: RelayConfig,
@@ -249,12 +261,7 @@ def train_streamed(
                     train = streamed.finish(batch_msg)
                 else:
                     batch_msg.samples.extend(whole)
-                    batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
-                    train = train_on_batch(
-                        backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-                        norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
-                        critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
-                    )  # fmt: skip
+                    train = train_whole(backend, cfg, step, batch_msg, pad_id, verified)
                 train["streamed"] = float(part.streamed)
                 train["train_wait_seconds"] = waited
                 train["train_seconds"] = time.perf_counter() - began - waited  # compute only
@@ -400,12 +407,7 @@ def run_trainer(
             batch_msg = controller_pb2.Batch.FromString(payload) if payload else None
             if batch_msg is not None:
                 pulled = time.perf_counter()
-                batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
-                train = train_on_batch(
-                    backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
-                    norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
-                    critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
-                )  # fmt: skip
+                train = train_whole(backend, cfg, step, batch_msg, pad_id, verified)
                 done = time.perf_counter()  # train_seconds: batch in hand to trained, without pull and sync
                 train.update(streamed=0.0, train_wait_seconds=pulled - began, train_seconds=done - pulled)
         if batch_msg is None:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
