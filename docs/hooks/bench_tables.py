@@ -396,16 +396,23 @@ def padding(result: dict) -> str:
     )
 
 
-def guess(result: dict) -> str:
-    """The agentic example's run (relayrl/bench/guess.py): reward gain and turns per episode."""
-    ends = ", ".join(f"{end} {count}" for end, count in sorted(result["episode_ends"].items()))
-    rows = [
+def example_rows(result: dict, wall_includes: str) -> list[list]:
+    """The rows every example run's table (relayrl/bench/example_run.py) opens with: steps, wall times, reward."""
+    return [
         ["steps", result["steps"]],
-        ["wall time (build and start included)", f"{f(result['wall_s'], 0)} s"],
+        [f"wall time ({wall_includes})", f"{f(result['wall_s'], 0)} s"],
         ["training wall time (first step to last)", f"{f(result['train_wall_s'], 0)} s"],
         ["mean reward, first 10 steps", f(result["reward_first10"], 3)],
         ["mean reward, last 10 steps", f(result["reward_last10"], 3)],
         ["gain", f"**{f(result['reward_gain'], 3)}**"],
+    ]
+
+
+def guess(result: dict) -> str:
+    """The agentic example's run (relayrl/bench/guess.py): reward gain and turns per episode."""
+    ends = ", ".join(f"{end} {count}" for end, count in sorted(result["episode_ends"].items()))
+    rows = [
+        *example_rows(result, "build and start included"),
         ["policy turns per episode (median of the steps' medians)", f(result["turns_median"], 1)],
         ["episodes", f"{result['episodes']} ({ends})"],
         ["load average at start (2 CPUs)", f(result["machine"]["loadavg_at_start"][0], 1)],
@@ -417,12 +424,7 @@ def addition(result: dict) -> str:
     """The real-model example's run (relayrl/bench/addition.py): reward gain and held-out accuracy."""
     before, after = result["heldout_before"], result["heldout_after"]
     rows = [
-        ["steps", result["steps"]],
-        ["wall time (start included)", f"{f(result['wall_s'], 0)} s"],
-        ["training wall time (first step to last)", f"{f(result['train_wall_s'], 0)} s"],
-        ["mean reward, first 10 steps", f(result["reward_first10"], 3)],
-        ["mean reward, last 10 steps", f(result["reward_last10"], 3)],
-        ["gain", f"**{f(result['reward_gain'], 3)}**"],
+        *example_rows(result, "start included"),
         [f"held-out greedy accuracy, version {before['policy_version']} (before)", f(before["accuracy"], 2)],
         [f"held-out greedy accuracy, version {after['policy_version']} (after)", f"**{f(after['accuracy'], 2)}**"],
         ["load average at start (2 CPUs)", f(result["machine"]["loadavg_at_start"][0], 1)],
