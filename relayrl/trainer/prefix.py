@@ -87,8 +87,7 @@ def group_layouts(input_ids: torch.Tensor, lengths: list[int], groups: torch.Ten
     layouts = []
     for group in torch.unique(groups, sorted=True):
         rows = torch.nonzero(groups == group).flatten().tolist()
-        shortest = min(lengths[i] for i in rows)
-        prefix = common_prefix(input_ids[rows, :shortest]) if len(rows) > 1 else lengths[rows[0]]
+        prefix = common_prefix(input_ids[rows, : min(lengths[i] for i in rows)])  # a lone row: all of it
         layouts.append(GroupLayout(tuple(rows), tuple(lengths[i] for i in rows), prefix))
     return layouts
 
