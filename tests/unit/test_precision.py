@@ -71,7 +71,6 @@ def case(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_compute_moves_a_layer_at_lr_1e_6_as_float32_does(tiny_model_dir, tmp_path, world) -> None:
-    pytest.importorskip("megatron.core")
     out = tmp_path / "shares.json"
     mp.spawn(case, args=(world, free_port(), str(tiny_model_dir), str(out)), nprocs=world)
     shares = json.loads(out.read_text())

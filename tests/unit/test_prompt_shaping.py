@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from relayrl.config import ConfigError, DataConfig, parse_config
 from relayrl.data.dataset import PromptDataset
+from relayrl.models.tiny_chat import build_chat_tokenizer
 
-CHAT_MODEL = Path("/work/scratch/smollm2-135m-instruct")  # ChatML; only its tokenizer is read
 ROWS = [
     {"question": "What is 2 + 2?", "unit": "apples", "answer": "4"},
     {"question": "x " * 40, "unit": "", "answer": "1"},
@@ -21,9 +21,8 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (CHAT_MODEL / "tokenizer_config.json").exists():
-        pytest.skip(f"{CHAT_MODEL} is not on this machine")
-    return AutoTokenizer.from_pretrained(CHAT_MODEL)
+    """A ChatML tokenizer built here (Qwen2.5's template, a few hundred tokens): nothing read from disk, no skip."""
+    return build_chat_tokenizer()
 
 
 @pytest.fixture
