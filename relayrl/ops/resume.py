@@ -7,7 +7,9 @@ must agree with it on every key, except:
 
 - keys in ``RESUME_SAFE_KEYS`` changed by an explicit ``--set``: applied, written into the saved config
   and logged, one line each, in ``<run dir>/resume.log``. The same change coming from the file alone is
-  refused: it is exactly what a forgotten ``--set`` looks like;
+  refused: it is exactly what a forgotten ``--set`` looks like. ``trainer.steps`` is safe only while the lr of
+  every step still to train stays what it was (a constant schedule; a decay or ``warmup_ratio`` spans the steps,
+  so a new count reshapes the lr of each remaining step): otherwise it needs ``--allow-change trainer.steps``;
 - any other key changed by an explicit ``--set`` and named by ``--allow-change KEY`` (an lr lowered after the run
   diverged): applied and logged the same way, marked as allowed;
 - ``controller.port: 0`` ("any free port"): the run keeps the port it recorded, so its address stays;
@@ -25,8 +27,9 @@ from typing import Any
 
 import yaml
 
-from relayrl.config import ConfigError, RelayConfig, dump_config, load_config, parse_config
+from relayrl.config import ConfigError, RelayConfig, TrainerConfig, dump_config, load_config, parse_config
 from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.schedule import lr_at
 
 # Keys that may change when a run resumes (by an explicit --set): how long it trains, what it logs and where it
 # reports, how its processes are kept alive; none changes what a step computes or how the data is drawn.
@@ -67,6 +70,18 @@ def _under(key: str, section: str) -> bool:
 
 def _set_keys(overrides: list[str]) -> list[str]:
     return [assignment.split("=", 1)[0].strip() for assignment in overrides]
+
+
+def lr_reshaped(saved: TrainerConfig, steps: int, trained: int) -> str | None:
+    """The first step still to train (``trained + 1`` .. ``steps``) whose lr changes when the saved run's
+    ``trainer.steps`` becomes ``steps``, everything else kept (``lr_at``, which holds a decay's floor past the
+    saved run's last step), as ``"step S trains at lr NEW instead of OLD"``; None when every one keeps its lr."""
+    moved = saved.model_copy(update={"steps": steps})
+    for step in range(trained + 1, steps + 1):
+        old, new = lr_at(step, saved), lr_at(step, moved)
+        if old != new:
+            return f"step {step} trains at lr {new:.3g} instead of {old:.3g}"
+    return None
 
 
 def read_saved(run_dir: Path) -> RelayConfig:
@@ -113,6 +128,15 @@ def resume_config(
         return any(_under(key, s) for s in explicit) and any(_under(key, k) for k in (*RESUME_SAFE_KEYS, *allowed))
 
     refused = [key for key in differing if not may_change(key)]
+    trained = max((r["step"] for r in read_metrics(given.run_dir / "metrics.jsonl")), default=0)
+    reshaped = lr_reshaped(saved.trainer, given.trainer.steps, trained) if "trainer.steps" in differing else None
+    if reshaped and not refused and "trainer.steps" not in allowed:
+        raise ConfigError(
+            f"trainer.steps: {saved.trainer.steps} -> {given.trainer.steps} reshapes the lr of the steps still to "
+            f"train (trainer.lr_schedule {saved.trainer.lr_schedule!r}, trainer.warmup_ratio "
+            f"{saved.trainer.warmup_ratio} are spread over trainer.steps): {reshaped}; add --allow-change "
+            "trainer.steps to accept it"
+        )
     if refused:
         shown = ", ".join(f"{key} ({old.get(key)!r} in the run, {new.get(key)!r} now)" for key in refused)
         raise ConfigError(
@@ -120,13 +144,14 @@ def resume_config(
             "config (the keys safe to change on resume, docs/operating.md, change by an explicit --set; any other "
             "by --set and --allow-change KEY)"
         )
-    trained = max((r["step"] for r in read_metrics(given.run_dir / "metrics.jsonl")), default=0)
     if given.trainer.steps <= trained:
         raise ConfigError(
             f"trainer.steps: {given.trainer.steps}, and the run has trained {trained} steps; "
             f"--set trainer.steps=N (N > {trained}) to train on"
         )
     unsafe = [key for key in differing if not any(_under(key, safe) for safe in RESUME_SAFE_KEYS)]
+    if reshaped:
+        unsafe.append("trainer.steps")
     return given, [
         f"{key}: {old.get(key)!r} -> {new.get(key)!r}" + (" (--allow-change)" if key in unsafe else "")
         for key in differing

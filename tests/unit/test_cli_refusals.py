@@ -90,6 +90,23 @@ def test_resume_from_the_run_directory_alone_and_an_unsafe_change_only_when_name
     assert not (tmp_path / "runs" / "try" / "logs").exists()  # nothing started
 
 
+def test_resume_with_more_steps_under_a_decay_or_warmup_ratio_needs_allow_change(tmp_path: Path) -> None:
+    """trainer.steps spreads a cosine decay and a warmup_ratio: a new count changes the lr of the steps still to
+    train, so it is refused naming the key and why, and passes with --allow-change trainer.steps."""
+    from relayrl.ops.resume import resume_run
+
+    for n, sets in enumerate([("trainer.lr_schedule=cosine",), ("trainer.warmup_ratio=0.25",)]):
+        run_dir = saved_run(tmp_path / str(n), "trainer.steps=20", *sets)  # 3 steps trained
+        line = relayrl("up", "--resume", str(run_dir), "--set", "trainer.steps=30", cwd=tmp_path)
+        assert line.startswith("relayrl: config error: trainer.steps: 20 -> 30 reshapes the lr of the steps still")
+        assert "step 4 trains at lr" in line and "--allow-change trainer.steps" in line
+        assert not (run_dir / "resume.log").exists()
+        _, changes = resume_run(run_dir, ["trainer.steps=30"], ["trainer.steps"])
+        assert changes == ["trainer.steps: 20 -> 30 (--allow-change)"]
+    run_dir = saved_run(tmp_path / "fixed", "trainer.steps=20", "trainer.warmup_steps=5")  # no lr depends on steps
+    assert resume_run(run_dir, ["trainer.steps=30"])[1] == ["trainer.steps: 20 -> 30"]
+
+
 def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None:
     line = relayrl("up", str(DEMO), "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.name=nope", "--resume")
     assert "--resume: no run at" in line and "nope" in line
