@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e bench-episodes clean
+.PHONY: demo test docs config-docs lint proto bench-weightsync bench-rollout bench-controller bench-e2e bench-episodes clean
 
 # torch first and pinned: an open range would pull a multi-GB CUDA build. The demo needs the core alone; tests,
 # docs, lint and benchmarks the `dev` extra on top (TRL, Megatron, Kubernetes, MkDocs: about 2 GB more).
@@ -33,6 +33,10 @@ test: $(STAMP)
 # The documentation site into site/, strictly: any warning, broken link or anchor fails (tests/docs does the same).
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
+
+# docs/configuration.md's key tables from relayrl/config.py, after adding or changing a key (a test fails until then).
+config-docs: $(STAMP)
+	$(PY) docs/hooks/config_reference.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench docs/hooks

@@ -1,14 +1,19 @@
-"""The configuration reference, generated from the pydantic models of ``relayrl/config.py`` at build time.
+"""The configuration reference, generated from the pydantic models of ``relayrl/config.py`` into
+``docs/configuration.md``, so that the repository's copy of the page lists every key, as the built site does.
 
-A page that contains the line ``<!-- config-reference -->`` gets, in its place, one table per section of
-``RelayConfig`` (nested and optional sections included): every key with its type, default, constraints and
-comment. The comment of a field is what its source says about it: the ``# ...`` comment block right above
-it, its trailing ``# ...`` comment and ``Field(description=...)``, read from the class's source with ``ast``
-and ``tokenize``, so a field added with a comment appears here without touching this file.
+``python docs/hooks/config_reference.py`` (``make config-docs``) rewrites the part of the page between the lines
+``BEGIN`` and ``END``: one table per section of ``RelayConfig`` (nested and optional sections included), every key
+with its type, default, constraints and comment. As a build hook it refuses a page that is not current, so a key
+added without regenerating fails ``make docs`` and ``tests/docs``.
+
+The comment of a field is what its source says about it: the ``# ...`` comment block right above it, its trailing
+``# ...`` comment and ``Field(description=...)``, read from the class's source with ``ast`` and ``tokenize``, so a
+field added with a comment appears here without touching this file.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import enum
 import html
@@ -23,12 +28,16 @@ import typing
 from functools import cache
 from pathlib import Path
 
+from mkdocs.exceptions import PluginError
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-MARKER = "<!-- config-reference -->"
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "configuration.md"
+COMMAND = "make config-docs"
+BEGIN = f"<!-- config-reference: generated from relayrl/config.py by `{COMMAND}`; do not edit by hand -->"
+END = "<!-- /config-reference -->"
 CONSTRAINTS = {
     "gt": ">",
     "ge": "≥",
@@ -42,12 +51,30 @@ CONSTRAINTS = {
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # mkdocs hook
-    if MARKER not in markdown:
-        return markdown
+    if BEGIN in markdown and markdown != current(markdown):
+        raise PluginError(f"{page.file.src_path}: the configuration reference is not current: run `{COMMAND}`")
+    return markdown
+
+
+def current(text: str) -> str:
+    """``text`` with the part between ``BEGIN`` and ``END`` rendered anew from this tree's ``RelayConfig``."""
+    head, begin, rest = text.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not (begin and end):
+        raise ValueError(f"the page lacks the lines {BEGIN!r} and {END!r} between which the reference goes")
     sys.path.insert(0, str(ROOT))  # document this tree's relayrl, whichever one the venv installed
     from relayrl.config import RelayConfig
 
-    return markdown.replace(MARKER, render(RelayConfig))
+    return f"{head}{BEGIN}\n\n{render(RelayConfig)}\n{END}{tail}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=f"Rewrite {PAGE.relative_to(ROOT)}'s configuration reference.")
+    parser.parse_args()
+    text = PAGE.read_text()
+    updated = current(text)
+    PAGE.write_text(updated)
+    print(f"{PAGE.relative_to(ROOT)}: {'rewritten' if updated != text else 'already current'}")
 
 
 # -- reading the models ------------------------------------------------------------------------------------------
@@ -190,8 +217,7 @@ def code_cell(text: str) -> str:
 def render(root: type[BaseModel]) -> str:
     out = []
     for path, model, optional in sections(root):
-        title = f"`{path}`" if path else "Top level"
-        out.append(f"## {title} {{ #{anchor(path) if path else 'top-level'} }}\n")
+        out.append(f"## {f'`{path}`' if path else 'Top level'}\n")
         doc = class_doc(model)
         if doc:
             out.append(prose(doc.replace("``", "`")) + "\n")
@@ -207,9 +233,10 @@ def render(root: type[BaseModel]) -> str:
             type_text = code_cell(type_name(info.annotation))
             comment = field_comment(model, name)
             if nested:
-                type_text = f"[section](#{anchor(key)})" + (" or `null`" if allows_none(info.annotation) else "")
+                link = f"(#{heading_anchor(key)})"
+                type_text = f"[section]{link}" + (" or `null`" if allows_none(info.annotation) else "")
                 if not (isinstance(info.annotation, type) or allows_none(info.annotation)):
-                    type_text = f"{typing.get_origin(info.annotation).__name__} of [sections](#{anchor(key)})"
+                    type_text = f"{typing.get_origin(info.annotation).__name__} of [sections]{link}"
                 comment = comment or class_doc(nested[0]).split("\n\n")[0].replace("``", "`")
             out.append(
                 f"| {key_cell} | {type_text} "
@@ -220,4 +247,15 @@ def render(root: type[BaseModel]) -> str:
 
 
 def anchor(key: str) -> str:
+    """A key's own anchor: ``#rollout.limits.max_n``."""
     return re.sub(r"[^a-z0-9_.-]", "-", key.lower())
+
+
+def heading_anchor(path: str) -> str:
+    """The anchor both MkDocs and GitHub give the heading `` `rollout.limits` ``: ``#rolloutlimits`` (lower case,
+    punctuation other than ``-`` and ``_`` dropped), so a section link works on the site and in the repository."""
+    return re.sub(r"[^\w\- ]", "", path.lower()).replace(" ", "-")
+
+
+if __name__ == "__main__":
+    main()

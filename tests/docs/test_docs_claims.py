@@ -10,6 +10,9 @@ import re
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
+from mkdocs.exceptions import PluginError
+
 from relayrl.client import AsyncRelayClient, RelayClient
 from relayrl.config import RelayConfig
 
@@ -73,9 +76,23 @@ def test_the_configuration_page_shows_every_comment_as_its_source_writes_it(site
     assert checked > 100 and "<run dir>" in tagged  # what an HTML parser would take for a tag is among them
 
 
-def test_the_repository_copy_of_the_configuration_page_promises_no_tables_it_lacks() -> None:
-    text = (ROOT / "docs" / "configuration.md").read_text()
-    assert "the tables below" not in text.lower() and "<!-- config-reference -->" in text
+def test_the_committed_configuration_page_is_current_with_relay_config() -> None:
+    """The repository's docs/configuration.md lists every key as relayrl/config.py declares it now: a key added or
+    changed without `make config-docs` fails here."""
+    hook = load_hook("config_reference")
+    text = hook.PAGE.read_text()
+    assert text == hook.current(text), f"docs/configuration.md is not current: run `{hook.COMMAND}`"
+    assert set(re.findall(r'class="config-key" data-key="([^"]+)"', text)) >= {"rollout.limits.max_n", "eval.every"}
+
+
+def test_a_stale_configuration_page_fails_the_docs_build_naming_the_command() -> None:
+    hook = load_hook("config_reference")
+    stale = f"# Configuration reference\n\n{hook.BEGIN}\n| `run.name` | ... |\n{hook.END}\n"
+    page = type("Page", (), {"file": type("File", (), {"src_path": "configuration.md"})})
+    refusal = r"configuration\.md: the configuration reference is not current: run `make config-docs`"
+    with pytest.raises(PluginError, match=refusal):
+        hook.on_page_markdown(stale, page, None, None)
+    assert hook.on_page_markdown(hook.current(stale), page, None, None) == hook.current(stale)
 
 
 def test_every_sdk_method_the_docs_name_exists_on_both_clients() -> None:
