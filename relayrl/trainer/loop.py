@@ -39,7 +39,7 @@ from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.samples import SamplesWriter, step_samples
 from relayrl.trainer.schedule import lr_at, set_lr
 from relayrl.trainer.step import train_on_batch
-from relayrl.trainer.stream import StreamedStep, read_ahead, read_stream
+from relayrl.trainer.stream import StreamedStep, read_ahead, read_stream, streams_said
 from relayrl.trainer.sync import SyncResult, WeightPublisher
 from relayrl.trainer.trackers import StepTrackers
 from relayrl.trainer.world import init_world, world_backend
@@ -381,7 +381,7 @@ def run_trainer(
             policy_version=start_step, seconds=sync.seconds, synced_worker_ids=sync.synced, reason="initial"
         )
         call_with_retry(partial(stub.ReportWeightSync, initial, timeout=60), what="ReportWeightSync", deadline_s=600)
-    streaming = cfg.streams
+    streaming = streams_said(cfg)
     priority = local_ranks(priority or GenerationFirst()) if streaming else None
     stream_timeout_s = cfg.trainer.pull_timeout_s + cfg.controller.generate_timeout_s * cfg.controller.max_gen_batches
 

@@ -35,7 +35,7 @@ import torch
 from relayrl.algorithms import compute_advantages
 from relayrl.algorithms.aggregation import UNIT_COUNTS, agg_denominator
 from relayrl.algorithms.partition import minibatch_groups, split_sizes
-from relayrl.config import AlgorithmConfig, TrainerConfig
+from relayrl.config import AlgorithmConfig, RelayConfig, TrainerConfig, stream_blockers
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.retry import RETRYABLE
 from relayrl.trainer.batch import to_train_batch
@@ -48,6 +48,14 @@ log = logging.getLogger(__name__)
 CHUNKS_PER_MINIBATCH = 4
 # how a stream cut by its controller's death ends (the connection drops mid-response)
 BROKEN = RETRYABLE | {grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+def streams_said(cfg: RelayConfig) -> bool:
+    """Whether the trainer's steps stream (``RelayConfig.streams``); ``trainer.stream: auto`` that does not says
+    why in the log (the blockers of ``stream_blockers``)."""
+    if cfg.trainer.stream == "auto" and (blockers := stream_blockers(cfg)):
+        log.info("trainer.stream: auto trains whole batches: streaming needs %s", "; ".join(blockers))
+    return cfg.streams
 
 
 class StreamedStep:
