@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow.compute
 
 from relayrl.config import DataConfig
 from relayrl.data.fast_tokens import encode_texts
@@ -42,6 +43,14 @@ def load_rows(cfg: DataConfig) -> datasets.Dataset:
     if path.is_dir() and (path / "dataset_info.json").exists():
         return datasets.load_from_disk(str(path))
     return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+
+
+def first_null(rows: datasets.Dataset, column: str) -> int | None:
+    """The index of the first row whose ``column`` is null (a JSON row without it reads as null), or None."""
+    values = rows.data.column(column)
+    if values.null_count == 0:
+        return None
+    return pyarrow.compute.index(pyarrow.compute.is_null(values), True).as_py()
 
 
 def _uses_template(tokenizer: Any, mode: str) -> bool:
@@ -90,6 +99,12 @@ class PromptDataset:
                 f"data.prompt_template: reads {unknown or 'no column'}, not a column of the dataset "
                 f"(columns: {self.rows.column_names}; write {{column}})"
             )
+        for column in dict.fromkeys([*self.fields, cfg.answer_key]):
+            if (row := first_null(self.rows, column)) is not None:
+                field = "data.answer_key" if column == cfg.answer_key else "data.prompt_key"
+                raise ValueError(
+                    f"{field}: row {row + 1} of {cfg.path} has no {column!r} (missing or null; every row needs one)"
+                )
         self._order_cache: tuple[int, list[int]] | None = None
         self._rendered: dict[int, tuple[str, array, str]] = {}  # row -> (text, token ids, answer)
         self._rendered_tokens = 0

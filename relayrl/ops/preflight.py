@@ -40,6 +40,9 @@ HUB_DATASET_ID = re.compile(rf"^({_NAME}/)?{_NAME}$")  # name or org/name
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
+# How long `relayrl check` waits for the hub's answer on a hub model id (huggingface_hub's own default)
+HUB_TIMEOUT_S = 10.0
+
 # How long a listed environment server has to accept a TCP connection (it is up before the run starts).
 CONNECT_TIMEOUT_S = 2.0
 
@@ -94,6 +97,42 @@ def check_model(cfg: RelayConfig) -> None:
         raise ConfigError(f"model.path: {path} is a file, not a model directory")
     elif not HUB_MODEL_ID.match(model.path):
         raise ConfigError(f"model.path: {model.path}: no such directory, and not a hub id (org/name) or a builtin:")
+    else:
+        check_hub_model(model.path)
+
+
+def check_hub_model(model_id: str) -> None:
+    """A hub id resolves as the roles resolve it: its config.json is in the local hub cache, or downloads (into that
+    cache). Not so: the hub has no such model, the hub is offline (HF_HUB_OFFLINE), or it cannot be reached (one
+    connection try, not huggingface_hub's retries over half a minute); each said in one line naming model.path,
+    before anything is created."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return
+    where = f"model.path: {model_id}: not in the local hub cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{where}, and the hub is offline (HF_HUB_OFFLINE): name a local model directory")
+    hub = urlsplit(constants.ENDPOINT)
+    try:
+        port = hub.port or (443 if hub.scheme == "https" else 80)
+        socket.create_connection((hub.hostname, port), timeout=HUB_TIMEOUT_S).close()
+        hf_hub_download(model_id, "config.json", etag_timeout=HUB_TIMEOUT_S)
+    except (OSError, LocalEntryNotFoundError) as err:  # no name, no route, refused, timed out
+        raise ConfigError(
+            f"{where}, and the hub ({constants.ENDPOINT}) cannot be reached ({_first_line(err)}): this machine looks "
+            "offline; download the model where the hub is reachable, or name a local model directory"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"model.path: {model_id}: no such model on the hub ({constants.ENDPOINT}), or it is private or gated and "
+            "this machine is not logged in (hf auth login)"
+        ) from None
+    except EntryNotFoundError:
+        raise ConfigError(f"model.path: {model_id}: the hub's repository has no config.json (not a model)") from None
 
 
 def check_tokenizer(cfg: RelayConfig) -> None:
@@ -141,8 +180,14 @@ def check_data_section(data: DataConfig, key: str) -> None:
 
 def _check_rows(path: Path, data: DataConfig, section: str) -> None:
     """Every non-blank line is a JSON object (the loader fails on the first that is not, naming no line); the
-    first holds the prompt and answer columns."""
-    row = None
+    first holds the prompt and answer columns (and those ``prompt_template`` reads); every later row holds each of
+    them too, not null (the loader would fill a missing one with null, which trains as the text "None")."""
+    from relayrl.data.prompts import template_fields
+
+    fields = template_fields(data.prompt_template) if data.prompt_template is not None else [data.prompt_key]
+    needed = {name: "prompt_template" if data.prompt_template is not None else "prompt_key" for name in fields}
+    needed[data.answer_key] = "answer_key"
+    row, lacking = None, None
     with path.open(encoding="utf-8", errors="replace") as rows:
         for number, line in enumerate(rows, 1):
             if not line.strip():
@@ -154,6 +199,8 @@ def _check_rows(path: Path, data: DataConfig, section: str) -> None:
             if not isinstance(parsed, dict):
                 raise ConfigError(f"{section}.path: {path}:{number}: not a JSON object (a {type(parsed).__name__})")
             row = parsed if row is None else row
+            if lacking is None and (missing := [name for name in needed if parsed.get(name) is None]):
+                lacking = (number, missing[0])
     if row is None:
         raise ConfigError(f"{section}.path: {path} has no rows")
     for key in ("prompt_key", "answer_key"):
@@ -163,13 +210,17 @@ def _check_rows(path: Path, data: DataConfig, section: str) -> None:
                 f"{section}.{key}: column {column!r} not in the first row of {path} (found: {sorted(row)})"
             )
     if data.prompt_template is not None:
-        from relayrl.data.prompts import template_fields
-
-        unknown = [name for name in template_fields(data.prompt_template) if name not in row]
+        unknown = [name for name in fields if name not in row]
         if unknown:
             raise ConfigError(
                 f"{section}.prompt_template: reads {unknown}, not in the first row of {path} (found: {sorted(row)})"
             )
+    if lacking is not None:
+        number, column = lacking
+        raise ConfigError(
+            f"{section}.{needed[column]}: {path}:{number}: the row has no {column!r} (missing or null; every row "
+            "needs one)"
+        )
 
 
 def check_eval(cfg: RelayConfig) -> None:

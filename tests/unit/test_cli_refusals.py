@@ -353,6 +353,8 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     bad_rows.write_text('{"question": "1 + 1 =", "answer": "2"}\n')
     good_rows = tmp_path / "good.jsonl"
     good_rows.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    no_answer = tmp_path / "no-answer.jsonl"  # later rows without the answer would train against "None"
+    no_answer.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n')
     broken_row = tmp_path / "broken.jsonl"
     broken_row.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n\n{"prompt": "2 + 2 =", \n')
     (tmp_path / "typo_reward.py").write_text("def reward(response, answer)\n    return 1.0\n")
@@ -368,6 +370,7 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         ("check_data", ["data.path=/nonexistent/train.jsonl"], "data.path: /nonexistent/train.jsonl: no such file"),
         ("check_data", [f"data.path={bad_rows}"], "data.prompt_key: column 'prompt' not in the first row"),
         ("check_data", [f"data.path={broken_row}"], f"data.path: {broken_row}:3: not JSON"),
+        ("check_data", [f"data.path={no_answer}"], f"data.answer_key: {no_answer}:2: the row has no 'answer'"),
         (
             "check_data",
             [f"data.path={good_rows}", "data.prompt_template=Solve {prompt} in {colour}"],
@@ -445,6 +448,27 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
         timeout=120,
     )
     assert ok.returncode == 0 and "ok" in ok.stdout and not runs.exists(), ok.stderr
+
+
+def test_a_hub_model_id_that_does_not_resolve_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    """A hub id that is in no local cache: with HF_HUB_OFFLINE `check` and `up` say the hub is offline, and with a
+    hub that cannot be reached (HF_ENDPOINT on a port nobody listens on) they say so; exit 2, no run directory. The
+    test never touches the network."""
+    runs = tmp_path / "runs"
+    sets = ["--set", f"run.dir={runs}", "--set", "model.path=no-such-org/no-such-model"]
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = closed.getsockname()[1]
+    cache = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    offline = {**cache, "HF_HUB_OFFLINE": "1"}
+    unreachable = {**cache, "HF_HUB_OFFLINE": "", "HF_ENDPOINT": f"http://127.0.0.1:{nobody}"}
+    for command in ("check", "up"):
+        line = relayrl(command, str(DEMO), *sets, cwd=tmp_path, env=offline)
+        assert line.startswith("relayrl: config error: model.path: no-such-org/no-such-model: not in the local hub")
+        assert "the hub is offline (HF_HUB_OFFLINE)" in line, line
+        line = relayrl(command, str(DEMO), *sets, cwd=tmp_path, env=unreachable)
+        assert f"the hub (http://127.0.0.1:{nobody}) cannot be reached" in line and "looks offline" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_early_in_start_up_exits_130_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:

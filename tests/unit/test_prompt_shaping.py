@@ -75,3 +75,18 @@ def test_bad_prompt_settings_are_refused_naming_the_key(rows, tokenizer, tiny_mo
         parse_config(
             {"model": {"path": "m"}, "data": {"path": "d.jsonl", "system_prompt": "x", "chat_template": "never"}}
         )
+
+
+def test_a_row_without_its_answer_or_prompt_is_refused_at_load_naming_the_row(tmp_path, tiny_model_dir) -> None:
+    """A row whose answer (or prompt) is missing or null would train as the text "None": the dataset refuses it,
+    in any file type (here parquet, which `relayrl check` does not read row by row)."""
+    import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list([ROWS[0], {**ROWS[1], "answer": None}]).to_parquet(str(path))
+    with pytest.raises(ValueError, match=rf"^data\.answer_key: row 2 of {path} has no 'answer' \(missing or null"):
+        dataset(path, tokenizer)
+    datasets.Dataset.from_list([{**ROWS[0], "question": None}, ROWS[1]]).to_parquet(str(path))
+    with pytest.raises(ValueError, match=r"^data\.prompt_key: row 1 of .* has no 'question'"):
+        dataset(path, tokenizer)
