@@ -113,6 +113,11 @@ class ModelConfig(Section):
     tiny_hidden_size: int = Field(32, ge=8)  # builtin:tiny-qwen2 only: its hidden size
     tiny_layers: int = Field(2, ge=1)  # builtin:tiny-qwen2 only: its layers
     lora: LoraConfig | None = None  # train a LoRA adapter on the frozen model (absent: every weight is trained)
+    # the attention implementation the trainer's FSDP models and the hf engine both load the model with, so the two
+    # compute attention alike (docs/engines.md): "auto" is the model's own default, what transformers picks (sdpa,
+    # or eager for Gemma2 and gpt-oss, whose soft-capped or sink attention SDPA cannot compute); "eager", "sdpa",
+    # "flash_attention_2", ... force one, and a model that refuses it stops the start naming this key
+    attn_implementation: str = Field("auto", min_length=1)
 
     @field_validator("path")
     @classmethod
@@ -236,6 +241,15 @@ class RolloutConfig(Section):
     def _hf_decode_is_for_hf(self) -> RolloutConfig:
         if self.engine != "hf" and self.hf_decode != "auto":
             raise ValueError(f"rollout.hf_decode ({self.hf_decode}): applies to the hf engine only, not {self.engine}")
+        return self
+
+    @model_validator(mode="after")
+    def _attention_is_the_models(self) -> RolloutConfig:
+        if self.engine == "hf" and "attn_implementation" in self.engine_options:
+            raise ValueError(
+                "rollout.engine_options.attn_implementation: set model.attn_implementation instead (the hf engine "
+                "and the trainer both load the model with it)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -43,6 +43,7 @@ from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.lora import AdapterSlots
 from relayrl.rollout.padding import cached_prefix_layout, left_pad, left_pad_kv, position_ids
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
+from relayrl.runtime.attention import AUTO, load_with_attention, resolved
 from relayrl.wire.lora import LoraAdapterSpec
 from relayrl.wire.sampling import SamplingParams
 
@@ -61,7 +62,8 @@ class HFEngine(InferenceEngine):
     "transformers" the model's own forward, "auto" the fast one whenever it is supported. ``threads``: torch
     intra-op threads of the decoding (scheduler) thread; the process's other threads then use one
     (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are. ``prefix_cache_tokens``:
-    the prefix cache's budget in tokens (0: off).
+    the prefix cache's budget in tokens (0: off). ``attn_implementation``: ``model.attn_implementation``, the
+    trainer's too (``relayrl.runtime.attention``; "auto": the model's default).
     """
 
     name = "hf"
@@ -75,7 +77,7 @@ class HFEngine(InferenceEngine):
         dtype: str = "float32",
         device: str = "cpu",
         max_batch_size: int = 256,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = AUTO,
         seed: int = 0,
         decode: str = "auto",
         threads: int | None = None,
@@ -93,10 +95,11 @@ class HFEngine(InferenceEngine):
         self.device = torch.device(device)
         self.partial = partial
         self.max_batch_size = max_batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+        self.model = load_with_attention(
+            AutoModelForCausalLM.from_pretrained, model_path, attn_implementation, dtype=DTYPES[dtype]
         )
         self.model.to(self.device).eval().requires_grad_(False)
+        log.info("hf engine: %s attention (model.attn_implementation=%s)", resolved(self.model), attn_implementation)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self.model.config.max_position_embeddings

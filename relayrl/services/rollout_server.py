@@ -161,6 +161,7 @@ def serve_rollout(
                 "threads": threads,
                 "partial": cfg.rollout.partial,
                 "prefix_cache_tokens": cfg.rollout.prefix_cache_tokens,
+                "attn_implementation": cfg.model.attn_implementation,
             }
             if cfg.rollout.engine == "hf"
             else {}

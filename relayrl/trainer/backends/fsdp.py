@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
+from relayrl.runtime.attention import AUTO, load_with_attention
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.lora import (
     adapter_name,
@@ -60,14 +61,16 @@ def load_trained_model(
     lora: LoraConfig | None = None,
     gradient_checkpointing: bool = False,
     loader: Callable[..., torch.nn.Module] = AutoModelForCausalLM.from_pretrained,
+    attn_implementation: str = AUTO,
 ) -> torch.nn.Module:
     """A model that trains: ``loader(path, dtype=float32)`` (wrapped by PEFT with ``lora``), float32 parameters
     whatever ``precision.compute`` is; in a world of more than one rank, fully_shard every decoder layer and the
     root under ``precision.fsdp_policy()``. One rank computes under ``precision.autocast`` instead (the caller's).
-    ``precision.prepare`` picks its attention.
+    Its attention: ``attn_implementation`` (``model.attn_implementation``, relayrl/runtime/attention.py), which
+    ``precision.prepare`` may turn into float32 SDPA.
     ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
     activation checkpointing, non-reentrant torch.utils.checkpoint)."""
-    model = loader(path, dtype=precision.params).to(device)
+    model = load_with_attention(loader, path, attn_implementation, dtype=precision.params).to(device)
     precision.prepare(model, device)
     model.train(True)
     if gradient_checkpointing:
@@ -79,10 +82,12 @@ def load_trained_model(
     return model
 
 
-def load_frozen_model(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A model that never trains (the reference policy): from_pretrained in ``dtype``, no gradients, sharded as
-    ``load_trained_model`` does (its parameters already in ``dtype``: no policy)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+def load_frozen_model(
+    path: str, dtype: torch.dtype, device: torch.device, attn_implementation: str = AUTO
+) -> torch.nn.Module:
+    """A model that never trains (the reference policy): from_pretrained in ``dtype`` with ``attn_implementation``,
+    no gradients, sharded as ``load_trained_model`` does (its parameters already in ``dtype``: no policy)."""
+    model = load_with_attention(AutoModelForCausalLM.from_pretrained, path, attn_implementation, dtype=dtype).to(device)
     model.train(False)
     model.requires_grad_(False)
     if dist.get_world_size() > 1:
@@ -113,10 +118,12 @@ class FSDPBackend:
         self.lora = lora_spec(model_cfg.lora) if model_cfg.lora is not None else None
         self.model = load_trained_model(
             model_cfg.path, self.precision, self.device, lora=model_cfg.lora,
-            gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=model_cfg.attn_implementation,
         )  # fmt: skip
         self.reference = (  # with LoRA too: the reference policy is the base model
-            load_frozen_model(model_cfg.path, self.precision.reference, self.device) if with_reference else None
+            load_frozen_model(model_cfg.path, self.precision.reference, self.device, model_cfg.attn_implementation)
+            if with_reference
+            else None
         )
         self.optimizer = adamw(self.trainable, cfg)
         # Parameter names by kind (module docstring), each with the name the rollout engines know: parameters once

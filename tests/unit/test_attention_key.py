@@ -1,0 +1,72 @@
+"""model.attn_implementation (relayrl/runtime/attention.py): the hf engine and the trainer's FSDP models load the
+model with the same attention implementation: by default the model's own (Gemma2's is eager: the engine refused to
+start on it when it asked for SDPA), or the one the key forces; a model that refuses it, and the undocumented engine
+option that preceded the key, are refused naming the key."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from relayrl.config import ConfigError, ModelConfig, TrainerConfig, load_config
+from relayrl.models.families import write_family_model
+from relayrl.rollout.hf import HFEngine
+from relayrl.runtime.attention import resolved
+from relayrl.runtime.ports import free_port
+from relayrl.trainer.backends.fsdp import FSDPBackend
+
+TCFG = TrainerConfig(precision="float32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {f: write_family_model(f, tmp_path_factory.mktemp(f)) for f in ("gemma2", "qwen2")}
+
+
+def trainer_attention(path: Path, attn_implementation: str = "auto") -> str:
+    backend = FSDPBackend(
+        ModelConfig(path=str(path), attn_implementation=attn_implementation), TCFG, with_reference=True
+    )
+    assert resolved(backend.reference) == resolved(backend.model)
+    return resolved(backend.model)
+
+
+@pytest.mark.parametrize(("family", "default"), [("gemma2", "eager"), ("qwen2", "sdpa")])
+def test_auto_loads_the_models_own_default_on_both_sides(family_dirs, family, default, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="relayrl.rollout.hf"):
+        engine = HFEngine(str(family_dirs[family]))
+    engine.close()
+    assert resolved(engine.model) == trainer_attention(family_dirs[family]) == default
+    assert f"hf engine: {default} attention (model.attn_implementation=auto)" in caplog.text
+
+
+def test_a_forced_implementation_reaches_both_sides(family_dirs) -> None:
+    engine = HFEngine(str(family_dirs["qwen2"]), attn_implementation="eager")
+    engine.close()
+    assert resolved(engine.model) == trainer_attention(family_dirs["qwen2"], "eager") == "eager"
+
+
+def test_an_implementation_the_model_refuses_stops_both_sides_naming_the_key(family_dirs) -> None:
+    refusal = r"^model\.attn_implementation=sdpa: Gemma2ForCausalLM does not support an attention implementation"
+    with pytest.raises(ValueError, match=refusal):
+        HFEngine(str(family_dirs["gemma2"]), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=refusal):
+        trainer_attention(family_dirs["gemma2"], "sdpa")
+
+
+def test_the_engine_option_is_refused_for_the_documented_key(make_config) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.engine_options\.attn_implementation: set model\.attn_impl"):
+        load_config(make_config(), ["rollout.engine_options.attn_implementation=eager"])
+    assert load_config(make_config(), ["model.attn_implementation=eager"]).model.attn_implementation == "eager"
