@@ -7,8 +7,10 @@ It is replayed as a write-ahead log is. Each call's events go out in one ``write
 or none of them); a lost host, a full disk or a short write can still cut the last line: replay cuts that torn
 tail off (logged at WARNING, recorded in the log as a ``{"note": "torn tail cut", ...}`` line and counted in
 ``torn_tails``) and goes on. A line that is not an event anywhere else is corruption, refused with a LedgerError
-naming the file and the line. ``sync()`` makes every event written so far durable (fsync); the controller calls
-it at the points that need it (controller/core.py), not after each write.
+naming the file and the line. A write that fails (a full disk: ENOSPC) is cut back to the last whole event before
+its error is raised, and the in-memory state changes only after its events are written: memory never holds what
+the log lacks, and later events never land after a partial line. ``sync()`` makes every event written so far
+durable (fsync); the controller calls it at the points that need it (controller/core.py), not after each write.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Ledger:
             except LedgerError:
                 self.close()
                 raise
+            self._end = os.fstat(self._fd).st_size  # bytes of whole events: where a failed write is cut back to
 
     def _replay(self) -> None:
         """Apply every event; cut a torn tail (then note it); refuse a bad line before the last."""
@@ -90,6 +93,7 @@ class Ledger:
             self._path, number, len(raw), raw[:60],
         )  # fmt: skip
         os.ftruncate(self._fd, good)
+        self._end = good
         self.torn_tails += 1
         self._append([{"note": TORN_NOTE, "line": number, "bytes": len(raw)}])
         self.sync()
@@ -113,13 +117,13 @@ class Ledger:
                 current = self._entries.get(pid)
                 if current is not None and current[0] in TERMINAL and not (refilter and current[0] == FILTERED):
                     raise LedgerError(f"prompt {pid} is already {current[0]}; refusing {state}")
-            for pid in prompt_ids:
-                self._entries[pid] = (state, reason, step)
             events = [{"id": pid, "state": state, "reason": reason, "step": step} for pid in prompt_ids]
             for event in events if token_versions else ():
                 if (counts := token_versions.get(event["id"])) is not None:
                     event["token_versions"] = {str(v): n for v, n in sorted(counts.items())}
             self._append(events)
+            for pid in prompt_ids:
+                self._entries[pid] = (state, reason, step)
 
     def record_episodes(self, ends: dict[str, list[str]], step: int = -1) -> None:
         """How each episode of each prompt's group ended (``{"id", "episodes": ["done", "failed: <why>", ...]}``
@@ -131,14 +135,15 @@ class Ledger:
         """Forget prompts drawn after a checkpoint the run rolled back to (logged, then dropped)."""
         with self._lock:
             known = [pid for pid in prompt_ids if pid in self._entries]
+            self._append([{"id": pid, "state": REWOUND, "reason": reason} for pid in known])
             for pid in known:
                 del self._entries[pid]
-            self._append([{"id": pid, "state": REWOUND, "reason": reason} for pid in known])
             return len(known)
 
     def _append(self, events: list[dict]) -> None:
         """One ``write(2)`` for the events of one call: a killed controller leaves all of them or none (the demo's
-        ~260 events a step take ~140 writes). Not fsynced: ``sync()``. Fault point ``ledger.write``."""
+        ~260 events a step take ~140 writes). Not fsynced: ``sync()``. A write that raises (OSError: a full disk) is
+        truncated back to the last whole event, then re-raised. Fault point ``ledger.write``."""
         if self._path is None or not events:
             return
         data = "".join(json.dumps(event) + "\n" for event in events).encode()
@@ -146,7 +151,12 @@ class Ledger:
             start = data.rfind(b"\n", 0, len(data) // 2) + 1  # the line holding the middle byte, cut in its middle
             _write_all(self._fd, data[: (start + data.index(b"\n", start)) // 2])
             faults.crash("ledger.write")
-        _write_all(self._fd, data)
+        try:
+            _write_all(self._fd, data)
+        except OSError:
+            os.ftruncate(self._fd, self._end)  # the next event starts a line of its own, after whole events
+            raise
+        self._end += len(data)
 
     def sync(self) -> None:
         """Make every event written so far durable (fsync): before a state that relies on them is saved, and

@@ -37,6 +37,37 @@ def written(path, states: list[tuple[str, str]]) -> str:
     return path.read_text()
 
 
+def test_a_failed_write_is_cut_back_and_leaves_memory_as_the_log_is(tmp_path, monkeypatch):
+    """A write that fails half-way (ENOSPC after some bytes) is truncated to the last whole event and the state
+    in memory does not change; the next events append cleanly and a restart replays exactly what memory held."""
+    import errno
+    import os
+
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    ledger.mark(["a", "b"], QUEUED)
+    good = path.read_bytes()
+    real_write = os.write
+
+    def full_disk(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ledger.mark(["a", "b"], TRAINED, step=1)
+    with pytest.raises(OSError, match="No space left"):
+        ledger.rewind(["a"], "rolled back")
+    monkeypatch.setattr(os, "write", real_write)
+    assert path.read_bytes() == good
+    assert ledger.state("a") == (QUEUED, "", -1) and ledger.state("b") == (QUEUED, "", -1)
+    ledger.mark(["a"], TRAINED, step=2)
+    ledger.close()
+    again = Ledger(path)
+    assert again.torn_tails == 0
+    assert again.state("a") == (TRAINED, "", 2) and again.state("b") == (QUEUED, "", -1)
+
+
 def test_a_torn_last_line_is_cut_noted_and_counted_and_the_log_goes_on(tmp_path, caplog):
     """A crash, a full disk or a lost host cuts the last line (``{"id": "p2", "state": "trai``): replay cuts it
     off (WARNING naming the file and line), notes the cut in the log and counts it; the next event starts a line
