@@ -37,6 +37,7 @@ from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
+from relayrl.runtime.files import atomic_write
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import ORPHAN_GRACE_S, PARENT_ENV, kill_tree, reap_orphans
@@ -185,7 +186,7 @@ def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:
         console.print(f"[dim]previous run moved to {archived}[/dim]")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if resume is None:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        atomic_write(run_dir / "config.yaml", dump_config(cfg))
     return run_dir / "config.yaml"
 
 
@@ -375,7 +376,7 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[st
         table.add_row(f"failed prompts: {escape(reason)}", str(count))
     table.add_row("run directory", str(cfg.run_dir))
     console.print(table)
-    (cfg.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    atomic_write(cfg.run_dir / "summary.json", json.dumps(result, indent=2))
     return result
 
 

@@ -38,6 +38,7 @@ from relayrl.data.readable import finish_name
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.rewards import RewardRaised
 from relayrl.rewards.eval_metrics import DEFAULT_EXTRACTOR, average, extractor, prompt_metrics
+from relayrl.runtime.files import atomic_write
 from relayrl.v1 import common_pb2, controller_pb2
 from relayrl.wire.sampling import SamplingParams
 
@@ -224,9 +225,7 @@ class Evaluator:
             kept = [r for r in self.results if r.policy_version <= version]
             if len(kept) != len(self.results):
                 self.results = kept
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text("".join(_line(r) for r in kept))
-                tmp.replace(self.path)
+                atomic_write(self.path, "".join(_line(r) for r in kept))
             self._cond.notify_all()
         self.request(version)
 

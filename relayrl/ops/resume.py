@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from relayrl.config import ConfigError, RelayConfig, TrainerConfig, dump_config, load_config, parse_config
+from relayrl.runtime.files import atomic_write
 from relayrl.trainer.metrics import read_metrics
 from relayrl.trainer.schedule import lr_at
 
@@ -160,7 +161,7 @@ def resume_config(
 
 def record_changes(cfg: RelayConfig, changes: list[str]) -> None:
     """Write the resumed config over the saved one and log ``changes`` in ``<run dir>/resume.log``."""
-    (cfg.run_dir / "config.yaml").write_text(dump_config(cfg))
+    atomic_write(cfg.run_dir / "config.yaml", dump_config(cfg))  # a crash keeps the saved config whole
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with (cfg.run_dir / LOG_FILE).open("a") as log:
         log.write(f"{stamp} resumed" + "".join(f"; {change}" for change in changes) + "\n")

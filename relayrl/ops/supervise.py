@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relayrl.config import SupervisorConfig
+from relayrl.runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 STATE_FILE = "supervisor.json"
@@ -183,5 +184,4 @@ class Supervisor:
             for role, proc in self.job.children.items()
         }
         path = self.run_dir / STATE_FILE
-        path.with_suffix(".tmp").write_text(json.dumps({"roles": roles}, indent=2))
-        path.with_suffix(".tmp").replace(path)
+        atomic_write(path, json.dumps({"roles": roles}, indent=2))

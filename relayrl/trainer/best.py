@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from relayrl.config import EvalConfig
-from relayrl.runtime.files import fsync_path
+from relayrl.runtime.files import atomic_write, fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class BestKeeper:
         version, value = record["step"], record[self.metric]
         candidate = self.candidates / f"step_{version}"
         if candidate.is_dir() and self.better(value):
-            (candidate / "best.json").write_text(
+            atomic_write(
+                candidate / "best.json",
                 json.dumps({"step": version, "policy_version": version, "metric": self.ecfg.best.metric,
                             "value": value, "mode": self.ecfg.best.mode})
             )  # fmt: skip

@@ -28,6 +28,7 @@ from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
 from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
+from relayrl.runtime.files import atomic_write
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
@@ -355,7 +356,7 @@ def run_trainer(
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "config.yaml").exists():  # `relayrl up` saved it (builtin: paths unresolved, for --resume)
-            (run_dir / "config.yaml").write_text(dump_config(cfg))
+            atomic_write(run_dir / "config.yaml", dump_config(cfg))
         stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller_address))
         weights_dir = str(Path(cfg.weight_sync.path or run_dir / "weights"))
         publisher = WeightPublisher(cfg.weight_sync, stub, weights_dir, lora=backend.lora)

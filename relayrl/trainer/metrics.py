@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from relayrl.runtime.files import atomic_write
+
 REQUIRED_KEYS = (
     "step",
     "policy_version",
@@ -36,7 +38,7 @@ class MetricsWriter:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_records(path) if r["step"] <= resume_step] if resume_step else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))  # a crash keeps the old lines whole
         self._file = path.open("a", buffering=1)
 
     def write(self, record: dict) -> None:

@@ -14,6 +14,7 @@ import torch
 from relayrl.algorithms import compute_advantages
 from relayrl.config import AlgorithmConfig, SamplesConfig
 from relayrl.data.readable import cut, finish_name
+from relayrl.runtime.files import atomic_write
 from relayrl.v1 import controller_pb2
 
 
@@ -60,7 +61,7 @@ class SamplesWriter:
         self.path, self.cfg = path, scfg
         lines = path.read_text().splitlines() if resume_step and path.exists() else []
         kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
+        atomic_write(path, "".join(line + "\n" for line in kept))
         self._file = path.open("a", buffering=1)
 
     def due(self, step: int) -> bool:
