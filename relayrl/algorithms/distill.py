@@ -1,0 +1,32 @@
+"""On-policy distillation's per-token advantage (Agarwal et al. 2024, GKD; Thinking Machines' "On-Policy
+Distillation", 2025): the student samples, a teacher scores the sampled tokens, and the per-token reverse KL is the
+(negated) advantage."""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.algorithms.aggregation import masked_fill_zero
+
+
+def distill_advantage(
+    student_logprob: torch.Tensor, teacher_logprob: torch.Tensor, mask: torch.Tensor, *, coef: float = 1.0
+) -> torch.Tensor:
+    """A_t = −coef · (log π_student(y_t) − log π_teacher(y_t)) on the sampled tokens y_t; 0 where ``mask`` is 0.
+
+    All [B, T]: the student's log-probs of its own sampled tokens (under the sampling temperature, as the trainer
+    scores them), the teacher's of the same token ids, and the response mask. Σ_t of the negated advantage is the
+    sampled estimate of the reverse KL(π_student || π_teacher) over the response, so a policy-gradient step on A
+    lowers it; a token the teacher finds likelier than the student gets a positive advantage. Detached (an
+    advantage carries no gradient); add a task reward's advantage to combine the two."""
+    if student_logprob.dim() != 2:
+        raise ValueError(f"student_logprob: expected a 2-D tensor [B, T], got shape {tuple(student_logprob.shape)}")
+    for name, tensor in (("teacher_logprob", teacher_logprob), ("mask", mask)):
+        if tensor.shape != student_logprob.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(student_logprob.shape)} like student_logprob, got {tuple(tensor.shape)}"
+            )
+    if not coef > 0:
+        raise ValueError(f"coef: must be > 0, got {coef}")
+    reverse_kl = (student_logprob - teacher_logprob).detach()
+    return masked_fill_zero(-coef * reverse_kl, (mask != 0).to(reverse_kl.dtype))
