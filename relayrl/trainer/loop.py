@@ -468,7 +468,10 @@ def run_trainer(
         writer.close()
         trackers.close()
         plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{cfg.run.name}: reward per step")
-        plot_training(run_dir / "metrics.jsonl", run_dir / "metrics.png", title=f"{cfg.run.name}: training metrics")
+        plot_training(
+            run_dir / "metrics.jsonl", run_dir / "metrics.png", f"{cfg.run.name}: training metrics",
+            reference=cfg.algorithm.kl_coef > 0,
+        )  # fmt: skip
         syncer.stop()
         publisher.close()
     dist.barrier()

@@ -126,10 +126,12 @@ def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | 
     return out_path
 
 
-# metrics.png's panels: (metrics.jsonl key, title); a key no step recorded is left out
+# metrics.png's panels: (metrics.jsonl key, title); a key no step recorded is left out, and ref_kl without a reference
+# model (algorithm.kl_coef 0: it is 0 at every step). Each title names the key it plots.
 TRAINING_PANELS = (
     ("loss", "policy loss"),
-    ("kl", "KL to the reference (k-estimator)"),
+    ("ref_kl", "ref_kl: KL to the reference (k-estimator)"),
+    ("ppo_kl", "ppo_kl: KL(old ‖ new) of the update"),
     ("entropy", "token entropy"),
     ("response_len_mean", "mean response length (tokens)"),
     ("clip_frac", "clip fraction"),
@@ -137,15 +139,21 @@ TRAINING_PANELS = (
 )
 
 
-def training_panels(records: list[dict]) -> list[tuple[str, str]]:
-    """The TRAINING_PANELS some record holds, in order."""
-    return [(key, name) for key, name in TRAINING_PANELS if any(key in r for r in records)]
+def training_panels(records: list[dict], reference: bool = True) -> list[tuple[str, str]]:
+    """The TRAINING_PANELS some record holds, in order; ``reference``: the run has a reference model (else ref_kl
+    is left out)."""
+    return [
+        (key, name)
+        for key, name in TRAINING_PANELS
+        if any(key in r for r in records) and (reference or key != "ref_kl")
+    ]
 
 
-def plot_training(metrics_path: Path, out_path: Path, title: str = "") -> Path | None:
-    """One panel per TRAINING_PANELS key some step recorded, against the step; None without data."""
+def plot_training(metrics_path: Path, out_path: Path, title: str = "", reference: bool = True) -> Path | None:
+    """One panel per TRAINING_PANELS key some step recorded, against the step; None without data. ``reference``:
+    the run has a reference model (``algorithm.kl_coef`` > 0)."""
     records = read_metrics(metrics_path)
-    panels = training_panels(records)
+    panels = training_panels(records, reference)
     if not panels:
         return None
     import matplotlib
