@@ -294,10 +294,13 @@ class Evaluator:
             f.writelines(json.dumps(row) + "\n" for row in samples)
 
     def measure(
-        self, eval_set: EvalSet, version: int, void: Callable[[], bool] = lambda: False
+        self, eval_set: EvalSet, version: int, void: Callable[[], bool] = lambda: False, *, label: int | None = None
     ) -> tuple[controller_pb2.EvalResult, list[dict]] | None:
         """Generate ``eval_set`` on the workers at ``version`` and score it: (the result, its readable samples), or
-        None: ``void()`` turned true, or a token came from another version (logged)."""
+        None: ``void()`` turned true, or a token came from another version (logged). ``label``: the policy version
+        the weights are (default ``version``), that the result, its samples and the log line carry: ``relayrl eval``
+        serves a checkpoint of step N as its own worker's version 0."""
+        label = version if label is None else label
         start = time.monotonic()
         generated = self._generate(eval_set.records, version, void)
         if void():
@@ -315,13 +318,13 @@ class Evaluator:
             except (RewardRaised, ValueError) as err:
                 log.warning("eval %s: prompt %s failed: %s", eval_set.name, record.prompt_id, err)
                 failed += 1
-        result = self.scoring.result(eval_set.name, version, groups, failed, time.monotonic() - start)
+        result = self.scoring.result(eval_set.name, label, groups, failed, time.monotonic() - start)
         log.info(
-            "eval %s at version %d: %s (%d prompts, %d failed, %.1fs)", eval_set.name, version,
+            "eval %s at version %d: %s (%d prompts, %d failed, %.1fs)", eval_set.name, label,
             ", ".join(f"{k} {v:.3f}" for k, v in sorted(result.metrics.items())), result.prompts, failed,
             result.seconds,
         )  # fmt: skip
-        return result, self.scoring.samples(eval_set.name, version, groups)
+        return result, self.scoring.samples(eval_set.name, label, groups)
 
     def _generate(self, records: list[PromptRecord], version: int, void: Callable[[], bool]):
         if self.episodes is not None:

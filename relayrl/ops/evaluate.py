@@ -99,15 +99,13 @@ def evaluate(cfg: RelayConfig, workers: dict[str, str], worker_version: int, lab
         try:
             report: dict = {"policy_version": label, "results": {}, "generations": {}}
             for eval_set in evaluator.sets:
-                measured = evaluator.measure(eval_set, worker_version)
+                measured = evaluator.measure(eval_set, worker_version, label=label)
                 if measured is None:
                     raise RuntimeError(f"the eval of {eval_set.name} saw more than one policy version")
                 result, samples = measured
-                result.policy_version = label
                 report["results"][eval_set.name] = eval_record(result)  # as the run's metrics.jsonl has it
                 report["generations"][eval_set.name] = [
-                    {**row, "step": label, "samples": [{**s, "versions": [label]} for s in row["samples"]]}
-                    for row in samples
+                    {**row, "samples": [{**s, "versions": [label]} for s in row["samples"]]} for row in samples
                 ]
         finally:
             evaluator.stop()

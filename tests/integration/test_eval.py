@@ -24,13 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 6, 2
 
 
-def relayrl(*argv: str) -> str:
+def cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", *argv], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return done
+
+
+def relayrl(*argv: str) -> str:
+    return cli(*argv).stdout
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +132,10 @@ def test_relayrl_eval_of_a_checkpoint_reproduces_the_greedy_in_run_eval_exactly(
     step's weights; an export says no version, --version labels it) score exactly as the run scored them."""
     path, cfg = run
     argv = ["eval", str(path), "--checkpoint", str(cfg.run_dir / checkpoint), "--generations", *version]
-    report = json.loads(relayrl(*argv))
+    done = cli(*argv)
+    report = json.loads(done.stdout)
     step = int(version[1]) if version else 4
+    assert f"eval heldout at version {step}:" in done.stderr and "at version 0" not in done.stderr  # as the JSON
     in_run = next(e for e in read_evals(cfg.run_dir / "metrics.jsonl") if e["step"] == step)
     result = report["results"]["heldout"]
     assert report["policy_version"] == result["step"] == step
