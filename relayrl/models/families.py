@@ -140,12 +140,32 @@ STATUSES = ("exact", "falls back", "refused")
 # the trainer's fast paths (trainer.shared_prefix, the chunked output head, trainer.padding_free,
 # trainer.precision bf16, model.lora), each compared with the plain model forward by tests/unit/test_families.py
 TRAINER_PATHS = ("shared_prefix", "chunked_head", "padding_free", "bf16", "lora")
-# the rollout engine's paths (the hf engine's fast decoder / generic path), compared with the trainer's logprobs
-ENGINE_PATHS: tuple[str, ...] = ()
+# the hf engine's paths, each compared with the trainer's logprobs by tests/unit/test_engine_families.py:
+# hf_fast_decoder (relayrl/rollout/llama_decode.py; where it falls back, the transformers forward decodes, exactly),
+# hf_prefix_cache (rollout.prefix_cache_tokens: a prompt continuing a finished row prefills only its new tokens)
+ENGINE_PATHS = ("hf_fast_decoder", "hf_prefix_cache")
 PATHS = TRAINER_PATHS + ENGINE_PATHS
 
 # family -> path -> claim, where a path is not exact on a family (every other pair: exact)
 NOT_EXACT: dict[str, dict[str, Claim]] = {}
+
+
+# the fast decoder reproduces Llama / Mistral / Qwen2 decoders op for op, full attention and default RoPE only: every
+# other family decodes with the transformers forward, and the engine logs why (llama_decode.unsupported_reason)
+FAST_DECODER_FALLBACKS = {
+    "llama3": "rope type 'llama3'",
+    "qwen2-window": "sliding-window attention",
+    "mistral": "sliding-window attention",
+    **{
+        family: f"model_type {model_type!r} is not one of llama, mistral, qwen2"
+        for family, model_type in (
+            ("qwen3", "qwen3"), ("qwen3-moe", "qwen3_moe"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text"),
+            ("phi3", "phi3"), ("olmo2", "olmo2"), ("granite", "granite"), ("gpt-oss", "gpt_oss"),
+        )
+    },
+}  # fmt: skip
+for _family, _reason in FAST_DECODER_FALLBACKS.items():
+    NOT_EXACT.setdefault(_family, {})["hf_fast_decoder"] = Claim("falls back", _reason)
 
 
 def claim(family: str, path: str) -> Claim:

@@ -212,10 +212,20 @@ class HFEngine(InferenceEngine):
 
 
 class _HFRunner:
-    """Prefill and decode steps of a causal LM over a KV cache, for ``ContinuousBatcher``."""
+    """Prefill and decode steps of a causal LM over a KV cache, for ``ContinuousBatcher``.
+
+    The cache keeps every column of every layer (``DynamicCache()``: full-attention layers), sliding-window layers
+    too: the model's own mask functions then apply each layer's window over the columns, which is its window over
+    positions wherever a row's real tokens sit in consecutive columns (left padding; rows merged, trimmed, grown
+    one column a step). transformers' sliding-window layer would instead drop the columns before the window, which
+    rows of different lengths padded to one width cannot share. Rows continuing cached prefixes of a windowed
+    model are prefilled in groups of one suffix length (``prefill_cached``), so that no pads sit between a row's
+    prefix and its suffix."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.model, self.device = model, device
+        # whether any layer attends within a sliding window (the cache transformers would build for it says)
+        self.windowed = any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
     def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, _DecodeState]:
         """Forward each prompt once, left-padded; row i continues prompt ``expand[i]``. Returns the last-position
@@ -223,7 +233,12 @@ class _HFRunner:
         input_ids, mask = left_pad(prompts, self.device)
         positions = position_ids(mask)
         out = self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
         )
         state = _DecodeState(out.cache, mask, positions[:, -1] + 1)
         state.select(expand)
@@ -234,10 +249,29 @@ class _HFRunner:
     ) -> tuple[torch.Tensor, _DecodeState]:
         """Forward each suffix through a cache holding its prefix's KV (``padding.cached_prefix_layout``; the
         model's causal mask over cache + suffixes, restricted to the attention mask). Returns the logits [B, V] and
-        the rows' decoding state."""
+        the rows' decoding state. A windowed model's rows go in groups of one suffix length (class docstring),
+        their states merged and put back in order."""
+        lengths = sorted({len(s) for s in suffixes})
+        if not self.windowed or len(lengths) == 1:
+            return self._prefill_cached(prefixes, suffixes)
+        groups = [[i for i, s in enumerate(suffixes) if len(s) == length] for length in lengths]
+        logits, state = self._prefill_cached([prefixes[i] for i in groups[0]], [suffixes[i] for i in groups[0]])
+        for group in groups[1:]:
+            more_logits, more = self._prefill_cached([prefixes[i] for i in group], [suffixes[i] for i in group])
+            logits = torch.cat([logits, more_logits])
+            state.merge(more)
+        at = {row: position for position, row in enumerate(i for group in groups for i in group)}
+        order = torch.tensor([at[row] for row in range(len(suffixes))], device=self.device)
+        state.select(order)
+        return logits[order], state
+
+    def _prefill_cached(
+        self, prefixes: Sequence[CachedPrefix], suffixes: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, _DecodeState]:
+        """``prefill_cached`` in one forward."""
         input_ids, mask, positions = cached_prefix_layout([len(p.tokens) for p in prefixes], suffixes, self.device)
         past = mask.shape[1] - input_ids.shape[1]
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()
         for layer in range(len(prefixes[0].keys)):
             keys = left_pad_kv([p.keys[layer] for p in prefixes], past)
             cache.update(keys, left_pad_kv([p.values[layer] for p in prefixes], past), layer)
