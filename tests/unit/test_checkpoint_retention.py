@@ -3,6 +3,8 @@ one, incomplete ones and the best one stay."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
 
 from relayrl.trainer.loop import latest_checkpoint
@@ -66,3 +68,27 @@ def test_the_evals_best_in_the_run_dir_is_exempt(tmp_path: Path) -> None:
     prune_checkpoints(checkpoints, 1)
     assert names(checkpoints) == ["step_2", "step_6"]
     assert (tmp_path / "best" / "best.json").exists()
+
+
+def test_a_failed_deletion_is_logged_the_run_goes_on_and_the_next_prune_retries_it(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    for step in (2, 4, 6):
+        make(tmp_path, step)
+    real = shutil.rmtree
+
+    def refused(path, *args, **kwargs):
+        if Path(path).name == "step_2":
+            raise PermissionError(13, "Permission denied", str(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refused)
+    with caplog.at_level(logging.WARNING, logger="relayrl.trainer.retention"):
+        assert [p.name for p in prune_checkpoints(tmp_path, 1)] == ["step_4"]
+    assert "could not delete" in caplog.text and "step_2" in caplog.text and "Permission denied" in caplog.text
+    assert names(tmp_path) == ["step_2", "step_6"]
+    assert not (tmp_path / "step_2" / "trainer_state.json").exists()  # incomplete: a resume never picks it
+    monkeypatch.setattr(shutil, "rmtree", real)
+    make(tmp_path, 8)
+    assert sorted(p.name for p in prune_checkpoints(tmp_path, 1)) == ["step_2", "step_6"]
+    assert names(tmp_path) == ["step_8"]
