@@ -714,11 +714,14 @@ class EvalConfig(Section):
     # over extracted answers); mean response length and the share truncated are always reported
     metrics: list[Literal["mean", "pass", "pass^", "maj"]] = Field(default_factory=lambda: ["mean", "pass"])
     k: list[int] = Field(default_factory=lambda: [1])  # the k of pass@k and pass^k; each 1 <= k <= n
-    # a sample passes when its reward is >= this: 1.0 counts only full marks of a 0/1 or graded reward
-    pass_threshold: float = 1.0
+    # a sample passes when its reward is >= this. null: full marks of controller.reward, each function's being 1
+    # (fn alone: 1.0; fns: the sum of their positive weights, so weights summing to less than 1 still pass a perfect
+    # sample; relayrl/rewards/eval_metrics.py full_marks); with partial credit, set what counts as right
+    pass_threshold: float | None = None
     max_prompts: int = Field(256, ge=1)  # prompts per set per eval: caps an eval's generation cost
     # maj@n's answer extractor (relayrl/rewards/eval_metrics.py: normalized, first_word, math); null: the reward
-    # function's own (exact_match: normalized, math: math), and maj@n is refused for any other reward
+    # functions' own (exact_match: normalized, math: math; with fns, the one those that have one agree on), and
+    # maj@n is refused when there is none
     answer_extractor: str | None = None
     best: EvalBestConfig | None = None  # keep the best checkpoint by one eval metric (absent: none kept)
 

@@ -37,7 +37,7 @@ from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.data.readable import finish_name
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.rewards import RewardRaised
-from relayrl.rewards.eval_metrics import DEFAULT_EXTRACTOR, average, extractor, prompt_metrics
+from relayrl.rewards.eval_metrics import average, extractor, full_marks, prompt_metrics, reward_extractor
 from relayrl.runtime.files import atomic_write
 from relayrl.v1 import common_pb2, controller_pb2
 from relayrl.wire.sampling import SamplingParams
@@ -93,8 +93,10 @@ class EvalScorer:
         self.max_tokens = eval_params(cfg).max_tokens
         self.scorer = Scorer(cfg.controller.reward, tokenizer, cfg.max_response_tokens, rows)
         self.episodic = cfg.environment is not None
-        name = self.cfg.answer_extractor or DEFAULT_EXTRACTOR.get(cfg.controller.reward.fn)
+        name = self.cfg.answer_extractor or reward_extractor(cfg.controller.reward)
         self.extract = extractor(name) if "maj" in self.cfg.metrics and name else None
+        threshold = self.cfg.pass_threshold
+        self.threshold = full_marks(cfg.controller.reward, self.episodic) if threshold is None else threshold
 
     def score(self, record: PromptRecord, generated: list) -> ScoredGroup:
         """RewardRaised / RewardShapeError from the reward function."""
@@ -110,9 +112,7 @@ class EvalScorer:
             answers = None
             if self.extract is not None:
                 answers = [self.extract(t) for t in self.scorer.decode_all(group.completions)]
-            per_prompt.append(
-                prompt_metrics(group.scores, self.cfg.metrics, self.cfg.k, self.cfg.pass_threshold, answers)
-            )
+            per_prompt.append(prompt_metrics(group.scores, self.cfg.metrics, self.cfg.k, self.threshold, answers))
         metrics = average(per_prompt)
         completions = [c for g in groups for c in g.completions]
         if completions:

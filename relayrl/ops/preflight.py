@@ -229,7 +229,7 @@ def check_eval(cfg: RelayConfig) -> None:
     eval reports."""
     if cfg.eval is None:
         return
-    from relayrl.rewards.eval_metrics import ANSWER_EXTRACTORS, DEFAULT_EXTRACTOR, metric_names
+    from relayrl.rewards.eval_metrics import ANSWER_EXTRACTORS, metric_names, reward_extractor
 
     ecfg = cfg.eval
     for name, data in ecfg.sets.items():
@@ -238,13 +238,14 @@ def check_eval(cfg: RelayConfig) -> None:
         known = ", ".join(ANSWER_EXTRACTORS.names())
         raise ConfigError(f"eval.answer_extractor: unknown extractor {ecfg.answer_extractor!r} (known: {known})")
     if "maj" in ecfg.metrics:
-        fn = cfg.controller.reward.fn
+        reward = cfg.controller.reward
         if cfg.environment is not None:
             raise ConfigError("eval.metrics: maj@n votes on extracted answers; an episode's score is its environment's")
-        if ecfg.answer_extractor is None and fn not in DEFAULT_EXTRACTOR:
+        if ecfg.answer_extractor is None and reward_extractor(reward) is None:
+            scoring = f"controller.reward.fns {list(reward.fns)}" if reward.fns else f"reward {reward.fn!r}"
             raise ConfigError(
-                f"eval.metrics: maj@n needs an answer to vote on, and reward {fn!r} has no extractor of its own: set "
-                f"eval.answer_extractor ({', '.join(ANSWER_EXTRACTORS.names())})"
+                f"eval.metrics: maj@n needs an answer to vote on, and {scoring} has no one extractor of its own: "
+                f"set eval.answer_extractor ({', '.join(ANSWER_EXTRACTORS.names())})"
             )
     if ecfg.best is not None:
         known = [f"{s}/{m}" for s in ecfg.sets for m in metric_names(ecfg.metrics, ecfg.n, ecfg.k)]

@@ -1,7 +1,8 @@
 """Eval metrics: pure functions of the rewards (and extracted answers) of n samples per prompt.
 
-A sample *passes* when its reward is >= the pass threshold (``eval.pass_threshold``: 1.0 for a 0/1 reward; a graded
-reward says there what counts as right). Per prompt with n samples of which c pass, averaged over the prompts:
+A sample *passes* when its reward is >= the pass threshold (``eval.pass_threshold``; unset, ``full_marks`` of
+``controller.reward``: 1.0 for one 0/1 function; a graded reward says there what counts as right). Per prompt with
+n samples of which c pass, averaged over the prompts:
 
 - ``mean@n``: the mean reward of the n samples (graded rewards count as they are, not thresholded);
 - ``pass@k`` (k <= n): 1 - C(n - c, k) / C(n, k), the unbiased estimator of "at least one of k samples passes"
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from relayrl.config import RewardConfig
 from relayrl.registry import Registry
 from relayrl.rewards.builtin import extract_math_answer, normalize, normalize_number
 
@@ -132,3 +134,22 @@ def average(per_prompt: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def extractor(name: str) -> Callable[[str], str | None]:
     return ANSWER_EXTRACTORS.get(name)
+
+
+def reward_extractor(reward: RewardConfig) -> str | None:
+    """maj@n's extractor when ``eval.answer_extractor`` is unset: the ``DEFAULT_EXTRACTOR`` of the functions that
+    score (``controller.reward.fns`` when set, else ``fn``) when those that have one agree on it (a format bonus
+    beside ``math`` has none: ``math``'s); None when none has one or two differ (the config must name one)."""
+    found = {DEFAULT_EXTRACTOR[name] for name in reward.fns or [reward.fn] if name in DEFAULT_EXTRACTOR}
+    return found.pop() if len(found) == 1 else None
+
+
+def full_marks(reward: RewardConfig, episodic: bool = False) -> float:
+    """The score of full marks, the default pass threshold, with each function's and the environment's full marks 1:
+    ``fn`` alone 1; ``controller.reward.fns`` the sum of their positive weights (w_1 x 1 + w_2 x 1 + ...; weights
+    summing below 1 never reach 1.0); an episode's by ``with_env``: env 1, env_plus_fn 1 + the functions', fn the
+    functions'."""
+    functions = sum(w for w in reward.fns.values() if w > 0) if reward.fns else 1.0
+    if not episodic:
+        return functions
+    return {"env": 1.0, "env_plus_fn": 1.0 + functions, "fn": functions}[reward.with_env]

@@ -26,7 +26,7 @@ def demo(*sets: str, config: Path = DEMO):
 def test_the_eval_samples_greedily_once_per_prompt_by_default() -> None:
     ecfg = EvalConfig(sets={"heldout": {"path": "builtin:digits-heldout"}})
     assert (ecfg.temperature, ecfg.n, ecfg.k, ecfg.metrics) == (0.0, 1, [1], ["mean", "pass"])
-    assert (ecfg.before_train, ecfg.after_train, ecfg.every, ecfg.pass_threshold) == (True, True, 0, 1.0)
+    assert (ecfg.before_train, ecfg.after_train, ecfg.every, ecfg.pass_threshold) == (True, True, 0, None)
     assert ecfg.sets["heldout"].shuffle is False
     check_eval(demo())  # the demo's reward with mean and pass@1: nothing to refuse
 
@@ -57,6 +57,7 @@ def test_a_bad_eval_section_is_refused_at_load_naming_the_key(sets: list[str], m
         (["eval.sets.heldout.path=/nonexistent/heldout.jsonl"], DEMO, "eval.sets.heldout.path: /nonexistent/heldout"),
         (["eval.metrics=[mean, maj]"], DEMO, "maj@n needs an answer to vote on, and reward 'prefix_match'"),
         (["eval.metrics=[maj]", "eval.sets.heldout.path=examples/guess-tasks.jsonl"], GUESS, "maj@n votes"),
+        (["eval.metrics=[maj]", "controller.reward.fns={prefix_match: 1}"], DEMO, "controller.reward.fns ['prefix_"),
         (["eval.answer_extractor=lastword"], DEMO, "eval.answer_extractor: unknown extractor 'lastword'"),
         (["eval.best.metric=heldout/pass@4"], DEMO, "eval.best.metric: 'heldout/pass@4' is not reported"),
     ],
@@ -66,6 +67,7 @@ def test_an_eval_the_run_cannot_compute_is_refused_at_start_naming_the_key(sets,
         check_eval(demo(*sets, config=config))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert check_eval(demo("eval.metrics=[maj]", "eval.answer_extractor=first_word")) is None
+    assert check_eval(demo("eval.metrics=[maj]", "controller.reward.fns={exact_match: 0.5, prefix_match: 0.3}")) is None
 
 
 def test_relayrl_check_refuses_bad_eval_input_in_one_line(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from relayrl.models.assets import prepare_assets
 from relayrl.ops.render import eval_rows
 from relayrl.services.metrics import ControllerCollector
 from relayrl.trainer.metrics import eval_curves
-from relayrl.v1 import controller_pb2
+from relayrl.v1 import common_pb2, controller_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,6 +52,25 @@ def test_due_versions_hold_and_requests(tmp_path: Path, tiny_model_dir: Path) ->
     assert ev.pending == 1
     assert ev.hold(3, timeout_s=0.05) == 2  # the update to version 3 waits for the eval of version 2
     assert ev.hold(2, timeout_s=0) is None  # an update to the version being evaluated (a joiner's push) does not
+
+
+def test_the_pass_threshold_and_the_maj_extractor_follow_controller_reward_fns(tmp_path, tiny_model_dir) -> None:
+    """Weights summing below 1 (0.6 + 0.2): a right answer scores 0.8, full marks, and passes (the threshold was 1.0,
+    so pass@k was 0); maj@n votes with exact_match's extractor (the demo's fn, prefix_match, has none)."""
+    from transformers import AutoTokenizer
+
+    fns = "controller.reward.fns={exact_match: 0.6, prefix_match: 0.2}"
+    ev = evaluator(tmp_path, tiny_model_dir, fns, "eval.metrics=[mean, pass, maj]")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    groups = []
+    for record in ev.sets[0].records[:2]:
+        answer = tokenizer(str(ev.scoring.scorer.row_of(record.prompt_id)["answer"]))["input_ids"]
+        groups.append(ev.scoring.score(record, [common_pb2.Completion(token_ids=answer)]))
+    assert [g.scores for g in groups] == [[0.8], [0.8]]
+    metrics = ev.scoring.result("heldout", 0, groups, failed=0, seconds=1.0).metrics
+    assert (metrics["mean@1"], metrics["pass@1"], metrics["maj@1"]) == (0.8, 1.0, 1.0)
+    graded = evaluator(tmp_path, tiny_model_dir, fns, "eval.metrics=[pass]", "eval.pass_threshold=0.9")
+    assert graded.scoring.result("heldout", 0, groups, failed=0, seconds=1.0).metrics["pass@1"] == 0.0
 
 
 def test_results_survive_a_restart_and_a_rewind_voids_later_ones(tmp_path: Path, tiny_model_dir: Path) -> None:
