@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from relayrl.runtime.address import AddressError, parse_address, parse_host
 from relayrl.runtime.cpus import parse_cpu_list
-from relayrl.wire.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, temperature_ok
+from relayrl.wire.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, SamplingParams, temperature_ok
 
 
 def _greedy_or_sane(value: float) -> float:
@@ -215,6 +215,21 @@ class RolloutConfig(Section):
     @classmethod
     def _positive_threads(cls, value: int | str) -> int | str:
         return _check_threads(value)
+
+    def sampling(self) -> SamplingParams:
+        """How the training rollouts sample and stop (a held-out eval takes the stopping rules and its own n,
+        temperature, top_p and length)."""
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            stop_token_ids=tuple(self.stop_token_ids),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop=tuple(self.stop),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
     @field_validator("partial", mode="before")
     @classmethod
@@ -680,12 +695,20 @@ class EnvironmentConfig(Section):
             raise ValueError(str(err)) from None
 
 
+# the keys of `data` that make a row's prompt and answer: an eval set takes `data`'s unless it sets its own, so the
+# held-out task is the training task (same columns, template, system turn and length rule) by default
+EVAL_INHERITS = (
+    "prompt_key", "answer_key", "chat_template", "system_prompt", "prompt_template", "max_prompt_tokens",
+    "long_prompts",
+)  # fmt: skip
 EVAL_METRICS = ("mean", "pass", "pass^", "maj")  # relayrl/rewards/eval_metrics.py: mean@n, pass@k, pass^k, maj@n
 
 
 class EvalSetConfig(DataConfig):
     """A held-out set (docs/evaluation.md): any form ``data`` takes; with an ``environment`` section its rows are the
-    environment's tasks and each is scored by episodes."""
+    environment's tasks and each is scored by episodes. Its prompts render as the training prompts do: prompt_key,
+    answer_key, chat_template, system_prompt, prompt_template, max_prompt_tokens and long_prompts are ``data``'s
+    unless the set sets its own (``EVAL_INHERITS``)."""
 
     shuffle: bool = False  # false: the first eval.max_prompts rows in the set's order; true: drawn with run.seed
 
@@ -842,6 +865,22 @@ class RelayConfig(Section):
             raise ValueError(f"eval.n ({self.eval.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
         if self.trainer.stream == "on" and (blockers := stream_blockers(self)):
             raise ValueError(f"trainer.stream: 'on' needs {'; '.join(blockers)} (or trainer.stream: auto)")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_sets_inherit_data(self) -> RelayConfig:
+        """Each eval set's unset ``EVAL_INHERITS`` keys are ``data``'s (written out: the saved config.yaml holds
+        what each set renders with)."""
+        if self.eval is None:
+            return self
+        inherited = self.data.model_dump(include=set(EVAL_INHERITS))
+        sets = {}
+        for name, set_cfg in self.eval.sets.items():
+            try:
+                sets[name] = EvalSetConfig(**{**inherited, **set_cfg.model_dump(exclude_unset=True)})
+            except ValidationError as err:
+                raise ValueError(f"eval.sets.{name} (with data's keys): {_format_error(err)}") from None
+        self.eval.sets = sets
         return self
 
     @property

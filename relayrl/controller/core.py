@@ -56,7 +56,6 @@ from relayrl.rewards import RewardFailures, RewardRaised, RewardShapeError
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
 from relayrl.v1 import controller_pb2, rollout_pb2
-from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 STATS_PER_ROUND = 128  # Stats calls per poll (a call to an idle channel costs controller CPU): larger fleets in turns
@@ -141,17 +140,7 @@ class Controller:
             ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row,
             stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output,
         )  # fmt: skip
-        self.params = SamplingParams(
-            n=cfg.rollout.n,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_tokens=cfg.rollout.max_tokens,
-            stop_token_ids=tuple(cfg.rollout.stop_token_ids),
-            min_tokens=cfg.rollout.min_tokens,
-            ignore_eos=cfg.rollout.ignore_eos,
-            stop=tuple(cfg.rollout.stop),
-            include_stop_str_in_output=cfg.rollout.include_stop_str_in_output,
-        )
+        self.params = cfg.rollout.sampling()
         # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
         self.episodes = (
             EpisodeRunner(cfg, self.registry, self.tokenizer, self.params, self.dataset.row)

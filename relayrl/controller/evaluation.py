@@ -37,7 +37,14 @@ from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.data.readable import finish_name
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.rewards import RewardRaised
-from relayrl.rewards.eval_metrics import average, extractor, full_marks, prompt_metrics, reward_extractor
+from relayrl.rewards.eval_metrics import (
+    average,
+    extractor,
+    full_marks,
+    function_metrics,
+    prompt_metrics,
+    reward_extractor,
+)
 from relayrl.runtime.files import atomic_write
 from relayrl.v1 import common_pb2, controller_pb2
 from relayrl.wire.sampling import SamplingParams
@@ -74,14 +81,15 @@ def completion_versions(completion: common_pb2.Completion) -> set[int]:
 
 
 def eval_params(cfg: RelayConfig) -> SamplingParams:
-    """The eval's own sampling (``eval``), with the run's stop tokens."""
+    """The eval's own sampling (``eval``: n, temperature, top_p, length), stopping as the training rollouts do (stop
+    tokens and strings, min_tokens, ignore_eos)."""
     ecfg = cfg.eval
-    return SamplingParams(
+    return dataclasses.replace(
+        cfg.rollout.sampling(),
         n=ecfg.n,
         temperature=ecfg.temperature,
         top_p=ecfg.top_p,
         max_tokens=ecfg.max_tokens or cfg.rollout.max_tokens,
-        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
     )
 
 
@@ -91,12 +99,17 @@ class EvalScorer:
     def __init__(self, cfg: RelayConfig, tokenizer, rows: Callable[[str], dict[str, Any]]) -> None:
         self.cfg = cfg.eval
         self.max_tokens = eval_params(cfg).max_tokens
-        self.scorer = Scorer(cfg.controller.reward, tokenizer, cfg.max_response_tokens, rows)
+        self.scorer = Scorer(
+            cfg.controller.reward, tokenizer, cfg.max_response_tokens, rows,
+            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output,
+        )  # fmt: skip
         self.episodic = cfg.environment is not None
+        self.by_function = bool(cfg.controller.reward.fns)  # each function's metrics beside the weighted score's
         name = self.cfg.answer_extractor or reward_extractor(cfg.controller.reward)
         self.extract = extractor(name) if "maj" in self.cfg.metrics and name else None
         threshold = self.cfg.pass_threshold
         self.threshold = full_marks(cfg.controller.reward, self.episodic) if threshold is None else threshold
+        self.function_threshold = 1.0 if threshold is None else threshold
 
     def score(self, record: PromptRecord, generated: list) -> ScoredGroup:
         """RewardRaised / RewardShapeError from the reward function."""
@@ -112,7 +125,10 @@ class EvalScorer:
             answers = None
             if self.extract is not None:
                 answers = [self.extract(t) for t in self.scorer.decode_all(group.completions)]
-            per_prompt.append(prompt_metrics(group.scores, self.cfg.metrics, self.cfg.k, self.threshold, answers))
+            metrics = prompt_metrics(group.scores, self.cfg.metrics, self.cfg.k, self.threshold, answers)
+            if self.by_function:  # each function's full marks are 1 (full_marks)
+                metrics |= function_metrics(group.parts, self.cfg.metrics, self.cfg.k, self.function_threshold)
+            per_prompt.append(metrics)
         metrics = average(per_prompt)
         completions = [c for g in groups for c in g.completions]
         if completions:

@@ -22,6 +22,9 @@ from relayrl.rewards.weighted import weighted_rewards
 from relayrl.v1 import common_pb2
 from relayrl.wire.sampling import stop_text
 
+# SubmitPrompts.reward_fn naming the config's own reward (controller.reward: fns weighted, else fn)
+CONFIG_REWARD = "config"
+
 
 @dataclass
 class ScoredGroup:
@@ -89,6 +92,16 @@ class Scorer:
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.row_of = row_of
+
+    def named(self, name: str) -> Callable[[GroupInputs], list[float]] | None:
+        """The config's reward as a client names it (``SubmitPrompts.reward_fn``): ``CONFIG_REWARD`` is the task
+        score training uses (``fns`` weighted, else ``fn``), a spec of ``fn`` or a key of ``fns`` that function
+        alone; None: not the config's."""
+        if name == CONFIG_REWARD:
+            return lambda inputs: self.rewards(inputs)[0]
+        own = dict(zip(self.cfg.fns or [self.cfg.fn], (caller for _, _, caller in self.rewards.callers)))
+        own.setdefault(self.cfg.fn, self.reward)
+        return own.get(name)
 
     def decode_all(self, completions: list[common_pb2.Completion]) -> list[str]:
         """``tokenizer.decode(ids, skip_special_tokens=True)`` of each completion (``decode_sequences``), cut at its

@@ -230,6 +230,7 @@ def check_eval(cfg: RelayConfig) -> None:
     if cfg.eval is None:
         return
     from relayrl.rewards.eval_metrics import ANSWER_EXTRACTORS, metric_names, reward_extractor
+    from relayrl.rewards.weighted import reward_name
 
     ecfg = cfg.eval
     for name, data in ecfg.sets.items():
@@ -248,7 +249,8 @@ def check_eval(cfg: RelayConfig) -> None:
                 f"set eval.answer_extractor ({', '.join(ANSWER_EXTRACTORS.names())})"
             )
     if ecfg.best is not None:
-        known = [f"{s}/{m}" for s in ecfg.sets for m in metric_names(ecfg.metrics, ecfg.n, ecfg.k)]
+        functions = [reward_name(spec) for spec in cfg.controller.reward.fns]
+        known = [f"{s}/{m}" for s in ecfg.sets for m in metric_names(ecfg.metrics, ecfg.n, ecfg.k, functions)]
         if ecfg.best.metric not in known:
             raise ConfigError(f"eval.best.metric: {ecfg.best.metric!r} is not reported (reported: {', '.join(known)})")
 

@@ -12,18 +12,22 @@ n samples of which c pass, averaged over the prompts:
   samples pass" (tau-bench);
 - ``maj@n``: the prompt passes when a sample whose answer is the most frequent extracted answer passes (ties: the
   answer seen first; samples without an extractable answer do not vote; none: the prompt fails).
+
+With several reward functions (``controller.reward.fns``) the metrics are of the weighted score, and each
+function's ``mean@n``, ``pass@k`` and ``pass^k`` of its own values are reported beside them as ``<name>/<metric>``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from relayrl.config import RewardConfig
 from relayrl.registry import Registry
 from relayrl.rewards.builtin import extract_math_answer, normalize, normalize_number
 
 METRIC_FAMILIES = ("mean", "pass", "pass^", "maj")  # what eval.metrics may name
+PER_FUNCTION = ("mean", "pass", "pass^")  # the families reported per reward function (maj@n votes on the response)
 ANSWER_EXTRACTORS: Registry = Registry("answer extractor")
 # the extractor maj@n uses when eval.answer_extractor is unset, by reward function (others must name one)
 DEFAULT_EXTRACTOR = {"exact_match": "normalized", "math": "math"}
@@ -84,8 +88,15 @@ def majority_index(answers: Sequence[str | None]) -> int | None:
     return next(i for i, a in enumerate(answers) if a is not None and votes[a] == top)
 
 
-def metric_names(families: Sequence[str], n: int, ks: Sequence[int]) -> list[str]:
-    """The metric keys ``families`` produce for n samples and the k values: mean@n, pass@k, pass^k, maj@n."""
+def metric_names(families: Sequence[str], n: int, ks: Sequence[int], functions: Sequence[str] = ()) -> list[str]:
+    """The metric keys ``families`` produce for n samples and the k values: mean@n, pass@k, pass^k, maj@n; then
+    each of ``functions`` (``controller.reward.fns``' names) as ``<name>/<metric>`` (``function_metrics``)."""
+    names = _family_names(families, n, ks)
+    per_function = _family_names([f for f in families if f in PER_FUNCTION], n, ks)
+    return names + [f"{name}/{metric}" for name in functions for metric in per_function]
+
+
+def _family_names(families: Sequence[str], n: int, ks: Sequence[int]) -> list[str]:
     names = []
     for family in families:
         if family in ("mean", "maj"):
@@ -123,6 +134,19 @@ def prompt_metrics(
             i = majority_index(answers)
             out[f"maj@{n}"] = float(i is not None and rewards[i] >= threshold)
     return out
+
+
+def function_metrics(
+    parts: Mapping[str, Sequence[float]], families: Sequence[str], ks: Sequence[int], threshold: float
+) -> dict[str, float]:
+    """One prompt's metrics of each reward function alone (``controller.reward.fns``: ``parts`` maps a function's
+    name to its unweighted values), keyed ``<name>/<metric>``, for the families in ``PER_FUNCTION``."""
+    kept = [f for f in families if f in PER_FUNCTION]
+    return {
+        f"{name}/{metric}": value
+        for name, values in parts.items()
+        for metric, value in prompt_metrics(values, kept, ks, threshold).items()
+    }
 
 
 def average(per_prompt: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -7,17 +7,18 @@ import math
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 
 from transformers import AutoConfig
 
 from relayrl.config import RelayConfig
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import PromptJob
-from relayrl.controller.scoring import group_inputs
+from relayrl.controller.scoring import CONFIG_REWARD, group_inputs
 from relayrl.data.dataset import render_prompt
 from relayrl.errors import PAUSED_DETAIL, InvalidArgument, Unavailable
 from relayrl.ops.supervise import read_restarts
-from relayrl.rewards import RewardCaller, RewardRaised, load_reward
+from relayrl.rewards import GroupInputs, RewardRaised, load_reward
 from relayrl.rpc.channels import configure_client
 from relayrl.rpc.server import GrpcServer, guarded
 from relayrl.rpc.validate import (
@@ -31,6 +32,8 @@ from relayrl.rpc.validate import (
 from relayrl.services.metrics import ControllerCollector, MetricsEndpoint
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 from relayrl.wire.sampling import GenerationLimits, SamplingParams, validate_request
+
+ClientReward = Callable[[GroupInputs], list[float]]  # a client's reward_fn: a group's rewards
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -154,7 +157,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             if prompt.token_ids:
                 ids = list(prompt.token_ids)
             else:
-                ids = render_prompt(ctl.tokenizer, prompt.text, "never" if request.raw else ctl.cfg.data.chat_template)
+                data = ctl.cfg.data  # templated as the training prompts are, system turn included
+                ids = render_prompt(
+                    ctl.tokenizer, prompt.text, "never" if request.raw else data.chat_template, data.system_prompt
+                )
             prompt_id = prompt.prompt_id or f"client-{uuid.uuid4().hex[:12]}"
             jobs.append(PromptJob(prompt_id, ids))
             prompts[prompt_id] = prompt
@@ -208,20 +214,25 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             elif item.failed:
                 raise Unavailable(f"{len(item.failed)} prompts failed: {next(iter(item.failed.values()))}")
 
-    def _client_reward(self, name: str) -> RewardCaller:
-        """A client may name registered reward functions only: importing ``module:function`` on a client's
-        word would run any module's import-time code in the controller (the config's own function is fine)."""
+    def _client_reward(self, name: str) -> ClientReward:
+        """A client may name the config's reward (``config``) or one of its functions (``Scorer.named``), or a
+        registered function: importing any other ``module:function`` on a client's word would run that module's
+        import-time code in the controller."""
         check_length("reward_fn", name, self.limits.max_id_chars)
-        if ":" in name and name != self.controller.cfg.controller.reward.fn:
-            raise InvalidArgument("reward_fn", "clients may name registered functions only (module:function: config)")
-        if name == self.controller.cfg.controller.reward.fn:
-            return self.controller.scorer.reward
+        if (own := self.controller.scorer.named(name)) is not None:
+            return own
+        if ":" in name:
+            raise InvalidArgument(
+                "reward_fn",
+                f"clients may name registered functions, {CONFIG_REWARD!r} (the config's reward) or a module:function "
+                "of controller.reward.fn or fns",
+            )
         try:
             return load_reward(name)
         except (KeyError, ValueError) as err:
             raise InvalidArgument("reward_fn", str(err).strip("'\"")) from None
 
-    def _client_rewards(self, reward_fn: RewardCaller, prompt, texts: list[str]) -> list[float | None]:
+    def _client_rewards(self, reward_fn: ClientReward, prompt, texts: list[str]) -> list[float | None]:
         """A client group's rewards; its row is its prompt and answer under the dataset's column names. A function
         that raises leaves them unset (logged); a wrong shape ends the call with the function's error."""
         data = self.controller.cfg.data

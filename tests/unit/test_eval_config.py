@@ -23,6 +23,26 @@ def demo(*sets: str, config: Path = DEMO):
     return load_config(config, ["eval.sets.heldout.path=builtin:digits-heldout", *sets])
 
 
+def test_a_set_renders_with_datas_keys_unless_it_sets_its_own_and_the_saved_config_says_so() -> None:
+    from relayrl.config import dump_config, parse_config
+
+    data = ["data.prompt_key=question", "data.system_prompt=Be brief.", "data.prompt_template='{question} ='"]
+    cfg = demo(
+        *data, "eval.sets.other.path=x.jsonl", "eval.sets.other.prompt_key=q", "eval.sets.other.prompt_template='{q}'"
+    )
+    heldout, other = cfg.eval.sets["heldout"], cfg.eval.sets["other"]
+    assert (heldout.prompt_key, heldout.system_prompt, heldout.prompt_template) == (
+        "question",
+        "Be brief.",
+        "{question} =",
+    )
+    assert (other.prompt_key, other.system_prompt, other.prompt_template) == ("q", "Be brief.", "{q}")
+    assert heldout.shuffle is False and heldout.path == "builtin:digits-heldout"  # the set's own, never data's
+    import yaml
+
+    assert parse_config(yaml.safe_load(dump_config(cfg))).eval == cfg.eval  # written out whole: a resume reads it
+
+
 def test_the_eval_samples_greedily_once_per_prompt_by_default() -> None:
     ecfg = EvalConfig(sets={"heldout": {"path": "builtin:digits-heldout"}})
     assert (ecfg.temperature, ecfg.n, ecfg.k, ecfg.metrics) == (0.0, 1, [1], ["mean", "pass"])
