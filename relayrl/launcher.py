@@ -5,8 +5,9 @@ stops every child in order (trainer, workers, controller) with SIGTERM, and SIGK
 period. Each child logs to ``<run dir>/logs/<role>.log``. While the run goes on, a child that dies is
 restarted within its budget (relayrl.ops.supervise); on a GPU node each child sees only its own devices
 (relayrl.ops.placement). Roles are forked from a server that imported torch once (relayrl.runtime.forkserver),
-unless ``supervisor.fork_roles`` is off or a role's environment cannot be forked.
-"""
+unless ``supervisor.fork_roles`` is off or a role's environment cannot be forked. Progress is a live bar on a
+terminal, one line per step and per eval without one (output to a file: nohup, Slurm, CI); no line is wrapped (a
+path stays one string)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import shutil
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +46,10 @@ from relayrl.runtime.procs import ORPHAN_GRACE_S, PARENT_ENV, kill_tree, reap_or
 from relayrl.runtime.runlock import RunLock
 from relayrl.runtime.words import counted
 from relayrl.trainer.launch import single_rank_env
-from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.metrics import eval_curves, read_evals, read_metrics, read_records
 from relayrl.v1 import controller_pb2, controller_pb2_grpc
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a long line (a path) stays whole in a log file
 
 
 class LaunchError(RuntimeError):
@@ -278,7 +280,7 @@ def start_job(
 
 
 def watch(job: LocalJob, metrics_path: Path) -> None:
-    """Live progress from metrics.jsonl until the trainer exits."""
+    """Progress from metrics.jsonl until the trainer exits: a live bar on a terminal, else ``StepLines``."""
     steps = job.cfg.trainer.steps
     columns = [
         TextColumn("[bold]train"),
@@ -288,19 +290,26 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
         TimeElapsedColumn(),
     ]
     stub = controller_pb2_grpc.ControllerServiceStub(open_channel(job.controller_address))
-    with Progress(*columns, console=console, transient=False) as progress:
-        scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=progress.console.print)
+    progress = Progress(*columns, console=console, transient=False) if console.is_terminal else None
+    lines = StepLines(steps) if progress is None else None
+    with progress or nullcontext():
+        say = progress.console.print if progress is not None else console.print
+        scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=say)
         supervisor = Supervisor(
-            job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, progress),
+            job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, say),
             run_stopped=lambda: run_stopped(job),
         )  # fmt: skip
-        task = progress.add_task("train", total=steps, reward="-", version=0, sps="-")
-        while job.children["trainer"].poll() != 0:
-            job.reap_orphans()
-            scaler.tick()  # `relayrl scale rollout N`
-            supervisor.tick(leave=scaler.draining)  # a dead role restarted, or the run ends here
-            records = read_metrics(metrics_path)
-            if records:
+        task = progress.add_task("train", total=steps, reward="-", version=0, sps="-") if progress else None
+        while True:
+            ended = job.children["trainer"].poll() == 0
+            if not ended:
+                job.reap_orphans()
+                scaler.tick()  # `relayrl scale rollout N`
+                supervisor.tick(leave=scaler.draining)  # a dead role restarted, or the run ends here
+            records = read_records(metrics_path)
+            if lines is not None:
+                lines.show(records)
+            elif records := [r for r in records if "eval" not in r]:
                 last = records[-1]
                 progress.update(
                     task,
@@ -309,10 +318,32 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
                     version=last["policy_version"],
                     sps=f"{last['samples_per_second']:.0f}",
                 )
+            if ended:
+                return
             time.sleep(0.2)  # how late the run's end, or a dead role, is seen
-        records = read_metrics(metrics_path)
-        if records:
-            progress.update(task, completed=records[-1]["step"])
+
+
+class StepLines:
+    """Progress without a terminal: one line per trained step (step/total, reward, s/step, version) and per eval,
+    each printed once, as metrics.jsonl gains them."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.shown = 0  # records of metrics.jsonl already printed
+
+    def show(self, records: list[dict]) -> None:
+        for record in records[self.shown :]:
+            console.print(self.line(record), highlight=False)
+        self.shown = max(self.shown, len(records))
+
+    def line(self, r: dict) -> str:
+        if "eval" in r:
+            metrics = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if "@" in k)
+            return f"eval {r['eval']} at version {r['step']}: {metrics}"
+        return (
+            f"step {r['step']}/{self.total} · reward {r['reward_mean']:.3f} · {r['step_seconds']:.2f} s/step · "
+            f"version {r['policy_version']}"
+        )
 
 
 def run_stopped(job: LocalJob) -> str:
@@ -337,27 +368,45 @@ def failed_by_reason(job: LocalJob) -> dict[str, int]:
         return {}
 
 
-def supervisor_log(job: LocalJob, progress: Progress):
-    """Restart events go to the console and to ``<logs>/supervisor.log``, timestamped."""
+def supervisor_log(job: LocalJob, say: Callable[[str], None]):
+    """Restart events go to the console (``say``) and to ``<logs>/supervisor.log``, timestamped."""
 
     def on_event(message: str) -> None:
-        progress.console.print(f"[yellow]supervisor: {message}[/yellow]")
+        say(f"[yellow]supervisor: {message}[/yellow]")
         with (job.logs / "supervisor.log").open("a") as out:
             out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
     return on_event
 
 
+def reward_window(steps: int) -> int:
+    """How many steps the summary's first and last reward means each cover: 10, or half a run shorter than 20
+    steps (at least one), so that the two never share a step."""
+    return max(1, min(10, steps // 2))
+
+
+def heldout(metrics_path: Path) -> dict[str, dict]:
+    """Each eval set's metric (mean@n, else its first pass@k) at the first and the last version it was measured:
+    set -> {metric, before, before_version, after, after_version}."""
+    return {
+        name: {"metric": key, "before": ys[0], "before_version": xs[0], "after": ys[-1], "after_version": xs[-1]}
+        for name, (key, xs, ys) in eval_curves(read_evals(metrics_path)).items()
+    }
+
+
 def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[str, int] | None = None) -> dict:
     """The run's summary on the console and in summary.json; ``failed``: failed prompts by reason."""
     records = read_metrics(metrics_path)
     failed = failed or {}
-    first, last = records[:10], records[-10:]
+    window = reward_window(len(records))
+    first, last = records[:window], records[-window:]
     result = {
         "run_dir": str(cfg.run_dir),
         "steps": len(records),
-        "reward_first10": sum(r["reward_mean"] for r in first) / max(1, len(first)),
-        "reward_last10": sum(r["reward_mean"] for r in last) / max(1, len(last)),
+        "reward_window": window,
+        "reward_start": sum(r["reward_mean"] for r in first) / max(1, len(first)),
+        "reward_end": sum(r["reward_mean"] for r in last) / max(1, len(last)),
+        "heldout": heldout(metrics_path),
         "wall_seconds": wall_s,
         "weight_syncs": sum(1 for r in records if r.get("workers_synced", 0) > 0),
         "sync_seconds_total": sum(r["sync_seconds"] for r in records),
@@ -368,14 +417,22 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[st
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(result["steps"]))
-    table.add_row("reward, first 10 steps", f"{result['reward_first10']:.3f}")
-    table.add_row("reward, last 10 steps", f"{result['reward_last10']:.3f}")
+    if len(records) > 1:
+        table.add_row(f"reward, first {counted(window, 'step')}", f"{result['reward_start']:.3f}")
+        table.add_row(f"reward, last {counted(window, 'step')}", f"{result['reward_end']:.3f}")
+    elif records:
+        table.add_row("reward", f"{result['reward_end']:.3f}")
+    for name, held in result["heldout"].items():
+        table.add_row(
+            f"held-out: {escape(name)} {held['metric']}",
+            f"{held['before']:.3f} → {held['after']:.3f} (v{held['before_version']} → v{held['after_version']})",
+        )
     table.add_row("wall time", f"{wall_s:.1f} s")
     table.add_row("weight syncs", f"{result['weight_syncs']} ({result['sync_seconds_total']:.1f} s total)")
     for reason, count in sorted(failed.items(), key=lambda item: -item[1]):
         table.add_row(f"failed prompts: {escape(reason)}", str(count))
-    table.add_row("run directory", str(cfg.run_dir))
     console.print(table)
+    console.print(f"run directory: {cfg.run_dir}", highlight=False)  # outside the table, whole however long
     atomic_write(cfg.run_dir / "summary.json", json.dumps(result, indent=2))
     return result
 
@@ -439,15 +496,19 @@ def run_local(
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
             lock.abandon()  # nothing of the run is left to hold
             console.print(f"[dim]removed {cfg.run_dir}: stopped before the run started[/dim]")
+        else:
+            lock.release()  # every role stopped
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted, RunStopped) as err:
         console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")
         if job is not None:
             job.stop()
             job.close()
+        lock.release()
         return 1
     failed = failed_by_reason(job)  # before the controller stops
     job.stop([r for r in job.children if r != "trainer"], in_order=False)
     job.close()
+    lock.release()
     summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed)
     return 0

@@ -61,10 +61,13 @@ def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
 def describe(record: dict) -> str:
     """One line for the console."""
     if record["state"] == "finished":
-        reward = f", reward {record['reward_first10']:.3f} -> {record['reward_last10']:.3f} (first/last 10 steps)"
+        reward = ""
+        if "reward_window" in record:
+            window = record["reward_window"]
+            reward = f", reward {record['reward_start']:.3f} -> {record['reward_end']:.3f} (first/last {window} steps)"
         return (
             f"run {record['run_dir']}: finished at {record['at']} after {record['steps']} steps in "
-            f"{record['wall_seconds']:.0f} s{reward if 'reward_last10' in record else ''}; its controller is gone"
+            f"{record['wall_seconds']:.0f} s{reward}; its controller is gone"
         )
     of = f" of {record['total_steps']}" if "total_steps" in record else ""
     when = f", the last at {record['at']}" if "at" in record else ""

@@ -1,8 +1,9 @@
 """One live run per run directory: an exclusive ``flock`` on a lock file beside it, owned by the run's processes.
 
 Every claimant opens the lock file (``<runs>/.<name>.lock``) and ``flock(LOCK_EX | LOCK_NB)`` both checks and
-takes it in one step. The file is never renamed; it is removed only by its holder giving up a start that found
-no run directory (``abandon``), so a claimant that locked checks that the name still leads to its inode (else
+takes it in one step. The file is never renamed; it is removed only by its holder, once the run's processes have
+stopped (``release``) or when it gives up a start that found no run directory (``abandon``), so no lock file is
+left behind by a run that ended, and a claimant that locked checks that the name still leads to its inode (else
 it locked a removed file, and tries again). The kernel drops the lock when the last
 descriptor of its open file closes: a dead run cannot keep it, however it died, and taking over from a dead owner
 is the same atomic call. The launcher hands the descriptor to the processes it starts (``fd``), so the lock is
@@ -109,15 +110,20 @@ class RunLock:
         os.pwrite(fd, json.dumps(asdict(Owner.me())).encode(), 0)
         return cls(path, fd, made_parent=made_parent)
 
-    def abandon(self) -> None:
-        """Give up a start refused before anything of the run was written: the lock file goes, and the runs
-        directory when ``take`` made it and it is empty again; the lock with the descriptor."""
+    def release(self) -> None:
+        """The run is over and every process it started has stopped: the lock file goes, then the lock with the
+        descriptor (a claimant that opened the file meanwhile finds, once it locks, that its name is gone)."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        os.close(self.fd)
+
+    def abandon(self) -> None:
+        """Give up a start refused before anything of the run was written: ``release``, then the runs directory
+        goes too when ``take`` made it and it is empty again."""
+        self.release()
         if self.made_parent:
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()
-        os.close(self.fd)
 
 
 def same_file(fd: int, path: Path) -> bool:

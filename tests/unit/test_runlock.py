@@ -1,7 +1,9 @@
-"""runtime.runlock: one holder per run directory, a refusal naming it, a dead launcher told from a live one."""
+"""runtime.runlock: one holder per run directory, a refusal naming it, a dead launcher told from a live one, no lock
+file left once the run is released."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks, refuse_if_held
+from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks, refuse_if_held, same_file
 
 
 def test_a_second_claim_is_refused_naming_the_holder_until_its_descriptor_closes(tmp_path: Path) -> None:
@@ -63,6 +65,20 @@ def test_abandon_removes_the_lock_and_the_runs_directory_it_made(tmp_path: Path)
     run_dir = tmp_path / "runs" / "r"
     RunLock.take(run_dir).abandon()
     assert not (tmp_path / "runs").exists()
+
+
+def test_release_leaves_no_lock_file_and_a_claimant_that_opened_it_before_takes_a_fresh_one(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    early = os.open(RunLock.path_for(run_dir), os.O_RDWR)  # a claimant that opened the file, not yet locked
+    lock.release()
+    assert not RunLock.path_for(run_dir).exists() and (tmp_path / "runs").is_dir()
+    fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it locks the removed file: the name no longer leads there
+    assert not same_file(early, RunLock.path_for(run_dir))
+    os.close(early)
+    again = RunLock.take(run_dir)
+    assert json.loads(RunLock.path_for(run_dir).read_text())["pid"] == os.getpid()
+    again.release()
 
 
 def test_the_probe_names_a_live_holder_and_creates_nothing(tmp_path: Path) -> None:
