@@ -24,7 +24,8 @@ class SFTBatch:
 
     ``attention_mask`` is None for a packed batch: the examples are told apart by ``position_ids`` restarting at 0,
     which transformers turns into a block-diagonal causal mask for sdpa and eager attention when the forward has
-    no attention mask and no cache (``use_cache=False``), and flash-attention reads as sequence boundaries.
+    no attention mask and no cache (``use_cache=False``; tested on both); transformers' flash-attention path reads
+    the same positions as sequence boundaries (not tested here: there is no flash-attention on CPU).
     ``example_ids`` [R, L−1] is the example each target position scores (−1: none), for per-example sums."""
 
     input_ids: torch.Tensor
