@@ -35,6 +35,7 @@ from relayrl.models.assets import prepare_assets
 from relayrl.ops.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
+from relayrl.ops.run_record import RunEnd
 from relayrl.ops.scaler import LocalScaler
 from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel
@@ -368,6 +369,19 @@ def failed_by_reason(job: LocalJob) -> dict[str, int]:
         return {}
 
 
+def failure_reason(job: LocalJob) -> str:
+    """The first line of the error the controller failed the run with ("" when it did not, or cannot be asked)."""
+    try:
+        return first_line(controller_status(job.controller_address).error)
+    except grpc.RpcError:
+        return ""
+
+
+def first_line(text: str) -> str:
+    """A message's first line (a launcher error may carry a role's traceback after it)."""
+    return text.strip().split("\n", 1)[0]
+
+
 def supervisor_log(job: LocalJob, say: Callable[[str], None]):
     """Restart events go to the console (``say``) and to ``<logs>/supervisor.log``, timestamped."""
 
@@ -394,8 +408,16 @@ def heldout(metrics_path: Path) -> dict[str, dict]:
     }
 
 
-def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[str, int] | None = None) -> dict:
-    """The run's summary on the console and in summary.json; ``failed``: failed prompts by reason."""
+def summary(
+    cfg: RelayConfig,
+    metrics_path: Path,
+    wall_s: float,
+    failed: dict[str, int] | None = None,
+    ended: RunEnd = "finished",
+    reason: str = "",
+) -> dict:
+    """The run's summary on the console and in summary.json, written however the run ended (``ended``, and why:
+    ``reason``; ``relayrl status --run`` reads it); ``failed``: failed prompts by reason."""
     records = read_metrics(metrics_path)
     failed = failed or {}
     window = reward_window(len(records))
@@ -412,10 +434,14 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[st
         "sync_seconds_total": sum(r["sync_seconds"] for r in records),
         "prompts_failed": sum(failed.values()),
         "prompts_failed_by_reason": failed,
+        "ended": ended,
+        **({"reason": reason} if reason else {}),
     }
-    table = Table(title=f"relayrl run '{cfg.run.name}'")
+    table = Table(title=f"relayrl run '{cfg.run.name}'" + ("" if ended == "finished" else f" ({ended})"))
     table.add_column("metric")
     table.add_column("value", justify="right")
+    if reason:
+        table.add_row(ended, escape(reason))
     table.add_row("steps", str(result["steps"]))
     if len(records) > 1:
         table.add_row(f"reward, first {counted(window, 'step')}", f"{result['reward_start']:.3f}")
@@ -429,8 +455,8 @@ def summary(cfg: RelayConfig, metrics_path: Path, wall_s: float, failed: dict[st
         )
     table.add_row("wall time", f"{wall_s:.1f} s")
     table.add_row("weight syncs", f"{result['weight_syncs']} ({result['sync_seconds_total']:.1f} s total)")
-    for reason, count in sorted(failed.items(), key=lambda item: -item[1]):
-        table.add_row(f"failed prompts: {escape(reason)}", str(count))
+    for kind, count in sorted(failed.items(), key=lambda item: -item[1]):
+        table.add_row(f"failed prompts: {escape(kind)}", str(count))
     console.print(table)
     console.print(f"run directory: {cfg.run_dir}", highlight=False)  # outside the table, whole however long
     atomic_write(cfg.run_dir / "summary.json", json.dumps(result, indent=2))
@@ -485,11 +511,15 @@ def run_local(
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the stop short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        console.print(f"[yellow]{stop_signal[0] if stop_signal else 'SIGINT'}: stopping every process[/yellow]")
+        stopped_by = stop_signal[0] if stop_signal else "SIGINT"
+        console.print(f"[yellow]{stopped_by}: stopping every process[/yellow]")
         if job is not None:
+            failed = failed_by_reason(job)  # before the controller stops
             rollouts = [r for r in job.children if r.startswith("rollout")]
             job.stop(["trainer", *rollouts, *environment_roles(cfg), "controller"])
             job.close()
+            reason = f"{stopped_by}: stopped by the operator; `relayrl up --resume` continues it"
+            summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed, "stopped", reason)
         elif forks is not None:
             forks.kill()
         if job is None and made_run_dir and cfg.run_dir.exists():  # stopped before any role started
@@ -501,9 +531,13 @@ def run_local(
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted, RunStopped) as err:
         console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")
+        failed, why = {}, first_line(str(err))
         if job is not None:
+            failed, why = failed_by_reason(job), failure_reason(job) or why
             job.stop()
             job.close()
+        if cfg.run_dir.is_dir():
+            summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed, "failed", why)
         lock.release()
         return 1
     failed = failed_by_reason(job)  # before the controller stops

@@ -33,7 +33,7 @@ from relayrl.errors import rpc_error_text
 from relayrl.ops import k8s, slurm
 from relayrl.ops.args import controller_address
 from relayrl.ops.render import print_json, status_tables, to_dict, weights_tables
-from relayrl.ops.run_record import describe, finished_record, listening, stopped_record
+from relayrl.ops.run_record import describe, ended_record, listening, stopped_record
 from relayrl.ops.submit_order import InputOrder
 from relayrl.runtime.words import counted
 
@@ -198,12 +198,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def gone_run(args: argparse.Namespace) -> dict | None:
-    """With ``--run`` as the only address: the run's record (relayrl.ops.run_record) when it finished since its
-    last start, or when nothing listens at its controller.address; None when its controller is to be asked."""
+    """With ``--run`` as the only address: the run's record (relayrl.ops.run_record) when ``relayrl up`` ended it
+    since its last start, or when nothing listens at its controller.address; None when its controller is to be
+    asked."""
     if args.run is None or args.controller or os.environ.get(ENV_ADDRESS):
         return None
     run_dir = Path(args.run)
-    if (record := finished_record(run_dir)) is not None:
+    if (record := ended_record(run_dir)) is not None:
         return record
     address = controller_address(None, None, args.run)  # ValueError naming --run when there is none
     if listening(address):

@@ -1,6 +1,6 @@
-"""What a run directory says of a run whose controller is gone (``relayrl status --run runs/NAME``): finished,
-from the ``summary.json`` ``relayrl up`` writes at its end, or stopped (stopped, died or killed), from the last
-record of its ``metrics.jsonl``; each with when."""
+"""What a run directory says of a run whose controller is gone (``relayrl status --run runs/NAME``): how it ended
+(finished, failed and why, stopped by a signal), from the ``summary.json`` ``relayrl up`` writes at every end, or
+stopped (died or killed, no summary), from the last record of its ``metrics.jsonl``; each with when."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 import socket
 import time
 from pathlib import Path
+from typing import Literal
 
 from relayrl.runtime.address import parse_address
 
 CONNECT_TIMEOUT_S = 1.0
+RunEnd = Literal["finished", "failed", "stopped"]  # how `relayrl up` ended a run (summary.json's "ended")
 
 
 def listening(address: str) -> bool:
@@ -28,14 +30,15 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
-def finished_record(run_dir: Path) -> dict | None:
-    """The run's final state when it finished since its last start (``summary.json`` newer than the
-    ``controller.address`` each start writes), else None."""
+def ended_record(run_dir: Path) -> dict | None:
+    """The run's final state when ``relayrl up`` ended it since its last start (``summary.json`` newer than the
+    ``controller.address`` each start writes): state finished, failed or stopped (``ended``; a summary without one
+    is a finished run's), with its ``reason``; else None."""
     summary, address = run_dir / "summary.json", run_dir / "controller.address"
     if not summary.is_file() or (address.is_file() and address.stat().st_mtime > summary.stat().st_mtime):
         return None
     record = json.loads(summary.read_text())
-    return {"state": "finished", "at": _when(summary.stat().st_mtime), **record}
+    return {"state": record.get("ended", "finished"), "at": _when(summary.stat().st_mtime), **record}
 
 
 def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
@@ -70,6 +73,11 @@ def describe(record: dict) -> str:
             f"{record['wall_seconds']:.0f} s{reward}; its controller is gone"
         )
     of = f" of {record['total_steps']}" if "total_steps" in record else ""
+    if "ended" in record:  # failed or stopped, said by its summary
+        return (
+            f"run {record['run_dir']}: {record['state']} at {record['at']} after {record['steps']}{of} steps trained: "
+            f"{record.get('reason', 'no reason recorded')}"
+        )
     when = f", the last at {record['at']}" if "at" in record else ""
     return (
         f"run {record['run_dir']}: not running (no controller answers) and not finished: {record['steps']}{of} "
