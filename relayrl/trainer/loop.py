@@ -38,7 +38,7 @@ from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
 from relayrl.trainer.on_demand import OnDemandSync
 from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.samples import SamplesWriter, step_samples
-from relayrl.trainer.schedule import lr_at, set_lr
+from relayrl.trainer.schedule import lr_at, set_step_lrs
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_ahead, read_stream, streams_said
 from relayrl.trainer.sync import SyncResult, WeightPublisher
@@ -392,8 +392,7 @@ def run_trainer(
     freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
-        lr = lr_at(step, cfg.trainer)
-        set_lr(backend.optimizer, lr)
+        lr = set_step_lrs(backend, step, cfg)
         # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)
         verified = sync.synced if rank == 0 and cfg.weight_sync.verify != "off" else []
         (verified,) = broadcast_from_rank0(frozenset(verified))

@@ -10,13 +10,16 @@ peak lr = ``trainer.lr`` and floor m = ``min_lr_ratio``:
   lr x (m + (1 - m)(1 - p)); ``cosine`` lr x (m + (1 - m)(1 + cos(pi p)) / 2). The first step after warmup
   trains at the peak, as transformers' ``get_linear_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``
   (with ``min_lr_rate``) do at the same optimizer step.
+
+The critic (``algorithm.advantage: gae``) follows the same schedule from its own peak: ``critic.lr`` x
+lr_at(s) / ``trainer.lr`` (its warmup and decay are the policy's).
 """
 
 from __future__ import annotations
 
 import math
 
-from relayrl.config import TrainerConfig
+from relayrl.config import RelayConfig, TrainerConfig
 
 
 def warmup_steps(cfg: TrainerConfig) -> int:
@@ -40,3 +43,13 @@ def set_lr(optimizer, lr: float) -> None:
     """Every parameter group of ``optimizer`` steps at ``lr``."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def set_step_lrs(backend, step: int, cfg: RelayConfig) -> float:
+    """Step ``step``'s lr on the policy's optimizer and, with a critic, the critic's (module docstring); returns the
+    policy's."""
+    lr = lr_at(step, cfg.trainer)
+    set_lr(backend.optimizer, lr)
+    if backend.critic is not None:
+        set_lr(backend.critic.optimizer, cfg.critic.lr * lr / cfg.trainer.lr)
+    return lr

@@ -11,7 +11,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from relayrl.config import ConfigError, TrainerConfig, parse_config
-from relayrl.trainer.schedule import lr_at, set_lr, warmup_steps
+from relayrl.trainer.schedule import lr_at, set_lr, set_step_lrs, warmup_steps
 
 STEPS, WARMUP, LR = 20, 4, 1e-3
 
@@ -70,3 +70,24 @@ def test_set_lr_sets_every_group() -> None:
 def test_bad_schedules_are_refused_naming_the_key(trainer, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_config({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "trainer": trainer})
+
+
+def test_the_critic_follows_the_schedule_from_its_own_peak() -> None:
+    """critic.lr x lr_at / trainer.lr each step (it stayed at critic.lr through the policy's warmup and decay)."""
+    from types import SimpleNamespace
+
+    cfg = parse_config({
+        "model": {"path": "m"}, "data": {"path": "d.jsonl"}, "algorithm": {"advantage": "gae"},
+        "critic": {"lr": 1e-5},
+        "trainer": {"lr": LR, "steps": STEPS, "warmup_steps": WARMUP, "lr_schedule": "cosine"},
+    })  # fmt: skip
+
+    def adamw() -> torch.optim.Optimizer:
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    backend = SimpleNamespace(optimizer=adamw(), critic=SimpleNamespace(optimizer=adamw()))
+    for step in (1, WARMUP, WARMUP + 1, STEPS // 2, STEPS):
+        assert set_step_lrs(backend, step, cfg) == lr_at(step, cfg.trainer)
+        assert backend.optimizer.param_groups[0]["lr"] == lr_at(step, cfg.trainer)
+        assert backend.critic.optimizer.param_groups[0]["lr"] == pytest.approx(1e-5 * lr_at(step, cfg.trainer) / LR)
+    assert set_step_lrs(SimpleNamespace(optimizer=adamw(), critic=None), 1, cfg) == LR / WARMUP
