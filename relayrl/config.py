@@ -577,7 +577,9 @@ class CriticConfig(Section):
     exactly the critic-free one, and no coefficient has to balance two losses on shared weights."""
 
     path: str | None = None  # the critic backbone's Hugging Face directory (same tokenizer); null: model.path
-    lr: float = Field(1e-5, gt=0)  # the critic's AdamW lr (verl critic.optim.lr 1e-5; OpenRLHF 9e-6)
+    # the critic's peak AdamW lr (verl critic.optim.lr 1e-5; OpenRLHF 9e-6); the trainer's lr schedule scales it as it
+    # scales trainer.lr (relayrl/trainer/schedule.py), warmup and decay alike
+    lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)  # the critic's own gradient-norm clip
     # value clip, in reward units (verl / OpenRLHF 0.5, TRL 0.2): V stays within this of the step's starting values
