@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import grpc
@@ -63,11 +64,15 @@ def hf_weights(cfg: RelayConfig, checkpoint: Path, workdir: Path) -> tuple[Path,
                 "--checkpoint: a trainer checkpoint is read for full-weight FSDP runs; give the run's exported "
                 "directory instead (runs/NAME/final, or its adapter)"
             )
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        import torch.distributed.checkpoint as dcp
 
-        dcp_to_torch_save(str(checkpoint), str(workdir / "checkpoint.pt"))
-        state = torch.load(workdir / "checkpoint.pt", weights_only=False)["model"]
-        model.load_state_dict(state)
+        # the model's entries alone, read into its own tensors: the optimizer state (twice the model in AdamW's
+        # float32 moments) and a critic stay on disk
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, as meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        model.load_state_dict(state["model"])
         version = json.loads((checkpoint / "trainer_state.json").read_text())["policy_version"]
     out = workdir / "model"
     model.save_pretrained(out)
