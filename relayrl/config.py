@@ -773,6 +773,11 @@ class EvalConfig(Section):
             raise ValueError("eval.metrics: name at least one of " + ", ".join(EVAL_METRICS))
         if any(k < 1 for k in self.k):
             raise ValueError(f"eval.k: each k must be >= 1, got {self.k}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(
+                f"eval.n: {self.n} samples at eval.temperature 0 are one greedy response {self.n} times (pass@k is "
+                "pass@1, maj@n the greedy answer); set eval.temperature > 0 to sample n, or eval.n: 1"
+            )
         if {"pass", "pass^"} & set(self.metrics) and (too_big := [k for k in self.k if k > self.n]):
             raise ValueError(f"eval.k: {too_big} exceeds eval.n ({self.n}): pass@k needs k <= n samples per prompt")
         if self.best is not None and self.best.metric.partition("/")[0] not in self.sets:
