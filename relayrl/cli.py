@@ -45,7 +45,7 @@ from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
 from relayrl.runtime.procs import announce, exit_now, stop_with_parent
-from relayrl.runtime.runlock import RunHeld, refuse_if_held
+from relayrl.runtime.runlock import RunHeld, RunLockUnsupported, refuse_if_held
 
 
 def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
@@ -440,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunHeld as err:  # `relayrl up` of a run another live `up` holds
         print(f"relayrl: {err}", file=sys.stderr)
         return 3
+    except RunLockUnsupported as err:  # the runs directory's filesystem refuses flock: a person must choose
+        print(f"relayrl: {err}", file=sys.stderr)
+        return 2
     if getattr(args, "fast_exit", False):
         exit_now(code)  # a process that finished cleanly skips the interpreter's teardown
     return code

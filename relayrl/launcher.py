@@ -169,11 +169,14 @@ def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: lis
 def claim_run(cfg: RelayConfig) -> RunLock:
     """The lock of ``cfg``'s run directory for this launcher and the processes it starts (runtime.runlock), or
     ``RunHeld``; the processes of a dead launcher are waited for while they stop (each within ORPHAN_GRACE_S)."""
-    return RunLock.take(
+    lock = RunLock.take(
         cfg.run_dir,
         wait_dead_s=ORPHAN_GRACE_S + 30,
         on_wait=lambda message: console.print(f"[yellow]{escape(message)}[/yellow]"),
     )
+    if lock.caveat:
+        console.print(f"[yellow]{escape(lock.caveat)}[/yellow]")
+    return lock
 
 
 def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:

@@ -13,6 +13,12 @@ The holder writes its record (pid, host, the process's start time in clock ticks
 ``/proc/PID/stat``, and the wall time it took the lock) into the file: a refusal names the owner, and a claimant
 on the owner's host tells a dead launcher (no process with that pid and start time: a reused pid has another)
 whose processes are still stopping from a live one.
+
+Where ``flock`` does not hold as it does on a local disk, the filesystem (``/proc/self/mountinfo``) is named in one
+line: on NFS the kernel emulates it with a POSIX lock, which belongs to the launcher alone (its processes do not
+inherit it), so the lock still excludes other hosts' launchers but is gone once the launcher dies (``caveat``); on
+Lustre mounted ``localflock`` it excludes this node's launchers only (``caveat``); a filesystem that refuses
+``flock`` (Lustre without ``-o flock``: ENOSYS) is a ``RunLockUnsupported`` naming it, not a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -32,6 +39,58 @@ POLL_S = 0.5
 
 class RunHeld(RuntimeError):
     """The run directory belongs to another live run; the message is one line naming its owner."""
+
+
+class RunLockUnsupported(RuntimeError):
+    """The runs directory's filesystem refuses ``flock``; the message is one line naming it and what to do."""
+
+
+def filesystem_of(path: Path) -> tuple[str, frozenset[str]]:
+    """The type and the superblock options of the filesystem holding ``path`` (the longest mount point of
+    ``/proc/self/mountinfo`` above it); ("", {}) where there is no mountinfo."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "", frozenset()
+    target, best = str(Path(path).resolve()), ("", "", frozenset())
+    for line in lines:
+        mount_fields, _, fs_fields = line.partition(" - ")
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), mount_fields.split()[4])  # \040: a space
+        fstype, _, options = [*fs_fields.split(), "", ""][:3]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fstype, frozenset(options.split(",")))
+    return best[1], best[2]
+
+
+def lock_caveat(path: Path) -> str | None:
+    """One line on how the lock at ``path`` holds less than on a local disk (module docstring), or None."""
+    fstype, options = filesystem_of(path.parent)
+    if fstype.startswith("nfs"):
+        return (
+            f"run lock {path} is on {fstype}: NFS emulates flock with a POSIX lock that the run's processes do not "
+            "inherit, so it guards the run while this launcher lives (other hosts' launchers are refused), not "
+            "after; a local run.dir holds it until the run's last process exits"
+        )
+    if fstype == "lustre" and "localflock" in options:
+        return f"run lock {path} is on lustre mounted localflock: it refuses a second run on this node only"
+    return None
+
+
+def _flock(fd: int, path: Path, operation: int) -> None:
+    """``fcntl.flock``; a filesystem that refuses it (not a held lock: BlockingIOError passes) is
+    ``RunLockUnsupported`` naming it."""
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        raise
+    except OSError as err:
+        os.close(fd)
+        fstype = filesystem_of(path.parent)[0] or "its filesystem"
+        hint = "mount it with -o flock" if fstype == "lustre" else "use a filesystem with flock"
+        raise RunLockUnsupported(
+            f"run lock {path}: {fstype} refuses flock ({err.strerror or err}); {hint}, or set run.dir on a local disk"
+        ) from None
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -73,6 +132,7 @@ class RunLock:
         self.path = path
         self.fd = fd
         self.made_parent = made_parent  # ``take`` made the runs directory
+        self.caveat = lock_caveat(path)  # one line where the filesystem's flock holds less (module docstring)
 
     @staticmethod
     def path_for(run_dir: Path) -> Path:
@@ -90,9 +150,14 @@ class RunLock:
         deadline = time.monotonic() + wait_dead_s
         waited = False
         while True:
+            created = not path.exists()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd, path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except RunLockUnsupported:  # refused before anything: leave nothing behind
+                if created:
+                    _remove(path, made_parent)
+                raise
             except BlockingIOError:
                 os.close(fd)
                 owner = read_owner(path)
@@ -118,12 +183,19 @@ class RunLock:
         os.close(self.fd)
 
     def abandon(self) -> None:
-        """Give up a start refused before anything of the run was written: ``release``, then the runs directory
-        goes too when ``take`` made it and it is empty again."""
-        self.release()
-        if self.made_parent:
-            with contextlib.suppress(OSError):
-                self.path.parent.rmdir()
+        """Give up a start refused before anything of the run was written: the lock file goes, and the runs
+        directory when ``take`` made it and it is empty again (``_remove``); then the lock with the descriptor."""
+        _remove(self.path, self.made_parent)
+        os.close(self.fd)
+
+
+def _remove(path: Path, made_parent: bool) -> None:
+    """The lock file goes, and its directory when ``take`` made it and it is empty again."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    if made_parent:
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
 
 def same_file(fd: int, path: Path) -> bool:
@@ -142,11 +214,11 @@ def refuse_if_held(run_dir: Path) -> None:
     except FileNotFoundError:
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: dropped with the descriptor below
+        _flock(fd, path, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: dropped with the descriptor below
     except BlockingIOError:
-        raise RunHeld(refusal(run_dir, read_owner(path))) from None
-    finally:
         os.close(fd)
+        raise RunHeld(refusal(run_dir, read_owner(path))) from None
+    os.close(fd)
 
 
 def read_owner(path: Path) -> Owner | None:

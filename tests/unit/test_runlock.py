@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.runtime.runlock import Owner, RunHeld, RunLock, process_start_ticks, refuse_if_held, same_file
+from relayrl.runtime import runlock
+from relayrl.runtime.runlock import (
+    Owner,
+    RunHeld,
+    RunLock,
+    RunLockUnsupported,
+    filesystem_of,
+    process_start_ticks,
+    refuse_if_held,
+    same_file,
+)
 
 
 def test_a_second_claim_is_refused_naming_the_holder_until_its_descriptor_closes(tmp_path: Path) -> None:
@@ -90,3 +100,49 @@ def test_the_probe_names_a_live_holder_and_creates_nothing(tmp_path: Path) -> No
         refuse_if_held(run_dir)
     os.close(lock.fd)
     refuse_if_held(run_dir)
+
+
+def test_the_filesystem_is_read_from_mountinfo(tmp_path: Path) -> None:
+    assert filesystem_of(Path("/proc/self"))[0] == "proc"
+    assert filesystem_of(tmp_path)[0] and RunLock.take(tmp_path / "runs" / "r").caveat is None  # a local disk
+
+
+@pytest.mark.parametrize(
+    ("fstype", "options", "caveat"),
+    [
+        ("nfs4", "rw,vers=4.2", "is on nfs4: NFS emulates flock with a POSIX lock that the run's processes do not"),
+        ("lustre", "rw,localflock", "is on lustre mounted localflock: it refuses a second run on this node only"),
+        ("lustre", "rw,flock", None),
+    ],
+)
+def test_a_lock_that_holds_less_there_says_so_in_one_line(tmp_path: Path, monkeypatch, fstype, options, caveat):
+    monkeypatch.setattr(runlock, "filesystem_of", lambda path: (fstype, frozenset(options.split(","))))
+    lock = RunLock.take(tmp_path / "runs" / "r")
+    assert lock.caveat is None if caveat is None else (caveat in lock.caveat and "\n" not in lock.caveat)
+
+
+def test_a_filesystem_without_flock_is_named_in_one_line_and_relayrl_up_exits_2(tmp_path: Path, monkeypatch, capsys):
+    """Lustre mounted without -o flock answers flock with ENOSYS: a plain OSError and a traceback before."""
+    import errno
+    import fcntl
+
+    from relayrl.cli import main
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(runlock, "filesystem_of", lambda path: ("lustre", frozenset({"rw"})))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    run_dir = tmp_path / "runs" / "r"
+    message = "run lock .*\\.r\\.lock: lustre refuses flock \\(Function not implemented\\); mount it with -o flock"
+    with pytest.raises(RunLockUnsupported, match=message):
+        RunLock.take(run_dir)
+    assert not (tmp_path / "runs").exists()  # nothing left behind
+    run_dir.parent.mkdir()
+    RunLock.path_for(run_dir).touch()  # a lock file from a start elsewhere
+    with pytest.raises(RunLockUnsupported, match=message):
+        refuse_if_held(run_dir)
+    demo = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
+    assert main(["up", str(demo), "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.name=r"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relayrl: run lock ") and "lustre refuses flock" in err and "\n" not in err
