@@ -119,6 +119,7 @@ EXIT_CLAIMS = {
     ("operating.md", "the resume is refused (exit 2)", "2"): "tests/unit/test_cli_refusals.py::forgotten_set",
     ("operating.md", "Ctrl-C (exit 0)", "0"): "tests/integration/test_operate_scaling.py::drain_under_up",
     ("operating.md", "refused with exit code 3", "3"): "tests/integration/test_run_lock.py::second_up_is",
+    ("operating.md", "`relayrl up` exits 2 naming the filesystem", "2"): "tests/unit/test_runlock.py::without_flock",
     ("quickstart.md", "naming the flag, exit 2", "2"): "tests/unit/test_cli_refusals.py::every_subcommand_refuses",
     ("rewards.md", "`relayrl up` exits 1", "1"): "tests/integration/test_reward_failures.py::raising_reward",
     ("reliability.md", "the role then exits with code 137", "137"): "tests/unit/test_faults.py::ledger_write_point",
