@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
 
 import grpc
 from grpc import aio
@@ -22,9 +23,10 @@ from relayrl.wire.sampling import SamplingParams
 
 
 class AsyncRelayClient:
-    """``AsyncRelayClient(address=None, token=None, ...)``; use ``async with`` or ``await close()``."""
+    """``AsyncRelayClient(address=None, token=None, ...)``, the address as ``RelayClient``'s (``host:port`` or a run
+    directory); use ``async with`` or ``await close()``."""
 
-    def __init__(self, address: str | None = None, *, options: ClientOptions | None = None, **settings) -> None:
+    def __init__(self, address: str | Path | None = None, *, options: ClientOptions | None = None, **settings) -> None:
         self.options = options or ClientOptions.resolve(address, **settings)
         self._channel = self.options.open_channel(aio)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self._channel)

@@ -16,7 +16,7 @@ import grpc
 
 from relayrl.rpc.channels import message_options
 from relayrl.rpc.retry import RetryPolicy
-from relayrl.runtime.address import AddressError, parse_address
+from relayrl.runtime.address import AddressError, parse_address, recorded_address
 
 ENV_ADDRESS = "RELAYRL_CONTROLLER"
 ENV_TOKEN = "RELAYRL_AUTH_TOKEN"
@@ -64,7 +64,7 @@ class ClientOptions:
     @classmethod
     def resolve(
         cls,
-        address: str | None = None,
+        address: str | Path | None = None,
         *,
         token: str | None = None,
         tls_ca: str | Path | None = None,
@@ -73,12 +73,16 @@ class ClientOptions:
         server_name: str | None = None,
         **settings,
     ) -> ClientOptions:
-        """Arguments first, then the environment. TLS is on when a CA or a client certificate is given."""
+        """Arguments first, then the environment. ``address``: ``host:port``, or a run directory ``relayrl up``
+        started (``runs/NAME``: the address it recorded in ``controller.address``). TLS is on when a CA or a client
+        certificate is given."""
         field = "address" if address else ENV_ADDRESS
-        address = address or os.environ.get(ENV_ADDRESS)
+        address = str(address or os.environ.get(ENV_ADDRESS) or "")
         if not address:
-            raise ClientConfigError(f"controller address: pass it or set {ENV_ADDRESS} (host:port)")
+            raise ClientConfigError(f"controller address: pass host:port or a run directory, or set {ENV_ADDRESS}")
         try:
+            if field == "address" and Path(address).is_dir():
+                address = str(recorded_address(address, field))
             address = str(parse_address(address, field))  # strictly: no scheme, a port in range
         except AddressError as err:
             raise ClientConfigError(str(err)) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -24,10 +25,11 @@ MAX_PROMPTS_PER_CALL = 256
 
 
 class RelayClient:
-    """``RelayClient(address=None, token=None, ...)``: address from the argument or RELAYRL_CONTROLLER,
+    """``RelayClient(address=None, token=None, ...)``: address from the argument (``host:port``, or a run directory
+    ``relayrl up`` started: ``RelayClient("runs/NAME")`` reads its ``controller.address``) or RELAYRL_CONTROLLER,
     token from the argument or RELAYRL_AUTH_TOKEN; see ClientOptions.resolve for TLS and retries."""
 
-    def __init__(self, address: str | None = None, *, options: ClientOptions | None = None, **settings) -> None:
+    def __init__(self, address: str | Path | None = None, *, options: ClientOptions | None = None, **settings) -> None:
         self.options = options or ClientOptions.resolve(address, **settings)
         self._channel = self.options.open_channel(grpc)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self._channel)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from relayrl.runtime.address import Address, AddressError, parse_address, parse_port
+from relayrl.runtime.address import Address, AddressError, parse_address, parse_port, recorded_address
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -83,10 +83,10 @@ def controller_address(explicit: str | None, env: str | None, run: str | None) -
     if env:
         return str(_parsed(env, "RELAYRL_CONTROLLER"))
     if run is not None:
-        recorded = Path(run) / "controller.address"
-        if not recorded.is_file():
-            raise ValueError(f"--run: {run} has no controller.address (is it a run `relayrl up` started?)")
-        return str(_parsed(recorded.read_text(), str(recorded)))
+        try:
+            return str(recorded_address(run, "--run"))
+        except AddressError as err:
+            raise ValueError(str(err)) from None
     raise ValueError(
         "--controller: no controller address: give --controller HOST:PORT, set RELAYRL_CONTROLLER, "
         "or --run runs/NAME (a run `relayrl up` started)"

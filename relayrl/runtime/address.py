@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 MAX_PORT = 65535
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$")  # a DNS name or an IPv4 literal
@@ -71,3 +72,12 @@ def parse_address(text: str, field: str) -> Address:
         if not _HOST.match(host):
             raise AddressError(field, f"{text!r} has no valid host; give host:port, e.g. 127.0.0.1:{port}")
     return Address(host, parse_port(port, field))
+
+
+def recorded_address(run_dir: str | Path, field: str) -> Address:
+    """The controller address ``relayrl up`` wrote into ``<run_dir>/controller.address``; AddressError naming
+    ``field`` when the directory has none, naming the file when it holds a bad one."""
+    recorded = Path(run_dir) / "controller.address"
+    if not recorded.is_file():
+        raise AddressError(field, f"{run_dir} has no controller.address (is it a run `relayrl up` started?)")
+    return parse_address(recorded.read_text(), str(recorded))

@@ -1,5 +1,6 @@
 """relayrl.client against a scripted in-process ControllerService (generated stubs only): retries on
-UNAVAILABLE, deadlines, the bearer token, resumed SubmitPrompts streams, TLS; sync and asyncio."""
+UNAVAILABLE, deadlines, the bearer token, resumed SubmitPrompts streams, TLS, a run directory for an address; sync
+and asyncio."""
 
 from __future__ import annotations
 
@@ -136,6 +137,26 @@ def test_token_goes_out_as_bearer_metadata_and_never_into_repr(scripted, monkeyp
     with RelayClient(address, token="another-token-abcdefgh") as client:  # the argument wins
         client.status()
     assert servicer.metadata[-1]["authorization"] == "Bearer another-token-abcdefgh"
+
+
+def test_a_run_directory_is_an_address_both_clients_take(scripted, tmp_path, monkeypatch):
+    """``RelayClient("runs/NAME")``: the address ``relayrl up`` recorded there; a directory without one is refused
+    naming it (the environment's address is not taken instead)."""
+    _, address = scripted
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    (run / "controller.address").write_text(address)  # as relayrl up writes it
+    with RelayClient(run) as client:
+        assert client.status().run_name == "scripted" and client.options.address == address
+
+    async def scenario():
+        async with AsyncRelayClient(str(run)) as client:
+            return await client.status()
+
+    assert asyncio.run(scenario()).run_name == "scripted"
+    monkeypatch.setenv("RELAYRL_CONTROLLER", address)
+    with pytest.raises(ClientConfigError, match=f"address: {tmp_path} has no controller.address"):
+        RelayClient(tmp_path)
 
 
 def test_missing_address_names_the_variable(monkeypatch):
