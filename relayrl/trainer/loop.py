@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -198,15 +199,31 @@ def broadcast_from_rank0(*values: object) -> list:
     return box
 
 
+def run_backend(cfg: RelayConfig):
+    """The run's training backend (collective): ``trainer.backend``'s policy (``model.lora``'s adapter), the frozen
+    reference where ``algorithm.kl_coef`` > 0, and the critic under ``algorithm.advantage: gae``."""
+    critic = cfg.critic if cfg.algorithm.advantage == "gae" else None
+    return create_backend(
+        cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0, critic=critic,
+        weight_dtype=cfg.rollout.weight_dtype,
+    )  # fmt: skip
+
+
 def train_whole(
-    backend, cfg: RelayConfig, step: int, batch_msg: controller_pb2.Batch, pad_id: int, verified: frozenset[str]
+    backend,
+    cfg: RelayConfig,
+    step: int,
+    batch_msg: controller_pb2.Batch,
+    pad_id: int,
+    verified: frozenset[str],
+    on_advantages: Callable[[torch.Tensor], object] | None = None,
 ) -> dict[str, float]:
-    """Step ``step`` on a whole batch (every rank): its train metrics."""
+    """Step ``step`` on a whole batch (every rank): its train metrics; ``on_advantages`` as ``train_on_batch``'s."""
     batch = to_train_batch(batch_msg, pad_id, version=step - 1, verified_workers=verified)
     return train_on_batch(
         backend, batch, cfg.algorithm, cfg.trainer, temperature=batch_msg.temperature or 1.0,
         norm_len=cfg.max_response_tokens, minibatch_groups=batch_msg.minibatch_groups,
-        critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps,
+        critic_cfg=cfg.critic, critic_only=step <= cfg.critic.warmup_steps, on_advantages=on_advantages,
     )  # fmt: skip
 
 
@@ -218,11 +235,13 @@ def train_streamed(
     verified: frozenset[str],
     pad_id: int,
     priority: GenerationFirst | None = None,
+    on_advantages: Callable[[torch.Tensor], object] | None = None,
 ):
     """One step from StreamBatch parts (``parts()``: rank 0's fresh read_stream, None elsewhere; rank 0
     broadcasts each item, so every rank trains the same parts in the same order). Returns (the batch, the
     train metrics), or (None, {}) when a shutdown was requested. A broken stream is pulled again.
-    ``priority`` (rank 0's): lowered while the stream is open, back the moment its last part is read."""
+    ``priority`` (rank 0's): lowered while the stream is open, back the moment its last part is read.
+    ``on_advantages``: called with the batch's advantages per sample, as ``train_on_batch``'s."""
     rank0 = parts is not None
     priority = priority or GenerationFirst()
     try:
@@ -260,9 +279,11 @@ def train_streamed(
                 if part.streamed:
                     batch_msg.samples.extend(streamed.samples)
                     train = streamed.finish(batch_msg)
+                    if on_advantages is not None:
+                        on_advantages(streamed.sample_advantages)
                 else:
                     batch_msg.samples.extend(whole)
-                    train = train_whole(backend, cfg, step, batch_msg, pad_id, verified)
+                    train = train_whole(backend, cfg, step, batch_msg, pad_id, verified, on_advantages)
                 train["streamed"] = float(part.streamed)
                 train["train_wait_seconds"] = waited
                 train["train_seconds"] = time.perf_counter() - began - waited  # compute only
@@ -342,11 +363,7 @@ def run_trainer(
     torch.set_num_threads(torch_threads(cfg, "trainer"))
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
-    critic = cfg.critic if cfg.algorithm.advantage == "gae" else None
-    backend = create_backend(
-        cfg.model, cfg.trainer, with_reference=cfg.algorithm.kl_coef > 0, critic=critic,
-        weight_dtype=cfg.rollout.weight_dtype,
-    )  # fmt: skip
+    backend = run_backend(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)
@@ -396,10 +413,11 @@ def run_trainer(
         # workers whose load of the step's starting weights was verified (none when weight_sync.verify is off)
         verified = sync.synced if rank == 0 and cfg.weight_sync.verify != "off" else []
         (verified,) = broadcast_from_rank0(frozenset(verified))
+        advantages: list[torch.Tensor] = []  # the step's, per sample (the samples log's)
         if streaming:
             parts = partial(read_stream, stub, step, cfg.trainer.pull_timeout_s, stream_timeout_s, stop)
             batch_msg, train = train_streamed(
-                backend, cfg, step, parts if rank == 0 else None, verified, pad_id, priority
+                backend, cfg, step, parts if rank == 0 else None, verified, pad_id, priority, advantages.append
             )
         else:
             payload = pull_or_stop(stub, step, cfg.trainer.pull_timeout_s, stop) if rank == 0 else None
@@ -407,7 +425,7 @@ def run_trainer(
             batch_msg = controller_pb2.Batch.FromString(payload) if payload else None
             if batch_msg is not None:
                 pulled = time.perf_counter()
-                train = train_whole(backend, cfg, step, batch_msg, pad_id, verified)
+                train = train_whole(backend, cfg, step, batch_msg, pad_id, verified, advantages.append)
                 done = time.perf_counter()  # train_seconds: batch in hand to trained, without pull and sync
                 train.update(streamed=0.0, train_wait_seconds=pulled - began, train_seconds=done - pulled)
         if batch_msg is None:  # rank 0 was asked to stop (SIGTERM): keep what is done, leave cleanly
@@ -433,7 +451,7 @@ def run_trainer(
             if evals is not None:
                 evals.poll(step)
             if samples is not None and samples.due(step):
-                readable = step_samples(batch_msg, step, tokenizer, cfg.algorithm, cfg.samples)
+                readable = step_samples(batch_msg, step, tokenizer, advantages[-1].tolist(), cfg.samples)
                 samples.write(readable)
                 trackers.log_samples(readable, step)
             log.info(

@@ -7,27 +7,24 @@ turns (the environment's observations included) read as the model saw them. ``re
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from relayrl.algorithms import compute_advantages
-from relayrl.config import AlgorithmConfig, SamplesConfig
+from relayrl.config import SamplesConfig
 from relayrl.data.readable import cut, finish_name
 from relayrl.runtime.files import atomic_write
 from relayrl.v1 import controller_pb2
 
 
 def step_samples(
-    batch: controller_pb2.Batch, step: int, tokenizer, alg: AlgorithmConfig, scfg: SamplesConfig
+    batch: controller_pb2.Batch, step: int, tokenizer, advantages: Sequence[float], scfg: SamplesConfig
 ) -> list[dict]:
-    """The records of step ``step``'s first ``scfg.prompts`` groups; advantages as the step computed them."""
+    """The records of step ``step``'s first ``scfg.prompts`` groups. ``advantages``: the step's own, one per sample
+    in batch order (relayrl/trainer/step.py ``sample_advantages``: GAE's token advantages meaned over the sample's
+    loss tokens), never recomputed here."""
     samples = list(batch.samples)
-    if not samples:
-        return []
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    group_ids = torch.tensor([s.group for s in samples], dtype=torch.int64)
-    advantages = compute_advantages(alg.advantage, rewards, group_ids, norm_by_std=alg.norm_by_std).tolist()
+    if len(advantages) != len(samples):
+        raise ValueError(f"advantages: {len(advantages)} for the batch's {len(samples)} samples")
     records: dict[int, dict] = {}
     for sample, advantage in zip(samples, advantages):
         if sample.group not in records:

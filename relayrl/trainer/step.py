@@ -30,7 +30,7 @@ weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -193,6 +193,14 @@ def engine_old(alg: AlgorithmConfig, exact_rows: torch.Tensor) -> bool:
     return alg.old_logprobs == "rollout"
 
 
+def sample_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] float32: each sample's advantage as a step trains it: an outcome estimator's own ([B]), or the mean of
+    GAE's token advantages ([B, L-1]) over the row's loss tokens ``mask`` (0 for a row without any)."""
+    if advantages.dim() == 1:
+        return advantages.float()
+    return ((advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)).float()
+
+
 def train_on_batch(
     backend,
     batch: TrainBatch,
@@ -204,12 +212,14 @@ def train_on_batch(
     minibatch_groups: Sequence[int] | None = None,
     critic_cfg: CriticConfig | None = None,
     critic_only: bool = False,
+    on_advantages: Callable[[torch.Tensor], object] | None = None,
 ) -> dict[str, float]:
     """One step on the whole batch. ``minibatch_groups``: groups per mini-batch (the batch's own partition,
     Batch.minibatch_groups); None or empty: ``tcfg.mini_batches`` even ones. With a critic (``backend.critic``,
     ``algorithm.advantage: gae``; relayrl/trainer/critic_step.py) the advantages are GAE's from its values at the
     starting weights, and each mini-batch's policy update is followed by the critic's; ``critic_only`` (its warmup
-    steps) trains the critic alone, the policy frozen."""
+    steps) trains the critic alone, the policy frozen. ``on_advantages`` is called once with the advantages the
+    step trains with, per sample in batch order (``sample_advantages``: what the samples log shows)."""
     rank, world = backend.dp_rank, backend.dp_size  # data-parallel: with TP/PP, several ranks share rows
     mask = loss_mask(batch, alg.overlong_filter)
     sizes = list(minibatch_groups or split_sizes(len(torch.unique(batch.group_ids)), tcfg.mini_batches))
@@ -223,6 +233,8 @@ def train_on_batch(
         advantages = targets[0]
     else:
         advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
+    if on_advantages is not None:
+        on_advantages(sample_advantages(advantages, mask))
 
     metrics = StepMetrics()
     if critic is not None and critic_only:  # the critic's warmup: the policy is neither forwarded nor stepped

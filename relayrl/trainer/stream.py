@@ -84,11 +84,17 @@ class StreamedStep:
         self.first_group = 0  # its first group
         self.done = 0  # its groups trained so far
         self.row_tokens: list[torch.Tensor] = []  # its rows' loss tokens, chunk by chunk
+        self._advantages: list[torch.Tensor] = []  # each trained chunk's, per sample
         self._start = None  # the weights and optimizer state before the step's first optimizer step
 
     @property
     def groups(self) -> int:
         return len(self.group_start)
+
+    @property
+    def sample_advantages(self) -> torch.Tensor:
+        """[samples trained] float32: each sample's advantage as its chunk trained it, in batch order."""
+        return torch.cat(self._advantages) if self._advantages else torch.zeros(0)
 
     def add(self, samples: Sequence[controller_pb2.Sample], temperature: float) -> None:
         """Samples of whole groups, next in batch order; trains what is complete enough."""
@@ -155,6 +161,7 @@ class StreamedStep:
         if len(chunk) < backend.dp_size:
             raise RuntimeError(f"stream: a chunk of {len(chunk)} rows for {backend.dp_size} data-parallel ranks")
         advantages = compute_advantages(alg.advantage, chunk.rewards, chunk.group_ids, norm_by_std=alg.norm_by_std)
+        self._advantages.append(advantages.float())
         mask = loss_mask(chunk, alg.overlong_filter)
         shard = shard_rows(torch.arange(len(chunk)), backend.dp_rank, backend.dp_size)
         ref = None
