@@ -843,6 +843,12 @@ class RelayConfig(Section):
             )
         if self.algorithm.advantage == "gae" and self.model.lora is not None:
             raise ValueError("algorithm.advantage: gae's critic is not built for model.lora (docs/algorithms.md)")
+        unused = [key for key, value in self.critic if value != CriticConfig.model_fields[key].default]
+        if self.algorithm.advantage != "gae" and unused:
+            raise ValueError(
+                f"critic.{unused[0]}: set, but algorithm.advantage {self.algorithm.advantage} trains no critic "
+                "(only gae does)"
+            )
         if self.critic.warmup_steps >= trainer.steps and self.algorithm.advantage == "gae":
             raise ValueError(
                 f"critic.warmup_steps ({self.critic.warmup_steps}) leaves no policy step of trainer.steps "

@@ -471,6 +471,37 @@ def test_a_hub_model_id_that_does_not_resolve_is_refused_before_anything_is_crea
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+# Combinations of features the config refuses (tests/unit/test_combinations.py has them all): the --set of each,
+# and the two keys its line names (the demo sets loss_agg token-mean, which gspo refuses on its own)
+GSPO = ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"]
+REFUSED_COMBINATIONS = [
+    ([*GSPO, "algorithm.old_logprobs=rollout"], "algorithm.old_logprobs", "algorithm.policy_loss"),
+    ([*GSPO, "trainer.stream=on"], "trainer.stream", "algorithm.policy_loss"),
+    (["algorithm.advantage=reinforce_pp", "trainer.stream=on"], "trainer.stream", "algorithm.advantage"),
+    (["algorithm.advantage=gae", "model.lora.rank=4"], "model.lora", "algorithm.advantage"),
+    (["algorithm.advantage=gae", "trainer.backend=megatron"], "trainer.backend", "algorithm.advantage"),
+    (["critic.warmup_steps=1"], "critic.warmup_steps", "algorithm.advantage"),
+]
+
+
+def test_check_refuses_each_impossible_combination_as_up_does(tmp_path: Path) -> None:
+    """`relayrl check` and `relayrl up` on a combination of features that cannot train together: both exit 2 with
+    the same one line, naming both keys; nothing is written."""
+
+    def line(numbered: tuple[int, tuple[str, list[str]]]) -> str:
+        number, (command, sets) = numbered
+        sets = [f"run.dir={tmp_path / f'runs-{number}'}", *sets]
+        return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path)
+
+    runs = [(command, sets) for sets, _, _ in REFUSED_COMBINATIONS for command in ("check", "up")]
+    with ThreadPoolExecutor(4) as pool:
+        lines = list(pool.map(line, enumerate(runs)))
+    for (_, first, second), check, up in zip(REFUSED_COMBINATIONS, lines[::2], lines[1::2], strict=True):
+        assert check == up and check.startswith("relayrl: config error: "), (check, up)
+        assert first in check and second in check, check
+    assert not list(tmp_path.glob("runs*"))
+
+
 def test_ctrl_c_early_in_start_up_exits_130_in_one_line_and_leaves_no_run_directory(tmp_path: Path) -> None:
     """Ctrl-C the moment the run directory exists (the demo's assets are being built, no role has started): the
     launcher says so in a line, exits 130 (128 + SIGINT), and removes the directory it had just made."""

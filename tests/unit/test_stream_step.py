@@ -23,9 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_testing import full_weights
+from trainer_testing import batch_message, full_weights, stream_source
 
-from relayrl.algorithms.partition import minibatch_groups
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
@@ -33,7 +32,7 @@ from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.loop import train_streamed
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import StreamedStep, read_ahead
-from relayrl.v1 import common_pb2, controller_pb2
+from relayrl.v1 import controller_pb2
 
 N, TARGET, PAD = 4, 6, 0
 TOLERANCE = 1e-4
@@ -44,38 +43,6 @@ CASES = [  # (loss_agg, groups kept, chunk sizes in groups: how the groups arriv
     ("token-mean", 2, [2], 0),  # partial below the first mini-batch
     ("token-mean", 6, [2, 4], 4),  # the stream breaks after 4 groups (one optimizer step taken), then comes again
 ]
-
-
-def make_batch(backend: FSDPBackend, groups: int, seed: int) -> controller_pb2.Batch:
-    """Groups of N samples with varied prompt/response lengths; rollout logprobs are the backend's own."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for gi in range(groups):
-        prompt = torch.randint(2, 20, (int(torch.randint(3, 6, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(N):
-            response = torch.randint(2, 20, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
-            samples.append(
-                controller_pb2.Sample(
-                    prompt_id=f"p{gi}",
-                    group=gi,
-                    prompt_token_ids=prompt,
-                    response_token_ids=response,
-                    rollout_logprobs=[0.0] * len(response),
-                    reward=float(torch.rand(1, generator=g) > 0.5) + gi / 10,
-                    finish_reason=common_pb2.FINISH_REASON_STOP,
-                    policy_version=0,
-                    worker_id="w0",
-                )
-            )
-    padded = to_train_batch(samples, PAD)
-    with torch.no_grad():
-        logprobs = backend.logprobs(padded.input_ids, padded.attention_mask, 1.0)[0]
-    for i, sample in enumerate(samples):
-        start = len(sample.prompt_token_ids) - 1
-        sample.rollout_logprobs[:] = logprobs[i, start : start + len(sample.response_token_ids)].tolist()
-    header = controller_pb2.BatchStats(groups_kept=groups)
-    sizes = minibatch_groups(groups, 2, target=TARGET)
-    return controller_pb2.Batch(batch_id="b", step=1, samples=samples, stats=header, minibatch_groups=sizes)
 
 
 def relay_config(loss_agg: str) -> RelayConfig:
@@ -91,30 +58,6 @@ def relay_config(loss_agg: str) -> RelayConfig:
     )
 
 
-def stream_source(batch: controller_pb2.Batch, chunks: list[int], broken: int):
-    """What read_stream yields on rank 0: the groups in ``chunks``, then the header; with ``broken``: a
-    first stream that breaks after that many groups, then the whole stream again."""
-    calls = iter([[broken, "break"], [*chunks, "end"]] if broken else [[*chunks, "end"]])
-
-    def parts():
-        first = 0
-        for item in next(calls):
-            if item == "break":
-                yield "broken", "UNAVAILABLE: Socket closed"
-                return
-            if item == "end":
-                header = controller_pb2.Batch()
-                header.CopyFrom(batch)
-                del header.samples[:]
-                yield "end", controller_pb2.BatchPart(batch=header, streamed=True).SerializeToString()
-                return
-            group = [s for s in batch.samples if first <= s.group < first + item]
-            first += item
-            yield "part", controller_pb2.BatchPart(samples=group, streamed=True, temperature=1.0).SerializeToString()
-
-    return parts
-
-
 def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broken: int) -> dict[str, float]:
     """Max |difference| of the weights and of each metric, whole (train_on_batch) vs streamed (the trainer
     loop's train_streamed, rank 0 relaying the parts; after a stream of ``broken`` groups that broke, if any)."""
@@ -124,7 +67,7 @@ def compare(model_dir: str, loss_agg: str, groups: int, chunks: list[int], broke
     for mode in ("whole", "streamed"):
         backend = FSDPBackend(ModelConfig(path=model_dir), cfg.trainer, with_reference=False)
         before = full_weights(backend)
-        batch = make_batch(backend, groups, seed=groups)
+        batch = batch_message(backend, groups, seed=groups, n=N, target=TARGET)
         if mode == "whole":
             train = to_train_batch(batch, PAD, version=0, verified_workers=verified)
             metrics = train_on_batch(
@@ -160,7 +103,7 @@ def inexact_error(model_dir: str) -> str:
     """The error of a stream holding a sample from a worker outside the step's verified publish."""
     tcfg = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")
     backend = FSDPBackend(ModelConfig(path=model_dir), tcfg, with_reference=False)
-    batch = make_batch(backend, 2, seed=1)
+    batch = batch_message(backend, 2, seed=1, n=N, target=TARGET)
     batch.samples[5].worker_id = "joiner"  # synced outside the step's verified publish
     step = StreamedStep(
         backend, AlgorithmConfig(), tcfg, target_groups=TARGET, version=0, verified=frozenset({"w0"}),

@@ -54,7 +54,8 @@ from relayrl.cores.threads import autogroups, yield_cores_to_generation
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.loop import local_ranks, train_streamed
-from test_stream_step import PAD, make_batch, relay_config, stream_source
+from test_stream_step import N, PAD, TARGET, relay_config
+from trainer_testing import batch_message, stream_source
 
 def nice():
     if autogroups():
@@ -68,7 +69,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 torch.set_num_threads(1)
 cfg = relay_config("token-mean")
 backend = FSDPBackend(ModelConfig(path=sys.argv[1]), cfg.trainer, with_reference=False)
-batch = make_batch(backend, 6, seed=6)
+batch = batch_message(backend, 6, seed=6, n=N, target=TARGET)
 ended = threading.Event()
 
 def parts():
