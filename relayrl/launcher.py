@@ -533,7 +533,6 @@ def run_local(
             lock.release()  # every role stopped
         return 0 if stop_signal else 130
     except (LaunchError, RestartBudgetExhausted, RunStopped) as err:
-        console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")
         failed, why = {}, first_line(str(err))
         if job is not None:
             failed, why = failed_by_reason(job), failure_reason(job) or why
@@ -541,6 +540,7 @@ def run_local(
             job.close()
         if cfg.run_dir.is_dir():
             summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed, "failed", why)
+        console.print(f"[red]relayrl up failed: {escape(str(err))}[/red]")  # last: the error and its traceback
         lock.release()
         return 1
     failed = failed_by_reason(job)  # before the controller stops
