@@ -83,13 +83,13 @@ def _say(line: str) -> None:
 
 def cached_asset(
     name: str, settings: dict, builders: tuple[ModuleType, ...], build: Callable[[Path], object], *, what: str
-) -> tuple[Path, bool]:
+) -> Path:
     """The cached directory of asset ``name`` built with ``settings`` by ``build(directory)`` (``builders``: the
-    modules whose source decides its bytes); builds it first when no run on this machine has. ``what`` names it
-    in the progress line. Returns (directory, whether this call built it)."""
+    modules whose source decides its bytes); builds it first when no run on this machine has, saying so in two
+    lines (``what`` names it): the build and where it goes, then how long it took."""
     final = asset_path(name, settings, builders)
     if (final / MARKER).is_file():
-        return final, False
+        return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         try:
@@ -98,7 +98,7 @@ def cached_asset(
             _say(f"waiting for another process building {what} into {final}")
             fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / MARKER).is_file():
-            return final, False
+            return final
         _say(f"building {what} into {final} (once on this machine; later runs reuse it)")
         started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -115,4 +115,4 @@ def cached_asset(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         _say(f"built {what} in {time.monotonic() - started:.1f} s")
-    return final, True
+    return final

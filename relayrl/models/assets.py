@@ -61,19 +61,16 @@ def builtin_data_path(cfg: RelayConfig, path: str) -> Path:
 
 def prepare_assets(cfg: RelayConfig) -> list[str]:
     """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path``,
-    ``cfg.data.path`` and the eval sets' paths at them, in place; returns the paths this call built. A builtin whose
-    optional extra is not installed is a ConfigError naming the ``pip install``."""
+    ``cfg.data.path`` and the eval sets' paths at them, in place; returns the data files this call wrote (a model's
+    build says itself what it built and how long it took: ``cached_asset``). A builtin whose optional extra is not
+    installed is a ConfigError naming the ``pip install``."""
     built = []
     if cfg.model.path in BUILTIN_MODELS:
         from relayrl.models.asset_cache import cached_asset
 
         settings, builders, build = _model_recipe(cfg)
-        model_dir, fresh = cached_asset(
-            cfg.model.path.removeprefix(BUILTIN), settings, builders, build, what=cfg.model.path
-        )
-        if fresh:
-            built.append(str(model_dir))
-        cfg.model.path = str(model_dir)
+        name = cfg.model.path.removeprefix(BUILTIN)
+        cfg.model.path = str(cached_asset(name, settings, builders, build, what=cfg.model.path))
     for data in [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]:
         if data.path in BUILTIN_DATA:
             data_file = builtin_data_path(cfg, data.path)

@@ -40,12 +40,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_second_run_reuses_the_built_model_and_says_so_once(tmp_path: Path, cache: Path, capsys) -> None:
-    """Run "a" builds the model into the cache with one progress line (no tqdm "Writing model shards"); run "b",
-    another run name with the same settings, builds nothing and points at the same directory."""
+    """Run "a" builds the model into the cache with two lines, what it builds and how long it took (no tqdm "Writing
+    model shards", and no third from the launcher: prepare_assets returns the data files alone); run "b", another
+    run name with the same settings, builds nothing and points at the same directory."""
     first = load_config(write_config(tmp_path, "a"))
     built = prepare_assets(first)
     err = capsys.readouterr().err
-    assert Path(first.model.path).parent == cache and str(first.model.path) in built
+    assert Path(first.model.path).parent == cache and built == [str(first.data.path)]
     assert f"building builtin:tiny-qwen2 into {first.model.path}" in err and "Writing model shards" not in err
     assert len(err.strip().splitlines()) == 2, err  # "building ..." and "built ... in N s"
     inputs = json.loads((Path(first.model.path) / MARKER).read_text())
