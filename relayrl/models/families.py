@@ -150,16 +150,15 @@ PATHS = TRAINER_PATHS + ENGINE_PATHS
 NOT_EXACT: dict[str, dict[str, Claim]] = {}
 
 
-# the fast decoder reproduces Llama / Mistral / Qwen2 decoders op for op, full attention and default RoPE only: every
-# other family decodes with the transformers forward, and the engine logs why (llama_decode.unsupported_reason)
+# the fast decoder reproduces Llama / Mistral / Qwen2 / Qwen3 decoders op for op, full attention only: every other
+# family decodes with the transformers forward, and the engine logs why (llama_decode.unsupported_reason)
 FAST_DECODER_FALLBACKS = {
-    "llama3": "rope type 'llama3'",
     "qwen2-window": "sliding-window attention",
     "mistral": "sliding-window attention",
     **{
-        family: f"model_type {model_type!r} is not one of llama, mistral, qwen2"
+        family: f"model_type {model_type!r} is not one of llama, mistral, qwen2, qwen3"
         for family, model_type in (
-            ("qwen3", "qwen3"), ("qwen3-moe", "qwen3_moe"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text"),
+            ("qwen3-moe", "qwen3_moe"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text"),
             ("phi3", "phi3"), ("olmo2", "olmo2"), ("granite", "granite"), ("gpt-oss", "gpt_oss"),
         )
     },

@@ -1,19 +1,21 @@
-"""A lean decode step for Llama-family decoders (Qwen2, Llama, Mistral without a sliding window).
+"""A lean decode step for Llama-family decoders (Llama, Mistral, Qwen2 and Qwen3, without a sliding window).
 
 The transformers forward spends most of a small model's decode step in Python: mask construction, output
 capturing, config lookups, a ``torch.cat`` of the whole KV cache per layer per step. ``LlamaDecodeRunner``
 decodes one token per row with a handful of tensor ops per layer, reading **the model's own parameters**
 (never copies: weights loaded in place, or swapped with ``.data``, are what the next step uses):
 
-    h = x + o_proj(attention(rope(q_proj(rms1(x))), cache + rope(k_proj(rms1(x))), cache + v_proj(rms1(x))))
+    h = x + o_proj(attention(rope(q_norm(q_proj(rms1(x)))), cache + rope(k_norm(k_proj(rms1(x)))),
+                             cache + v_proj(rms1(x))))
     x' = h + down_proj(silu(gate_proj(rms2(h))) * up_proj(rms2(h)))
     logits = lm_head(norm(x_last))
 
-with rms(x) = weight * (x_f32 * rsqrt(mean(x_f32²) + eps)).to(dtype), rope(x) = x cos + rotate_half(x) sin at
-angle position * inv_freq, and attention = softmax(q kᵀ / sqrt(head_dim) + pad mask) v of each query head
-against its KV head (GQA): the same operations, in the same order and dtypes, as
-transformers' modeling_qwen2.py / modeling_llama.py (eager attention, which its SDPA equals), so every logprob
-equals the trainer's up to float rounding.
+with rms(x) = weight * (x_f32 * rsqrt(mean(x_f32²) + eps)).to(dtype), q_norm / k_norm that rms over each head
+(Qwen3's; the identity elsewhere), rope(x) = x cos + rotate_half(x) sin at angle position * inv_freq (cos and sin
+times the rotary's attention_scaling: YaRN's), and attention = softmax(q kᵀ / sqrt(head_dim) + pad mask) v of each
+query head against its KV head (GQA): the same operations, in the same order and dtypes, as transformers'
+modeling_llama.py / modeling_qwen2.py / modeling_qwen3.py (eager attention, which its SDPA equals), so every
+logprob equals the trainer's up to float rounding.
 
 The joining prompts are prefilled here too, each once, left-padded as in the transformers runner (positions
 cumsum(mask) - 1): the same layer formulas over all their tokens at once, attention through SDPA (what
@@ -41,7 +43,10 @@ from relayrl.rollout.lora import LORA_ATTR
 from relayrl.rollout.padding import cached_prefix_layout, left_pad, left_pad_kv, position_ids
 from relayrl.rollout.prefix_cache import CachedPrefix
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose inv_freq is fixed at load (transformers' dynamic_rope_update changes "dynamic" and "longrope"
+# per forward, by the sequence length)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -49,9 +54,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
     Checked: config.model_type in MODEL_TYPES; attention implementation "sdpa" or "eager" (the same softmax
     attention, which this runner computes);
-    every layer full attention (no sliding window shorter than max_position_embeddings); RoPE type "default";
-    hidden_act "silu"; every projection a plain ``nn.Linear`` (no quantized or adapter-wrapped layers);
-    the ``model.embed_tokens / layers / norm / rotary_emb`` + ``lm_head`` layout of transformers' *ForCausalLM.
+    every layer full attention (no sliding window shorter than max_position_embeddings); a RoPE type of ROPE_TYPES
+    rotating the whole head; hidden_act "silu"; every projection a plain ``nn.Linear`` (no quantized or
+    adapter-wrapped layers); the ``model.embed_tokens / layers / norm / rotary_emb`` + ``lm_head`` layout of
+    transformers' *ForCausalLM.
     """
     config = model.config
     if config.model_type not in MODEL_TYPES:
@@ -67,8 +73,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(model).__name__} does not have the model.embed_tokens/layers/norm/rotary_emb layout"
-    if base.rotary_emb.rope_type != "default":
-        return f"rope type {base.rotary_emb.rope_type!r} (the fast path computes 'default')"
+    if base.rotary_emb.rope_type not in ROPE_TYPES:
+        return f"rope type {base.rotary_emb.rope_type!r} (the fast path computes {', '.join(ROPE_TYPES)})"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if 2 * base.rotary_emb.inv_freq.numel() != head_dim:
+        return f"partial rotary embedding ({2 * base.rotary_emb.inv_freq.numel()} of {head_dim} head dims)"
     if len(base.layers) != config.num_hidden_layers:
         return f"{len(base.layers)} layers but config.num_hidden_layers {config.num_hidden_layers}"
     for i, layer in enumerate(base.layers):
@@ -172,6 +181,7 @@ class LlamaDecodeRunner:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
+        self.rope_scaling = float(model.model.rotary_emb.attention_scaling)
         self.sample = prefiller.sample
 
     def prefill(self, prompts: Sequence[Sequence[int]], expand: torch.Tensor) -> tuple[torch.Tensor, KVState]:
@@ -229,10 +239,9 @@ class LlamaDecodeRunner:
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q = _rope(_linear(h, attn.q_proj).view(count, width, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = _rope(
-                _linear(h, attn.k_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin
-            )
+            q = _head_norm(_linear(h, attn.q_proj).view(count, width, self.heads, self.head_dim), attn, "q_norm")
+            k = _head_norm(_linear(h, attn.k_proj).view(count, width, self.kv_heads, self.head_dim), attn, "k_norm")
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
             v = _linear(h, attn.v_proj).view(count, width, self.kv_heads, self.head_dim).transpose(1, 2)
             if past is not None:
                 k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
@@ -266,10 +275,11 @@ class LlamaDecodeRunner:
             h = _rms_norm(x, layer.input_layernorm)
             # GQA without repeating the cache: query head g * group + r attends with KV head g, so the queries
             # are laid out [B, kv_heads, group, head_dim] (transformers' pack_gqa)
-            q = _rope(
-                _linear(h, attn.q_proj).view(rows, self.kv_heads, group, self.head_dim), cos[:, None], sin[:, None]
+            q = _head_norm(_linear(h, attn.q_proj).view(rows, self.kv_heads, group, self.head_dim), attn, "q_norm")
+            q = _rope(q, cos[:, None], sin[:, None])
+            k = _rope(
+                _head_norm(_linear(h, attn.k_proj).view(rows, self.kv_heads, self.head_dim), attn, "k_norm"), cos, sin
             )
-            k = _rope(_linear(h, attn.k_proj).view(rows, self.kv_heads, self.head_dim), cos, sin)
             keys, values = state.keys[i], state.values[i]
             keys[:rows, :, column] = k
             values[:rows, :, column] = _linear(h, attn.v_proj).view(rows, self.kv_heads, self.head_dim)
@@ -292,14 +302,15 @@ class LlamaDecodeRunner:
         return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, head_dim] of angle position * inv_freq (duplicated halves), computed in
-        float32 and cast to the model dtype as transformers does; sin's first half negated so that
-        rotate_half(x) * sin becomes swap_halves(x) * sin (negation is exact)."""
+        """cos, sin [*positions.shape, head_dim] of angle position * inv_freq (duplicated halves), times the
+        rotary's attention_scaling, computed in float32 and cast to the model dtype as transformers does; sin's
+        first half negated so that rotate_half(x) * sin becomes swap_halves(x) * sin (negation is exact)."""
         inv_freq = self.model.model.rotary_emb.inv_freq
         freqs = positions[..., None].float() * inv_freq.float()
-        cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)
-        sin = freqs.sin()
-        return cos, torch.cat([-sin, sin], dim=-1).to(dtype)
+        cos, sin = torch.cat([freqs, freqs], dim=-1).cos(), freqs.sin()
+        if self.rope_scaling != 1.0:
+            cos, sin = cos * self.rope_scaling, sin * self.rope_scaling
+        return cos.to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
@@ -319,6 +330,13 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     upcast = x.float()
     upcast = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * upcast.to(x.dtype)
+
+
+def _head_norm(x: torch.Tensor, attn: nn.Module, name: str) -> torch.Tensor:
+    """x [..., head_dim] through the attention's per-head RMSNorm ``name`` (Qwen3's q_norm / k_norm), where it has
+    one; x itself otherwise."""
+    norm = attn._modules.get(name)  # a dict lookup: getattr of a missing submodule raises inside nn.Module
+    return x if norm is None else _rms_norm(x, norm)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The fast Llama-family decode runner (relayrl/rollout/llama_decode.py): exact logprobs against a plain forward
-and the transformers runner, with rows of concurrent calls batched (left padding, rows joining and leaving);
-its KV cache's select/merge/trim against the transformers runner's; which runner ``rollout.hf_decode`` picks."""
+and the transformers runner (Qwen2; Llama with biases and YaRN RoPE; Mistral; Qwen3's per-head q/k norms), with rows
+of concurrent calls batched (left padding, rows joining and leaving); its KV cache's select/merge/trim against the
+transformers runner's; which runner ``rollout.hf_decode`` picks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from engine_testing import sharp_tiny_model
 from test_hf_engine import by_key, generate_in_threads, recompute_logprobs
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen3Config
 
 from relayrl.models.tiny import build_tokenizer
 from relayrl.rollout.hf import HFEngine, _pad_left
@@ -20,11 +21,17 @@ from relayrl.wire.sampling import SamplingParams
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]
 EXACT = 1e-5  # |fast logprob - trainer logprob|: float rounding only
-# Llama and Mistral variants with what Qwen2's tiny model lacks: biases on every projection, a head_dim that is
-# not hidden / heads, no KV grouping, another rope_theta and RMSNorm eps.
+# Llama, Mistral and Qwen3 variants with what Qwen2's tiny model lacks: biases on every projection, a head_dim that
+# is not hidden / heads, no KV grouping, YaRN RoPE (its inv_freq and its attention_scaling of cos and sin), another
+# rope_theta and RMSNorm eps, per-head q/k norms.
 SMALL = {"vocab_size": 23, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4}
 SMALL |= {"max_position_embeddings": 64, "eos_token_id": 1, "bos_token_id": 1, "pad_token_id": 0}
 LLAMA = LlamaConfig(**SMALL, num_key_value_heads=4, head_dim=16, attention_bias=True, mlp_bias=True)
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA_YARN = LlamaConfig(**SMALL, num_key_value_heads=2, rope_parameters=YARN)
+QWEN3 = Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)
+# scaled per forward by the sequence length (transformers' dynamic_rope_update): the fast runner does not claim it
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
 MISTRAL = MistralConfig(
     **SMALL | {"num_attention_heads": 6}, num_key_value_heads=2, sliding_window=None, rms_norm_eps=1e-5
 )
@@ -32,21 +39,22 @@ MISTRAL.rope_parameters = {"rope_type": "default", "rope_theta": 500.0}
 
 
 def write_model(path: Path, config: PretrainedConfig) -> Path:
-    """A randomly initialised model of ``config`` (matrices x4: sharp logits) and the tiny tokenizer."""
+    """A randomly initialised model of ``config`` (matrices x4: sharp logits; norm weights and biases scaled by
+    0.5-1.5 each: norms initialised to ones would hide one applied wrongly) and the tiny tokenizer."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for weight in model.parameters():
-            weight.mul_(4.0 if weight.ndim == 2 else 1.0)
+            weight.mul_(4.0 if weight.ndim == 2 else torch.rand_like(weight) + 0.5)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral", "llama-yarn", "qwen3"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
-    configs = {"llama": LLAMA, "mistral": MISTRAL}
+    configs = {"llama": LLAMA, "mistral": MISTRAL, "llama-yarn": LLAMA_YARN, "qwen3": QWEN3}
     return sharp_tiny_model(path) if request.param == "qwen2" else write_model(path, configs[request.param])
 
 
@@ -179,12 +187,7 @@ def build(config: PretrainedConfig, attn: str = "sdpa") -> torch.nn.Module:
     [
         (lambda: build(LLAMA, "flex_attention"), "attention implementation 'flex_attention'"),
         (lambda: build(MistralConfig(**SMALL, sliding_window=16)), "sliding-window attention"),
-        (
-            lambda: build(
-                LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-            ),
-            "rope type 'linear'",
-        ),
+        (lambda: build(LlamaConfig(**SMALL, rope_parameters=DYNAMIC)), "rope type 'dynamic'"),
         (lambda: build(LlamaConfig(**SMALL, hidden_act="gelu")), "hidden_act 'gelu'"),
         (lambda: build(GPT2Config(vocab_size=23, n_embd=32, n_layer=1, n_head=2)), "model_type 'gpt2'"),
     ],
@@ -194,20 +197,21 @@ def test_unsupported_models_are_named_with_the_reason(model, reason) -> None:
 
 
 def test_supported_models_have_no_reason() -> None:
-    for config in (LLAMA, MISTRAL, MistralConfig(**SMALL, sliding_window=64)):  # a window no sequence exceeds
+    linear = LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    # a window no sequence exceeds; RoPE scalings fixed at load (inv_freq, attention_scaling)
+    for config in (LLAMA, MISTRAL, MistralConfig(**SMALL, sliding_window=64), LLAMA_YARN, linear, QWEN3):
         assert unsupported_reason(build(config)) is None
     assert unsupported_reason(build(LLAMA, "eager")) is None  # the same attention, computed without SDPA
 
 
 def test_auto_falls_back_with_the_reason_and_fast_refuses(tmp_path: Path, caplog) -> None:
     supported = sharp_tiny_model(tmp_path / "qwen2")
-    scaled = LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    unsupported = write_model(tmp_path / "scaled-rope", scaled)
+    unsupported = write_model(tmp_path / "dynamic-rope", LlamaConfig(**SMALL, rope_parameters=DYNAMIC))
     with caplog.at_level(logging.INFO, logger="relayrl.rollout.hf"):
         assert HFEngine(str(supported)).decoder == "fast"
         assert HFEngine(str(unsupported)).decoder == "transformers"
-    assert "fast Llama-family runner" in caplog.text and "rope type 'linear'" in caplog.text
-    with pytest.raises(ValueError, match=r"rollout\.hf_decode.*rope type 'linear'"):
+    assert "fast Llama-family runner" in caplog.text and "rope type 'dynamic'" in caplog.text
+    with pytest.raises(ValueError, match=r"rollout\.hf_decode.*rope type 'dynamic'"):
         HFEngine(str(unsupported), decode="fast")
     with pytest.raises(ValueError, match=r"rollout\.hf_decode.*got 'turbo'"):
         HFEngine(str(supported), decode="turbo")
