@@ -63,6 +63,10 @@ FAMILIES: dict[str, Family] = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
         }},
     ),
+    "llama-dynamic": Family(
+        "Llama, dynamic-NTK RoPE scaling", "LlamaConfig", "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}},
+    ),
     "qwen2": Family("Qwen2 / Qwen2.5", "Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen2-window": Family(
         f"Qwen2, sliding window {WINDOW} on layer 2", "Qwen2Config", "Qwen2ForCausalLM",
@@ -147,7 +151,13 @@ ENGINE_PATHS = ("hf_fast_decoder", "hf_prefix_cache")
 PATHS = TRAINER_PATHS + ENGINE_PATHS
 
 # family -> path -> claim, where a path is not exact on a family (every other pair: exact)
-NOT_EXACT: dict[str, dict[str, Claim]] = {}
+NOT_EXACT: dict[str, dict[str, Claim]] = {
+    "gemma2": {"chunked_head": Claim("falls back", "its logits are not a scale times the head's matmul")},
+    "llama-dynamic": dict.fromkeys(
+        ("shared_prefix", "padding_free"),
+        Claim("falls back", "rope_type dynamic rescales the rotary frequencies by each forward's longest position"),
+    ),
+}
 
 
 # the fast decoder reproduces Llama / Mistral / Qwen2 / Qwen3 decoders op for op, full attention only: every other

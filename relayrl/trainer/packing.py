@@ -30,9 +30,23 @@ log = logging.getLogger(__name__)
 # trainer.padding_free "auto" packs a forward whose padding is at least this share of its positions: below it the
 # saved positions do not pay for the extra, smaller forwards.
 AUTO_MIN_PADDING_SHARE = 0.25
+# rotary scalings whose frequencies follow the longest position of each forward (dynamic NTK; LongRoPE's short and
+# long factors): a forward of other lengths than the padded batch's would rotate by other frequencies
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 # A forward's fixed cost (its kernels' launches, Python, autograd), counted in positions: a micro-batch is worth
 # splitting where that saves more padded positions than this.
 FORWARD_COST = 128
+
+
+def rope_unsupported(config) -> str | None:
+    """Why forwards of other lengths than the padded batch's would change ``config``'s rotary embeddings (None: they
+    do not). ``rope_parameters`` is one dict, or one per layer type (Gemma3)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = list(params.values()) if all(isinstance(v, dict) for v in params.values()) else [params]
+    types = sorted({kind.get("rope_type", kind.get("type")) for kind in kinds} & set(POSITION_DEPENDENT_ROPE))
+    if types:
+        return f"rope_type {', '.join(types)} rescales the rotary frequencies by each forward's longest position"
+    return None
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:

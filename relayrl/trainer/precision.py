@@ -80,8 +80,12 @@ class Precision:
         (module docstring); elsewhere nothing changes."""
         if self.mixed and device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa":
             from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
             AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
+            # SDPA's masks too: an implementation without a mask function gets no mask from transformers (no sliding
+            # window, no padding), only the causal kernel
+            AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
             model.set_attn_implementation(FLOAT32_SDPA)
 
     def fsdp_policy(self):

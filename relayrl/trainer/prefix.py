@@ -17,17 +17,25 @@ P-token prompt, (k - 1) P fewer. Layouts are bucketed by length into micro-batch
 (relayrl/trainer/packing.py). Attention within a layout takes a materialised [T_g, T_g] mask (no causal
 kernel, no block skipped), so ``auto`` shares only where every layout fits the micro-batch token budget and the
 sharing saves at least ``AUTO_MIN_SAVED_SHARE`` of the rows' positions.
+
+The mask is given in the form the model's attention reads (``mask_argument``): boolean for SDPA (True attends),
+additive for eager attention (0 or the float32 minimum, added to the scores), and for each kind of layer its own:
+a sliding-window layer (Mistral, Gemma2/3, gpt-oss, Qwen2 with its window on) sees a key k from query q only where
+``pos_q - pos_k < sliding_window``, in position ids (in layout indices a suffix is further from the prefix). Whether
+a model's forward reproduces its padded rows under the layout is decided once, on a probe (``layout_unsupported``);
+where it cannot, groups are never shared and a log line says why.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from relayrl.trainer.head import scored_logprobs
-from relayrl.trainer.packing import assemble, micro_batches
+from relayrl.trainer.packing import assemble, micro_batches, rope_unsupported
 from relayrl.trainer.precision import FLOAT32_SDPA
 
 log = logging.getLogger(__name__)
@@ -35,9 +43,14 @@ log = logging.getLogger(__name__)
 # trainer.shared_prefix "auto" shares where that saves at least this share of the rows' positions: below it the
 # masked attention and the smaller forwards do not pay.
 AUTO_MIN_SAVED_SHARE = 0.25
-# attention implementations that apply a custom 4D boolean mask as given (transformers' sdpa and eager, and
-# relayrl's float32 SDPA of trainer/precision.py); flash-attention kernels take none
+# attention implementations that apply a custom 4D mask as given (transformers' sdpa and eager, and relayrl's
+# float32 SDPA of trainer/precision.py); flash-attention kernels take none
 MASKED_ATTENTION = ("sdpa", "eager", FLOAT32_SDPA)
+# the layer types (config.layer_types) whose attention a layout's mask reproduces
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# the probe's largest gap |shared - padded| / max |padded logits| where the layout holds (float32 rounding, with
+# room); a mask the attention misreads misses by ~0.1
+PROBE_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -68,11 +81,80 @@ class GroupLayout:
 
 
 def mask_unsupported(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s attention cannot take a layout's mask (None: it can)."""
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention in MASKED_ATTENTION:
-        return None
-    return f"attention {attention!r} takes no [T, T] mask (shared prefixes need one of {', '.join(MASKED_ATTENTION)})"
+    """Why ``model``'s attention cannot take a layout's mask (None: it can), from its config."""
+    config = model.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in MASKED_ATTENTION:
+        return (
+            f"attention {attention!r} takes no [T, T] mask (shared prefixes need one of {', '.join(MASKED_ATTENTION)})"
+        )
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if unknown:
+        return f"layer types {unknown} (a layout's mask reproduces {', '.join(LAYER_TYPES)} only)"
+    return rope_unsupported(config)
+
+
+_UNSUPPORTED: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+def layout_unsupported(model: torch.nn.Module) -> str | None:
+    """Why shared prefixes are not exact on ``model`` (None: they are): ``mask_unsupported``, else a probe of two
+    rows sharing a prefix, whose layout forward must give their padded forward's logits (``PROBE_TOLERANCE``);
+    decided on first use and kept (probe a model before FSDP shards it: ``fsdp.load_trained_model``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base not in _UNSUPPORTED:
+        _UNSUPPORTED[base] = mask_unsupported(base) or probe_layout(base)
+    return _UNSUPPORTED[base]
+
+
+@torch.no_grad()
+def probe_layout(model: torch.nn.Module) -> str | None:
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    rows = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9, 0, 0]]) % vocab
+    layouts = [GroupLayout((0, 1), (7, 5), 3)]
+    tokens, position_ids, mask = layout_inputs(layouts, rows, device)
+    shared = model(
+        input_ids=tokens, attention_mask=mask_argument(model, mask, position_ids), position_ids=position_ids,
+        use_cache=False,
+    ).logits[0]  # fmt: skip
+    padded = model(input_ids=rows.to(device), use_cache=False).logits
+    t = torch.arange(7)
+    gap = max(
+        float((shared[layouts[0].where(i, t[:n])] - padded[i, :n]).abs().max()) for i, n in enumerate((7, 5))
+    ) / float(padded.abs().max())
+    if gap > PROBE_TOLERANCE:
+        return f"a probe's shared layout misses its padded rows' logits by {gap:.2g} of their largest"
+    return None
+
+
+def windowed(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [b, 1, W, W] less the keys ``window`` or more positions before their query (in ``position_ids``
+    [b, W]); a query still sees itself."""
+    distance = position_ids[:, None, :, None] - position_ids[:, None, None, :]
+    return mask & (distance < window)
+
+
+def mask_argument(
+    model: torch.nn.Module, mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The layout's boolean ``mask`` [b, 1, W, W] as ``model``'s forward takes it (module docstring): a dict by
+    layer type where its config has ``layer_types`` (a sliding layer's mask ``windowed``), else one mask (windowed
+    where the config has a ``sliding_window``: Mistral, Phi-3); additive for eager attention."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+
+    def form(seen: torch.Tensor) -> torch.Tensor:
+        if config._attn_implementation != "eager":
+            return seen
+        return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, torch.finfo(torch.float32).min)
+
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return form(mask if window is None else windowed(mask, position_ids, window))
+    sliding = "sliding_attention" in types and window is not None
+    return {kind: form(windowed(mask, position_ids, window) if kind == "sliding_attention" and sliding else mask)
+            for kind in set(types)}  # fmt: skip
 
 
 def common_prefix(rows: torch.Tensor) -> int:
@@ -145,7 +227,8 @@ def shared_prefix_logprobs(
                 batch_rows.append(torch.full_like(t, row))
                 batch_cols.append(t)
         logprob, entropy = scored_logprobs(
-            model, tokens, mask, torch.cat(rows_at).to(device), torch.cat(cols_at).to(device), temperature, dtype,
+            model, tokens, mask_argument(model, mask, position_ids), torch.cat(rows_at).to(device),
+            torch.cat(cols_at).to(device), temperature, dtype,
             position_ids=position_ids, labels=torch.cat(labels).to(device),
         )  # fmt: skip
         logprobs.append(logprob)

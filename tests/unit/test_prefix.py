@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_testing import GradsBackend, on_ranks_case, trained_once, update_gaps
+from trainer_testing import GradsBackend, grpo_batch, on_ranks_case, trained_once, update_gaps
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.config import AlgorithmConfig, ConfigError, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
-from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.prefix import (
     AUTO_MIN_SAVED_SHARE,
     GroupLayout,
@@ -27,34 +26,9 @@ from relayrl.trainer.prefix import (
     mask_unsupported,
     shared_prefix_logprobs,
 )
-from relayrl.v1 import common_pb2, controller_pb2
 
 TOLERANCE = 1e-5
 ALG = AlgorithmConfig(old_logprobs="recompute")
-
-
-def grpo_batch(groups: int = 4, n: int = 4, seed: int = 0):
-    """Groups of ``n`` rows, one ~12-token prompt each, responses of geometric length (mean ~6, cap 20); the
-    first group's responses all begin with the same two tokens, the last group holds one row."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for group in range(groups):
-        prompt = torch.randint(3, 20, (10 + group,), generator=g).tolist()
-        for _ in range(1 if group == groups - 1 else n):
-            length = 1
-            while length < 20 and float(torch.rand(1, generator=g)) > 1 / 6:
-                length += 1
-            response = torch.randint(3, 20, (length + 2,), generator=g).tolist()
-            if group == 0:
-                response[:2] = [5, 7]
-            samples.append(
-                controller_pb2.Sample(
-                    prompt_id=f"p{group}", group=group, prompt_token_ids=prompt, response_token_ids=response,
-                    rollout_logprobs=[-1.0] * len(response), reward=float(torch.rand(1, generator=g)),
-                    finish_reason=common_pb2.FINISH_REASON_STOP,
-                )
-            )  # fmt: skip
-    return to_train_batch(samples, pad_token_id=0)
 
 
 def test_a_layout_holds_the_prefix_once_then_each_suffix_seen_by_itself() -> None:

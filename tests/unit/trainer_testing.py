@@ -1,5 +1,5 @@
 """Helpers shared by the trainer tests (test_train_step.py, test_stream_step.py, test_fsdp_backend.py,
-test_packing.py, test_prefix.py, test_combinations.py)."""
+test_packing.py, test_prefix.py, test_combinations.py, test_families.py)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,30 @@ def stream_source(batch: controller_pb2.Batch, chunks: list[int], broken: int):
             yield "part", controller_pb2.BatchPart(samples=group, streamed=True, temperature=1.0).SerializeToString()
 
     return parts
+
+
+def grpo_batch(groups: int = 4, n: int = 4, seed: int = 0):
+    """Groups of ``n`` rows, one ~12-token prompt each, responses of geometric length (mean ~6, cap 20); the
+    first group's responses all begin with the same two tokens, the last group holds one row."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group in range(groups):
+        prompt = torch.randint(3, 20, (10 + group,), generator=g).tolist()
+        for _ in range(1 if group == groups - 1 else n):
+            length = 1
+            while length < 20 and float(torch.rand(1, generator=g)) > 1 / 6:
+                length += 1
+            response = torch.randint(3, 20, (length + 2,), generator=g).tolist()
+            if group == 0:
+                response[:2] = [5, 7]
+            samples.append(
+                controller_pb2.Sample(
+                    prompt_id=f"p{group}", group=group, prompt_token_ids=prompt, response_token_ids=response,
+                    rollout_logprobs=[-1.0] * len(response), reward=float(torch.rand(1, generator=g)),
+                    finish_reason=common_pb2.FINISH_REASON_STOP,
+                )
+            )  # fmt: skip
+    return to_train_batch(samples, pad_token_id=0)
 
 
 class GradsBackend(FSDPBackend):

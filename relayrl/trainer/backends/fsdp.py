@@ -46,11 +46,18 @@ from relayrl.trainer.backends.lora import (
     write_merged,
 )
 from relayrl.trainer.batch import right_padded
-from relayrl.trainer.head import scored_logprobs
+from relayrl.trainer.head import adopt_head_plan, head_plan, scored_logprobs
 from relayrl.trainer.optim import adamw
-from relayrl.trainer.packing import PaddingFree, computed_positions, micro_batches, packed_logprobs, scatter
+from relayrl.trainer.packing import (
+    PaddingFree,
+    computed_positions,
+    micro_batches,
+    packed_logprobs,
+    rope_unsupported,
+    scatter,
+)
 from relayrl.trainer.precision import Precision
-from relayrl.trainer.prefix import SharedPrefix, group_layouts, mask_unsupported, shared_prefix_logprobs
+from relayrl.trainer.prefix import SharedPrefix, group_layouts, layout_unsupported, shared_prefix_logprobs
 
 
 def load_trained_model(
@@ -67,10 +74,14 @@ def load_trained_model(
     whatever ``precision.compute`` is; in a world of more than one rank, fully_shard every decoder layer and the
     root under ``precision.fsdp_policy()``. One rank computes under ``precision.autocast`` instead (the caller's).
     Its attention: ``attn_implementation`` (``model.attn_implementation``, relayrl/runtime/attention.py), which
-    ``precision.prepare`` may turn into float32 SDPA.
+    ``precision.prepare`` may turn into float32 SDPA. A causal LM's fast paths are probed first, on the whole
+    float32 module (``head.head_plan``, ``prefix.layout_unsupported``).
     ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
     activation checkpointing, non-reentrant torch.utils.checkpoint)."""
     model = load_with_attention(loader, path, attn_implementation, dtype=precision.params).to(device)
+    if model.get_output_embeddings() is not None:
+        head_plan(model)
+        layout_unsupported(model)
     precision.prepare(model, device)
     model.train(True)
     if gradient_checkpointing:
@@ -125,6 +136,8 @@ class FSDPBackend:
             if with_reference
             else None
         )
+        if self.reference is not None:  # the float32 policy's probe, not the reference dtype's
+            adopt_head_plan(self.reference, head_plan(self.model))
         self.optimizer = adamw(self.trainable, cfg)
         # Parameter names by kind (module docstring), each with the name the rollout engines know: parameters once
         # each (tied embeddings appear once).
@@ -141,8 +154,11 @@ class FSDPBackend:
         self._state_options = StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None)
         # Every rank is a data-parallel rank (the training step shards rows by these).
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        self.padding_free = PaddingFree(cfg.padding_free, cfg.pack_token_budget)
-        unsupported = mask_unsupported(self.model)
+        unpackable = rope_unsupported(self.model.config)
+        self.padding_free = PaddingFree(
+            cfg.padding_free, cfg.pack_token_budget, available=unpackable is None, reason=unpackable or ""
+        )
+        unsupported = layout_unsupported(self.model)
         self.shared_prefix = SharedPrefix(
             cfg.shared_prefix, cfg.pack_token_budget, available=unsupported is None, reason=unsupported or ""
         )
