@@ -165,6 +165,7 @@ NOT_EXACT: dict[str, dict[str, Claim]] = {
 FAST_DECODER_FALLBACKS = {
     "qwen2-window": "sliding-window attention",
     "mistral": "sliding-window attention",
+    "llama-dynamic": "rope type 'dynamic'",
     **{
         family: f"model_type {model_type!r} is not one of llama, mistral, qwen2, qwen3"
         for family, model_type in (
