@@ -2,7 +2,7 @@
 relayrl/algorithms/advantages.py, gae included) and every policy loss, with each feature — the samples log, eval,
 streaming, K = 1 with the engine's old logprobs, LoRA, Megatron, the critic — either trains 2 steps on a tiny model
 or is refused at load by the config layer (what `relayrl check` and `relayrl up` run first) with a message naming
-the feature's key and the algorithm's.
+the feature's key and the algorithm's; and so does every pair of those features.
 
 The 2 steps run in this one process (a one-rank gloo world) through the trainer's own pieces: ``run_backend`` for the
 config, ``train_whole`` or ``train_streamed`` (a streamed config's parts relayed as rank 0 does), and the samples
@@ -14,6 +14,7 @@ combinations as `relayrl up` does.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -35,6 +36,7 @@ N, GROUPS, PAD = 4, 4, 0
 ADVANTAGES = ADVANTAGE_ESTIMATORS.names()
 LOSSES = POLICY_LOSSES.names()
 # feature -> (the config sections it sets, the key a refusal of it names); Megatron last: it sets up model parallelism
+# (the critic is gae's: a refusal of a pair with it may name algorithm.advantage instead)
 FEATURES = {
     "samples log": ({"samples": {"every": 1, "prompts": 2}}, "samples"),
     "eval": ({"eval": {"sets": {"heldout": {"path": "heldout.jsonl"}}, "every": 1}}, "eval"),
@@ -46,6 +48,19 @@ FEATURES = {
     "LoRA": ({"model": {"lora": {"rank": 4, "alpha": 8.0}}}, "model.lora"),
     "critic": ({"critic": {"warmup_steps": 1, "lr": 0.01}}, "critic."),
     "Megatron": ({"trainer": {"backend": "megatron"}}, "trainer.backend"),
+}
+
+
+# Pairs of features the config refuses together (with grpo and ppo_clip, the critic's pairs with gae): streaming
+# needs K = 0 with the engine's old logprobs, a per-group advantage and FSDP; LoRA and the critic train on FSDP's full
+# weights (LoRA: FSDP only; the critic: not beside an adapter)
+REFUSED_PAIRS = {
+    ("streaming", "K=1 engine old logprobs"),
+    ("streaming", "critic"),
+    ("streaming", "Megatron"),
+    ("LoRA", "critic"),
+    ("LoRA", "Megatron"),
+    ("critic", "Megatron"),
 }
 
 
@@ -85,8 +100,9 @@ def merged(base: dict, sections: dict) -> dict:
     return out
 
 
-def combination(model_dir: str, feature: str, advantage: str, loss: str) -> dict:
-    base = {
+def combination(model_dir: str, features: str | tuple[str, ...], advantage: str, loss: str) -> dict:
+    """The run config of ``features`` (one or more) with ``advantage`` and ``loss`` on a tiny model."""
+    out = {
         "model": {"path": model_dir},
         "data": {"path": "train.jsonl"},
         "rollout": {"n": N, "max_tokens": 8},
@@ -94,7 +110,9 @@ def combination(model_dir: str, feature: str, advantage: str, loss: str) -> dict
         "trainer": {"steps": 2, "lr": 0.01, "mini_batches": 2, "precision": "float32"},
         "algorithm": {"advantage": advantage, "policy_loss": loss},
     }
-    return merged(base, FEATURES[feature][0])
+    for feature in (features,) if isinstance(features, str) else features:
+        out = merged(out, FEATURES[feature][0])
+    return out
 
 
 def train_two_steps(cfg: RelayConfig, tokenizer) -> list[dict]:
@@ -166,3 +184,23 @@ def test_each_feature_trains_two_steps_with_every_algorithm_or_refuses_it_naming
             trained += 1
     assert trained, f"{feature} trains with no algorithm"
     print(f"{feature}: {trained} combinations trained 2 steps in {time.perf_counter() - began:.1f} s")
+
+
+def test_each_pair_of_features_trains_two_steps_or_is_refused_naming_both(tiny_model_dir) -> None:
+    """Features meet each other too: every pair, with grpo and ppo_clip (gae for the critic's), trains 2 steps or is
+    refused (exactly REFUSED_PAIRS) naming a key of each."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for pair in itertools.combinations(FEATURES, 2):
+        advantage = "gae" if "critic" in pair else "grpo"
+        try:
+            cfg = parse_config(combination(str(tiny_model_dir), pair, advantage, "ppo_clip"))
+        except ConfigError as err:
+            message = str(err)
+            assert pair in REFUSED_PAIRS, (pair, message)
+            for feature in pair:
+                keys = (FEATURES[feature][1], "algorithm.advantage") if feature == "critic" else (FEATURES[feature][1],)
+                assert any(key in message for key in keys), (pair, feature, message)
+            continue
+        assert pair not in REFUSED_PAIRS, f"{pair} loads, but the config should refuse it"
+        torch.manual_seed(0)
+        check_trained(cfg, train_two_steps(cfg, tokenizer))
