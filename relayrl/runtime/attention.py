@@ -23,13 +23,13 @@ def attention_kwargs(attn_implementation: str) -> dict[str, Any]:
 def load_with_attention(loader: Any, path: str, attn_implementation: str, **kwargs: Any) -> Any:
     """``loader(path, **kwargs)`` (a ``from_pretrained``) with ``attention_kwargs(attn_implementation)``; a model
     or machine that cannot run the implementation asked for is a ValueError naming ``model.attn_implementation``
-    and transformers' reason (its first line)."""
+    and transformers' reason (its first sentence: the rest is advice on calling from_pretrained)."""
     try:
         return loader(path, **kwargs, **attention_kwargs(attn_implementation))
     except (ValueError, ImportError) as exc:
         if attn_implementation == AUTO or "attention" not in str(exc).lower():
             raise
-        reason = (str(exc).strip().splitlines() or [""])[0]
+        reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]
         raise ValueError(f"{KEY}={attn_implementation}: {reason}") from exc
 
 
