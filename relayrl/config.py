@@ -6,6 +6,7 @@ Unknown keys are errors that name the key's full path; ``--set a.b=c`` overrides
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -498,6 +499,117 @@ class TrainerConfig(Section):
         return self.nproc // self.megatron.model_parallel if self.backend == "megatron" else self.nproc
 
 
+# Rejection criteria of algorithm.rollout_correction.rollout_rs, verl's names: <level>_<k> reduces a per-token
+# divergence k of KL(engine || trainer) over a row (relayrl/algorithms/rollout_correction.py); seq_max_k1 is not
+# one (k1 is signed: its max bounds one side only)
+RS_CRITERIA = tuple(
+    f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean", "seq_max") for k in ("k1", "k2", "k3")
+    if (level, k) != ("seq_max", "k1")
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """Thresholds: keep where lower <= value <= upper (lower None: no lower bound)."""
+
+    upper: float
+    lower: float | None = None
+
+
+ThresholdSpec = float | str | list[float]
+
+
+def parse_bounds(spec: ThresholdSpec, *, key: str, two_sided: bool) -> Bounds:
+    """A threshold spec: ``upper``, or ``"lower_upper"`` as verl writes it (quoted in YAML: unquoted, 5_0.5 reads as
+    the number 50.5), or ``[lower, upper]``; every bound finite and > 0, lower <= upper; ratio bounds (``two_sided``:
+    IS weights, k1 criteria) must hold 1, lower <= 1 <= upper, or on-policy data would fail them. ValueError naming
+    ``key`` otherwise."""
+    parts = spec.split("_") if isinstance(spec, str) else list(spec) if isinstance(spec, list) else [spec]
+    if isinstance(spec, bool) or len(parts) > 2 or (len(parts) == 2 and not two_sided):
+        want = "'lower_upper' or one upper bound" if two_sided else "one upper bound (a divergence is 0 on-policy)"
+        raise ValueError(f"{key}: {spec!r}: expected {want}")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{key}: {spec!r} is not a number or 'lower_upper'") from None
+    if not all(v > 0 and math.isfinite(v) for v in values):
+        raise ValueError(f"{key}: {spec!r}: every bound must be a finite number > 0")
+    lower, upper = (values[0], values[1]) if len(values) == 2 else (None, values[0])
+    if lower is not None and lower > upper:
+        raise ValueError(f"{key}: {spec!r}: the lower bound {lower} is above the upper bound {upper}")
+    if two_sided and not ((lower is None or lower <= 1.0) and upper >= 1.0):
+        raise ValueError(f"{key}: {spec!r}: ratio bounds must hold 1 (lower <= 1 <= upper), or on-policy data fails")
+    return Bounds(upper=upper, lower=lower)
+
+
+class RolloutCorrectionConfig(Section):
+    """Correction for the engine that sampled not being the trainer that scores (docs/algorithms.md, "Rollout
+    correction"): importance weights, rejection, per token with each token's own behaviour log-prob. verl's
+    ``algorithm.rollout_correction`` names; the bypass mode is ``algorithm.old_logprobs: rollout``."""
+
+    # IS weights pi_trainer / pi_engine per "token", per "sequence" (the product of the row's ratios) or
+    # "geometric" (their geometric mean); null: none (verl's default is sequence; off here, as before this section,
+    # so a config that never asked for a correction trains as it did)
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    # upper bound, or "lower_upper" (e.g. "0.5_5.0"): 2.0 is verl's and TRL's cap (TRL's vllm_importance_sampling_cap)
+    rollout_is_threshold: ThresholdSpec = 2.0
+    # truncate: clamp the weights into the bounds (TIS); mask: drop the tokens (or rows) outside them from the loss
+    # and its denominator (MIS; token + mask + "lo_hi" is IcePop). truncate is TRL's token_truncate, the gentler
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    # divide the weights by their mean over the kept tokens (rows, sequence levels) of each backward's rows on every
+    # rank: the loss keeps its scale; off as verl, so the weights stay the unbiased ratios
+    rollout_is_batch_normalize: bool = False
+    # rejection criteria, comma separated (e.g. "token_k1,seq_mean_k3"; every one must keep a token): <level>_<k>,
+    # level token | seq_sum | seq_mean | seq_max, k k1 | k2 | k3. null: none (verl's default)
+    rollout_rs: str | None = None
+    # one threshold spec for every criterion or one each, comma separated: k1 takes ratio bounds "lower_upper" (one
+    # value u: 1/u_u), k2/k3 an upper bound. No default: a rejection has no threshold that suits every model
+    rollout_rs_threshold: float | str | list[ThresholdSpec] | None = None
+
+    @model_validator(mode="after")
+    def _specs_hold(self) -> RolloutCorrectionConfig:
+        prefix = "algorithm.rollout_correction"
+        parse_bounds(self.rollout_is_threshold, key=f"{prefix}.rollout_is_threshold", two_sided=True)
+        if self.rollout_rs is not None:
+            self.criteria()
+        elif self.rollout_rs_threshold is not None:
+            raise ValueError(f"{prefix}.rollout_rs_threshold: set without rollout_rs (no criterion to apply it to)")
+        return self
+
+    @property
+    def is_bounds(self) -> Bounds:
+        return parse_bounds(self.rollout_is_threshold, key="algorithm.rollout_correction.rollout_is_threshold",
+                            two_sided=True)  # fmt: skip
+
+    def criteria(self) -> list[tuple[str, Bounds]]:
+        """``rollout_rs`` with its thresholds: [(criterion, Bounds)]; ValueError naming the key that cannot hold."""
+        key = "algorithm.rollout_correction"
+        if not self.rollout_rs:
+            return []
+        names = [n.strip() for n in self.rollout_rs.split(",") if n.strip()]
+        unknown = [n for n in names if n not in RS_CRITERIA]
+        if not names or unknown:
+            raise ValueError(f"{key}.rollout_rs: unknown criterion {unknown or self.rollout_rs!r}; known: "
+                             f"{', '.join(RS_CRITERIA)}")  # fmt: skip
+        if self.rollout_rs_threshold is None:
+            raise ValueError(f"{key}.rollout_rs_threshold: required with rollout_rs (no default suits every model)")
+        spec = self.rollout_rs_threshold
+        specs = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, list) else [spec]
+        if len(specs) not in (1, len(names)):
+            raise ValueError(f"{key}.rollout_rs_threshold: {len(specs)} specs for {len(names)} criteria (1 or each)")
+        specs = specs * len(names) if len(specs) == 1 else specs
+        return [
+            (name, parse_bounds(s.strip() if isinstance(s, str) else s, key=f"{key}.rollout_rs_threshold",
+                                two_sided=name.endswith("k1")))
+            for name, s in zip(names, specs, strict=True)
+        ]  # fmt: skip
+
+    @property
+    def rejects(self) -> bool:
+        """Whether a token can leave the loss mask (rejection, or masked IS): the denominators are then recounted."""
+        return bool(self.rollout_rs) or (self.rollout_is is not None and self.rollout_is_mode == "mask")
+
+
 class AlgorithmConfig(Section):
     """The loss: advantages, PPO clip, aggregation, KL, entropy, old logprobs (docs/algorithms.md)."""
 
@@ -522,13 +634,39 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # estimator of KL(policy || reference) per token
     entropy_coef: float = Field(0.0, ge=0)  # > 0 subtracts this x the aggregated token entropy from the loss
     overlong_filter: bool = False  # mask truncated samples out of the loss
-    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling against rollout logprobs
+    # truncated importance sampling against rollout logprobs: the same as rollout_correction {rollout_is: token,
+    # rollout_is_threshold: tis_cap} (kept for configs that set it; the two together are refused)
+    tis_cap: float | None = Field(None, gt=0)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     # old logprobs (relayrl/trainer/step.py): "auto" takes the engine's where a mini-batch was generated by exactly
     # the weights the step starts from (version and checksum verified), else the trainer's at those weights (a
     # forward pass); "recompute" always the trainer's; "rollout" always the engine's: the clip anchors on the
     # behaviour policy, stale or not (verl's rollout-correction bypass mode), and no forward is spent. With
     # policy_loss gspo, auto takes the trainer's and rollout is refused (TRAINER_ANCHORED_LOSSES: why)
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_correction(self) -> AlgorithmConfig:
+        """tis_cap folds into rollout_correction; IS weights need a proximal policy that is not the engine's."""
+        rc = self.rollout_correction
+        if self.tis_cap is not None:
+            if rc.rollout_is is not None:
+                raise ValueError("algorithm.tis_cap: set with algorithm.rollout_correction.rollout_is; keep one")
+            if not self.tis_cap >= 1.0:
+                raise ValueError(f"algorithm.tis_cap: {self.tis_cap}: a cap below 1 truncates on-policy tokens too")
+        if self.old_logprobs == "rollout" and rc.rollout_is is not None:
+            raise ValueError(
+                "algorithm.rollout_correction.rollout_is: no IS weights in bypass mode (old_logprobs: rollout): the "
+                "PPO ratio is already pi_theta / pi_engine; use rollout_rs, or old_logprobs auto/recompute"
+            )
+        return self
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """The rollout correction the loss applies: ``rollout_correction``, or tis_cap's token TIS."""
+        if self.tis_cap is None:
+            return self.rollout_correction
+        return self.rollout_correction.model_copy(update={"rollout_is": "token", "rollout_is_threshold": self.tis_cap})
 
     @model_validator(mode="after")
     def _gspo_defaults(self) -> AlgorithmConfig:

@@ -7,6 +7,9 @@
 - aggregation: LOSS_AGGREGATIONS / agg_loss (token-mean, seq-mean-token-sum, seq-mean-token-mean,
   seq-mean-token-sum-norm)
 - kl: KL_ESTIMATORS / kl_penalty (k1, k2, k3)
+- rollout_correction: IS_LEVELS (token, sequence, geometric), RS_LEVELS (token, seq_sum, seq_mean, seq_max),
+  importance_weights, rejection_keep, icepop, apply_correction, diagnostic_sums / rollout_diagnostics (the
+  engine-trainer mismatch: rollout IS, rejection, and their diagnostics)
 - overlong: overlong_penalty (DAPO soft overlong punishment)
 - dynamic_sampling: GroupFiller, group_is_informative, DynamicSamplingExhausted (DAPO dynamic sampling)
 - logprobs: logprobs_from_logits, entropy_from_logits

@@ -594,3 +594,27 @@ def test_config_keys_holding_a_host_or_address_are_checked_at_load() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(DEMO, [assignment])
+
+
+def test_check_refuses_a_rollout_correction_threshold_that_cannot_hold_naming_the_key(tmp_path: Path) -> None:
+    """lower > upper, a bound <= 0, ratio bounds that on-policy data fails (1 outside them), a lower bound on a
+    divergence: each one line naming the key, before anything starts."""
+    key = "algorithm.rollout_correction"
+    cases = [
+        ([f"{key}.rollout_is=token", f'{key}.rollout_is_threshold="5.0_0.5"'], "the lower bound 5.0 is above"),
+        ([f"{key}.rollout_is_threshold=[0.5, 0]"], "every bound must be a finite number > 0"),
+        ([f"{key}.rollout_rs=seq_mean_k1", f'{key}.rollout_rs_threshold="1.1_2"'], "ratio bounds must hold 1"),
+        ([f"{key}.rollout_rs=token_k1,token_k3", f'{key}.rollout_rs_threshold="0.5_2,-1"'], "> 0"),
+        ([f"{key}.rollout_rs=token_k3", f'{key}.rollout_rs_threshold="0.1_0.2"'], "expected one upper bound"),
+    ]
+
+    def refused(sets: list[str]) -> str:
+        argv = ["check", str(DEMO), *(arg for s in sets for arg in ("--set", s))]
+        return relayrl(*argv, cwd=tmp_path, env=NO_ADDRESS)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        lines = list(pool.map(refused, [sets for sets, _ in cases]))
+    for (sets, reason), line in zip(cases, lines, strict=True):
+        named = "rollout_is_threshold" if "rollout_is_threshold" in sets[-1] else "rollout_rs_threshold"
+        assert f"{key}.{named}" in line and reason in line, (sets, line)
+    assert not any(tmp_path.iterdir())
