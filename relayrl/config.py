@@ -551,7 +551,7 @@ class RolloutCorrectionConfig(Section):
     # "geometric" (their geometric mean); null: none (verl's default is sequence; off here, as before this section,
     # so a config that never asked for a correction trains as it did)
     rollout_is: Literal["token", "sequence", "geometric"] | None = None
-    # upper bound, or "lower_upper" (e.g. "0.5_5.0"): 2.0 is verl's and TRL's cap (TRL's vllm_importance_sampling_cap)
+    # upper bound, "lower_upper" (quoted in YAML, e.g. "0.5_5.0") or [lower, upper]; 2.0 is verl's and TRL's cap
     rollout_is_threshold: ThresholdSpec = 2.0
     # truncate: clamp the weights into the bounds (TIS); mask: drop the tokens (or rows) outside them from the loss
     # and its denominator (MIS; token + mask + "lo_hi" is IcePop). truncate is TRL's token_truncate, the gentler

@@ -12,7 +12,8 @@ Old logprobs (``algorithm.old_logprobs``), the anchor of the PPO ratio pi_theta 
   which are the trainer's for those weights up to float rounding. Any other mini-batch (stale samples under
   ``max_staleness`` K > 0, a joiner synced outside the step's update) takes the trainer's at the step's
   starting weights: the clip then anchors on the current policy (the proximal policy of decoupled PPO), and
-  ``tis_cap`` corrects for the older behaviour policy.
+  the rollout correction (``algorithm.rollout_correction``: relayrl/trainer/correction.py) corrects for the
+  older behaviour policy, token by token.
 - ``recompute``: the trainer's, always.
 - ``rollout``: the engine's, always: the clip anchors on the behaviour policy pi_rollout, up to K versions
   old (two policies instead of three: verl's rollout-correction bypass mode); no forward pass at all.
@@ -39,6 +40,7 @@ from relayrl.algorithms import agg_loss, compute_advantages, compute_policy_loss
 from relayrl.algorithms.partition import split_sizes
 from relayrl.config import TRAINER_ANCHORED_LOSSES, AlgorithmConfig, CriticConfig, TrainerConfig
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.correction import CorrectionMetrics, correct_rows, kept_row_tokens
 from relayrl.trainer.critic_step import CriticUpdate, gae_targets
 
 METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
@@ -92,11 +94,15 @@ def backward_rows(
     alg: AlgorithmConfig,
     counts: dict[str, float],
     temperature: float,
+    engine_old: bool = False,
+    recount=None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Forward rows ``shard`` at the current weights, their loss (agg_loss with ``counts``, KL and entropy terms)
     and its backward, times the data-parallel size (the gradient reduction averages over ranks). ``old`` None:
-    the weights are the step's starting ones, so this forward's own logprobs are the old ones. Returns the
-    detached logprobs, the masked loss pieces and the policy-loss metrics."""
+    the weights are the step's starting ones, so this forward's own logprobs are the old ones; ``engine_old``: it
+    is the engine's. The rollout correction (``correct_rows``) weighs the tokens and takes the rejected ones out of
+    the loss mask; where it can reject, ``recount(kept mask)`` gives the counts of the kept tokens instead. Returns
+    the detached logprobs, the masked loss pieces (with the correction) and the policy-loss metrics."""
     m = mask[shard].to(backend.device)
     logprob, entropy = backend.logprobs(
         batch.input_ids[shard], batch.attention_mask[shard], temperature, scored=mask[shard],
@@ -106,9 +112,11 @@ def backward_rows(
     adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprob)  # [B] per response, or GAE's per token
     if old is None:  # the starting weights, not updated yet this step: this forward is pi_old (module docstring)
         old = logprob.detach()
-    is_weights = None
-    if alg.tis_cap is not None:
-        is_weights = torch.exp(old - batch.rollout_logprobs[shard].to(backend.device)).clamp(max=alg.tis_cap)
+    correction = correct_rows(backend, batch, shard, m, old, logprob.detach(), alg, engine_old)
+    is_weights = correction.weights if alg.correction.rollout_is is not None else None
+    if alg.correction.rejects:
+        m = m * correction.keep
+        counts = recount(m) if recount is not None else counts
     loss_mat, pg = compute_policy_loss(
         alg.policy_loss, logprob, old, adv, m,
         clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c, is_weights=is_weights,
@@ -121,7 +129,8 @@ def backward_rows(
     if alg.entropy_coef > 0:
         loss = loss - alg.entropy_coef * agg_loss(entropy, m, alg.loss_agg, **counts)
     (loss * backend.dp_size).backward()
-    pieces = {"mask": m, "entropy": entropy.detach(), "loss": float(loss.detach()), "ref_kl": float(ref_kl)}
+    pieces = {"mask": m, "entropy": entropy.detach(), "loss": float(loss.detach()), "ref_kl": float(ref_kl),
+              "response_mask": mask[shard].to(backend.device), "correction": correction}  # fmt: skip
     return logprob.detach(), pieces, pg
 
 
@@ -136,6 +145,7 @@ class StepMetrics:
         self.mismatch_sums = torch.zeros(2, dtype=torch.float64)  # (|gap| summed over tokens, tokens) where measured
         self.grad_norms: list[float] = []
         self.engine_old: list[bool] = []  # per mini-batch: old logprobs from the engine
+        self.correction = CorrectionMetrics()
 
     def add(self, pieces: dict, pg: dict) -> None:
         m = pieces["mask"]
@@ -151,6 +161,7 @@ class StepMetrics:
         gap = (trainer_old - rollout.to(trainer_old.device)).abs() * m
         self.mismatch_max = torch.maximum(self.mismatch_max, gap.max().double().cpu().reshape(1))
         self.mismatch_sums += torch.tensor([float(gap.sum()), float(m.sum())], dtype=torch.float64)
+        self.correction.add_mismatch(trainer_old, rollout.to(trainer_old.device), m)
 
     def close_minibatch(self, grad_norm: float, divisor: float = 1.0) -> None:
         """An optimizer step: the mini-batch's loss shares (un-normalised ones divided by ``divisor``)."""
@@ -176,6 +187,7 @@ class StepMetrics:
         metrics["logprob_mismatch"] = float(self.mismatch_sums[0]) / max(float(self.mismatch_sums[1]), 1.0)
         metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
         metrics["old_logprobs_from_engine"] = sum(self.engine_old) / max(len(self.engine_old), 1)  # of mini-batches
+        metrics |= self.correction.finish()
         metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
         padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed,
         dist.all_reduce(padding)  # the rows' tokens
@@ -273,18 +285,25 @@ def train_on_batch(
 
     for epoch in range(tcfg.epochs):
         for k, (rows, shard) in enumerate(zip(minibatches, shards)):
+
+            def recount(kept: torch.Tensor, rows=rows, shard=shard) -> dict[str, float]:
+                return minibatch_counts(kept_row_tokens(kept, shard, len(batch), backend)[rows], alg, norm_len)
+
             logprob, pieces, pg = backward_rows(
                 backend, batch, shard, advantages=advantages, mask=mask, old=old[k],
                 ref=ref[k] if ref is not None else None, alg=alg,
                 counts=minibatch_counts(mask[rows].sum(-1), alg, norm_len), temperature=temperature,
+                engine_old=metrics.engine_old[k], recount=recount,
             )  # fmt: skip
             if old[k] is None:  # the first mini-batch's own forward was pi_old: kept for later epochs
                 old[k] = logprob
             metrics.add(pieces, pg)
             metrics.close_minibatch(backend.step(tcfg.grad_clip))
+            if epoch == 0:
+                metrics.correction.add_applied(pieces)
             if epoch == 0 and (k == 0 or not metrics.engine_old[k]):  # trainer logprobs at the starting weights
                 trainer_old = logprob if metrics.engine_old[k] else old[k]
-                metrics.add_mismatch(trainer_old, batch.rollout_logprobs[shard], pieces["mask"])
+                metrics.add_mismatch(trainer_old, batch.rollout_logprobs[shard], pieces["response_mask"])
             if critic is not None:
                 critic.train(shard, float(mask[rows].sum().clamp(min=1)))
     out = metrics.finish(backend, alg)

@@ -39,6 +39,7 @@ from relayrl.config import AlgorithmConfig, RelayConfig, TrainerConfig, stream_b
 from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.retry import RETRYABLE
 from relayrl.trainer.batch import to_train_batch
+from relayrl.trainer.correction import kept_row_tokens
 from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatch_counts, shard_rows
 from relayrl.v1 import controller_pb2
 
@@ -178,12 +179,14 @@ class StreamedStep:
         old = chunk.rollout_logprobs[shard].to(backend.device)
         logprob, pieces, pg = backward_rows(
             backend, chunk, shard, advantages=advantages, mask=mask, old=old, ref=ref, alg=alg, counts=UNIT_COUNTS,
-            temperature=self.temperature,
+            temperature=self.temperature, engine_old=True,
         )  # fmt: skip
         self.metrics.add(pieces, pg)
+        self.metrics.correction.add_applied(pieces)
         if self.k == 0:  # trainer logprobs at the step's starting weights
-            self.metrics.add_mismatch(logprob, chunk.rollout_logprobs[shard], pieces["mask"])
-        self.row_tokens.append(mask.sum(-1))
+            self.metrics.add_mismatch(logprob, chunk.rollout_logprobs[shard], pieces["response_mask"])
+        rejects = alg.correction.rejects  # the divisor counts the kept tokens alone
+        self.row_tokens.append(kept_row_tokens(pieces["mask"], shard, len(chunk), backend) if rejects else mask.sum(-1))
 
 
 def read_ahead(items: Iterator[tuple[str, bytes]], on_last: Callable[[], None]) -> Iterator[tuple[str, bytes]]:
