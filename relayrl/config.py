@@ -656,8 +656,8 @@ class AlgorithmConfig(Section):
                 raise ValueError(f"algorithm.tis_cap: {self.tis_cap}: a cap below 1 truncates on-policy tokens too")
         if self.old_logprobs == "rollout" and rc.rollout_is is not None:
             raise ValueError(
-                "algorithm.rollout_correction.rollout_is: no IS weights in bypass mode (old_logprobs: rollout): the "
-                "PPO ratio is already pi_theta / pi_engine; use rollout_rs, or old_logprobs auto/recompute"
+                "algorithm.rollout_correction.rollout_is: no IS weights with algorithm.old_logprobs: rollout (bypass "
+                "mode): the PPO ratio is already pi_theta / pi_engine; use rollout_rs, or old_logprobs auto/recompute"
             )
         return self
 

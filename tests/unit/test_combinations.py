@@ -45,6 +45,14 @@ FEATURES = {
         {"controller": {"max_staleness": 1}, "algorithm": {"old_logprobs": "rollout"}},
         "algorithm.old_logprobs",
     ),
+    "rollout correction": (
+        {
+            "algorithm": {
+                "rollout_correction": {"rollout_is": "token", "rollout_rs": "token_k3", "rollout_rs_threshold": 0.5}
+            }
+        },
+        "algorithm.rollout_correction",
+    ),
     "LoRA": ({"model": {"lora": {"rank": 4, "alpha": 8.0}}}, "model.lora"),
     "critic": ({"critic": {"warmup_steps": 1, "lr": 0.01}}, "critic."),
     "Megatron": ({"trainer": {"backend": "megatron"}}, "trainer.backend"),
@@ -53,9 +61,10 @@ FEATURES = {
 
 # Pairs of features the config refuses together (with grpo and ppo_clip, the critic's pairs with gae): streaming
 # needs K = 0 with the engine's old logprobs, a per-group advantage and FSDP; LoRA and the critic train on FSDP's full
-# weights (LoRA: FSDP only; the critic: not beside an adapter)
+# weights (LoRA: FSDP only; the critic: not beside an adapter); IS weights need a proximal policy not the engine's
 REFUSED_PAIRS = {
     ("streaming", "K=1 engine old logprobs"),
+    ("K=1 engine old logprobs", "rollout correction"),
     ("streaming", "critic"),
     ("streaming", "Megatron"),
     ("LoRA", "critic"),
