@@ -48,9 +48,20 @@ def machine(result: dict) -> str:
     m = result["machine"]
     v = m["versions"]
     return (
-        f"Machine: {m['cpus']} CPUs, Python {m['python']}, torch {v['torch']}, transformers "
+        f"Machine: {m['cpus']} CPUs{provenance(m)}, Python {m['python']}, torch {v['torch']}, transformers "
         f"{v['transformers']}, TRL {v.get('trl', '–')}."
     )
+
+
+def provenance(m: dict) -> str:
+    """ " (CPU model), commit C (dirty)" from the fairness record (relayrl/bench/record.py); "" for a result
+    recorded before it."""
+    git = m.get("git") or {}
+    cpu = f" ({m['cpu_model']})" if m.get("cpu_model") else ""
+    commit = (
+        f", commit {git['commit'][:10]}" + (" (dirty tree)" if git.get("dirty") else "") if git.get("commit") else ""
+    )
+    return cpu + commit
 
 
 def e2e_gen_heavy(result: dict) -> str:
@@ -434,6 +445,7 @@ def addition(result: dict) -> str:
 
 def episodes(r: dict) -> str:
     s = r["settings"]
+    load = r["machine"].get("loadavg_at_start") or r["machine"]["loadavg_start"]  # the key before bench/record.py
     rows = [
         [
             f"`{mode}`",
@@ -452,7 +464,7 @@ def episodes(r: dict) -> str:
             f"{s['servers']} servers; a fast one answers a Reset + Step in {f(calls['fast'] * 1000, 0)} ms, "
             f"the slow one in {f(calls['slow'] * 1000, 0)} ms; {s['prompts']} groups × {s['n']} episodes per round, "
             f"at most {s['max_turns']} turns of {s['max_tokens']} tokens, `max_sessions` {s['max_sessions']}. Machine: "
-            f"{r['machine']['cpus']} CPUs, load average {f(r['machine']['loadavg_start'][0], 1)} at the start "
+            f"{r['machine']['cpus']} CPUs, load average {f(load[0], 1)} at the start "
             "(other processes share them: the pairs ran back to back).",
         ]
     )

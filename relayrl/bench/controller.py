@@ -45,6 +45,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from relayrl.bench.load import rss_mib
+from relayrl.bench.record import machine_record
 from relayrl.bench.simulated_workers import VersionFile, canned_responses
 from relayrl.client.workers import WORKER_CHANNEL_OPTIONS
 from relayrl.config import ControllerConfig, load_config
@@ -256,6 +257,7 @@ def simulator_commands(args: argparse.Namespace, controller: str, model: str, ve
 
 
 def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
+    machine = machine_record(None)  # simulated workers: no model computes
     config_path = bench_config(workdir, args)
     cfg = load_config(config_path)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a controller resumes from its state: start from none
@@ -334,6 +336,7 @@ def run_bench(workdir: Path, args: argparse.Namespace) -> dict:
         "controller_vs_bare": round(rate / bare, 3),
         "target_trajectories_per_second": TARGET_TRAJECTORIES_PER_S,
         "vs_target": round(rate / TARGET_TRAJECTORIES_PER_S, 3),
+        "machine": machine | {"loadavg_at_end": list(os.getloadavg())},
     }
 
 

@@ -55,17 +55,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
 
 from relayrl.bench.cpu import CpuSampler
+from relayrl.bench.record import machine_record, run_sides, trl_side
 from relayrl.config import RelayConfig, load_config
 from relayrl.models.assets import prepare_assets
 from relayrl.ops.args import OneLineParser, existing_dir
@@ -588,19 +587,9 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def machine(args: argparse.Namespace, cfgs: dict[str, RelayConfig]) -> dict:
-    def version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "loadavg_at_start": list(os.getloadavg()),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {p: version(p) for p in ("relayrl", "torch", "transformers", "trl", "accelerate", "datasets")},
+    """The fairness record (relayrl/bench/record.py; each run's sides filled in as it ends) and the torch threads of
+    each side."""
+    return machine_record({}) | {
         "torch_threads": {
             "trl": args.trl_threads,
             **{f"{n}.relayrl.trainer": c.trainer.threads for n, c in cfgs.items()},
@@ -679,6 +668,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             for variant in wl.variants:
                 progress(f"{wl.name} round {rnd}/{args.rounds}: relayrl {variant}")
                 run = run_relayrl(wl, variant, rnd, workdir, args)
+                result["machine"]["resolved"][run.log.stem] = run_sides(workdir / "runs" / run.log.stem / "logs")
                 relayrl_samples.append(sum(r["samples_generated"] for r in run.records))
                 rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
             per_step = cfg.controller.train_batch_groups * cfg.rollout.n
@@ -688,6 +678,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             for system in () if args.no_trl else wl.trl_systems:
                 progress(f"{wl.name} round {rnd}/{args.rounds}: {system} ({steps} steps)")
                 run = run_trl(wl, cfg, steps, rnd, workdir, args, system)
+                result["machine"]["resolved"][run.log.stem] = trl_side(run.log)
                 rows.append(summarize(run, args, cfg.rollout.max_tokens, equal_work(cfg)))
         result["workloads"][wl.name] = {"settings": settings(wl, cfg, args), "runs": rows, **aggregate(rows)}
     result["machine"]["loadavg_at_end"] = list(os.getloadavg())

@@ -38,6 +38,7 @@ import grpc
 import yaml
 from transformers import AutoTokenizer
 
+from relayrl.bench.record import machine_record, run_sides
 from relayrl.client.workers import WorkerRegistry
 from relayrl.config import parse_config
 from relayrl.data.dataset import PromptRecord
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = Processes(workdir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops the processes
     delay = args.delay_ms / 1000
-    load_start = list(os.getloadavg())
+    machine = machine_record(None)
     try:
         worker = procs.start("rollout", ["rollout", "serve", "--config", str(workdir / "worker.yaml")])
         serve = ["env", "serve", SLOW_ENV, "--max-sessions", str(args.max_sessions)]
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "relayrl bench episodes " + " ".join(argv if argv is not None else sys.argv[2:]),
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "out", "workdir")},
-        "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
+        "machine": machine | {"resolved": run_sides(workdir), "loadavg_at_end": list(os.getloadavg())},
         "env_call_seconds": probe,
         "rounds": rounds,
         "median_tokens_per_s": medians,

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.bench.record import machine_record, run_sides
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ class ExampleRun:
     run_dir: Path  # the run's directory, under ``workdir``
     workdir: Path  # a fresh temp directory: the caller removes it
     wall_s: float  # the whole ``relayrl up``, from launch to exit
-    machine: dict  # cpus and the load average at start and end
+    machine: dict  # the fairness record (relayrl/bench/record.py), the load average at the end
 
 
 def run_example(config: str, overrides: list[str], timeout_s: float) -> ExampleRun:
@@ -32,14 +34,14 @@ def run_example(config: str, overrides: list[str], timeout_s: float) -> ExampleR
     argv = [sys.executable, "-m", "relayrl.cli", "up", config, "--set", f"run.dir={workdir / 'runs'}"]
     for override in overrides:
         argv += ["--set", override]
-    load_start = os.getloadavg()
+    machine = machine_record(None)
     start = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.monotonic() - start
     if done.returncode != 0:
         raise SystemExit(f"relayrl up {config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     (run_dir,) = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
-    machine = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()}
+    machine |= {"resolved": run_sides(run_dir / "logs"), "loadavg_at_end": list(os.getloadavg())}
     return ExampleRun(run_dir, workdir, wall_s, machine)
 
 

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from relayrl.bench.record import machine_record, run_sides
 from relayrl.trainer.metrics import read_evals, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     argv_up = [sys.executable, "-m", "relayrl.cli", "up", args.config, "--set", f"run.dir={workdir / 'runs'}"]
     for override in args.overrides:
         argv_up += ["--set", override]
-    load_start = os.getloadavg()
+    machine = machine_record(None)
     start = time.monotonic()
     done = subprocess.run(argv_up, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     wall_s = time.monotonic() - start
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": COMMAND,
         "config": os.path.relpath(args.config, ROOT),
         "overrides": args.overrides,
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
+        "machine": machine | {"resolved": run_sides(run_dir / "logs"), "loadavg_at_end": list(os.getloadavg())},
         "wall_s": wall_s,
         **summarize(read_metrics(metrics), read_evals(metrics)),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -25,6 +26,7 @@ import grpc
 import yaml
 
 from relayrl.bench.cluster import local_cluster
+from relayrl.bench.record import machine_record, run_sides
 from relayrl.config import load_config
 from relayrl.models.assets import prepare_assets
 from relayrl.ops.args import OneLineParser, address, existing_dir, existing_file, positive_int
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.config is not None:
         configure_client(load_config(args.config).security)
+    machine = machine_record(None)
     if args.controller:
         result = run_load(args.controller, args.controller_pid, args)
     else:
@@ -179,5 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             with local_cluster(config_path, args.workers, workdir / "logs") as cluster:
                 result = {"workers": args.workers, **run_load(cluster.controller, cluster.controller_pid, args)}
+            machine["resolved"] = run_sides(workdir / "logs")
+    result["machine"] = machine | {"loadavg_at_end": list(os.getloadavg())}
     print(json.dumps(result, indent=1))
     return 1 if result["errors"] else 0

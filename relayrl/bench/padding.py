@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from relayrl.bench.record import machine_record, model_side
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.data.digits import digits_rows
 from relayrl.models.tiny import write_long_tail_model
@@ -94,9 +95,10 @@ def geometric(mean: float, generator: torch.Generator) -> int:
 
 def train_once(
     model_dir: Path, batch: TrainBatch, mode: str, args: argparse.Namespace
-) -> tuple[float, float, dict, float]:
+) -> tuple[float, float, dict, float, dict]:
     """One step from the model's saved weights with ``trainer.padding_free`` ``mode``: (wall seconds, CPU seconds
-    of this process, weights after, the step's ``padding_share`` metric: padding in the positions computed)."""
+    of this process, weights after, the step's ``padding_share`` metric: padding in the positions computed, the
+    precision and attention it resolved)."""
     tcfg = TrainerConfig(lr=1e-3, mini_batches=args.mini_batches, padding_free=mode, shared_prefix="off")
     torch.manual_seed(args.seed)
     backend = FSDPBackend(ModelConfig(path=str(model_dir)), tcfg, with_reference=False)
@@ -104,12 +106,12 @@ def train_once(
     metrics = train_on_batch(backend, batch, AlgorithmConfig(), tcfg, temperature=1.0, norm_len=args.max_tokens)
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     weights = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
-    return seconds, cpu, weights, metrics["padding_share"]
+    return seconds, cpu, weights, metrics["padding_share"], model_side(backend.model, backend.precision.compute)
 
 
 def run_bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    load_at_start = list(os.getloadavg())
+    machine = machine_record({})  # each mode's resolved precision and attention filled in as it runs
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="relayrl-bench-padding-"))
     model_dir = write_long_tail_model(
         workdir / "long-tail-model", mean_length=args.mean_length, hidden_size=args.hidden, layers=args.layers
@@ -124,7 +126,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     padding: dict[str, float] = {}
     for rnd in range(args.rounds):
         for mode in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-            took, used, weights[mode], padding[mode] = train_once(model_dir, batch, mode, args)
+            took, used, weights[mode], padding[mode], side = train_once(model_dir, batch, mode, args)
+            machine["resolved"][{"off": "padded", "on": "padding_free"}[mode]] = side
             seconds[mode].append(took)
             cpu[mode].append(used)
     tokens = int(batch.attention_mask.sum())
@@ -165,11 +168,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             "weights_max_diff": max(float((weights["off"][k] - weights["on"][k]).abs().max()) for k in start),
             "moved_max": max(float((weights["off"][k] - start[k]).abs().max()) for k in start),
         },
-        "machine": {
-            "cpus_usable": len(os.sched_getaffinity(0)),
-            "loadavg_at_start": load_at_start,
-            "loadavg_at_end": list(os.getloadavg()),
-        },
+        "machine": machine | {"loadavg_at_end": list(os.getloadavg())},
     }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import grpc
 import yaml
 
 from relayrl.bench.cpu import cpu_seconds
+from relayrl.bench.record import machine_record, run_sides
 from relayrl.ops.args import OneLineParser, existing_dir, positive_int
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     decodes = args.hf_decode.split(",")
     modes = ("serialized", "concurrent")
+    machine = machine_record(None)
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-rollout-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "hf_decode": decodes,
             "runner_chosen": {d: chosen_runner(workdir / f"rollout-{d}.log") for d in decodes},
+            "machine": machine | {"resolved": run_sides(workdir), "loadavg_at_end": list(os.getloadavg())},
             "seconds": seconds,
             "median_seconds": median,
             "speedup_concurrent_vs_serialized": {d: m["serialized"] / m["concurrent"] for d, m in median.items()},

@@ -179,6 +179,9 @@ def run(spec: dict) -> None:
         callbacks=[RoundTimer(log)],
     )
     trainer.round_log = log
+    compute = "bfloat16" if spec["bf16"] else "float32"  # bf16=True: autocast over float32 weights
+    attention = getattr(trainer.model.config, "_attn_implementation", None)
+    print(f"trl model: {attention} attention, {compute} compute", file=sys.stderr, flush=True)  # bench/record.py
     trainer.train()
 
 

@@ -71,6 +71,7 @@ from typing import Any
 import grpc
 import torch
 
+from relayrl.bench.record import machine_record
 from relayrl.config import WeightSyncConfig
 from relayrl.ops.args import OneLineParser, existing_dir
 from relayrl.v1 import common_pb2 as pb
@@ -842,7 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {message}", file=sys.stderr, flush=True)
 
-    rows = run_grid(args, log)
+    machine = machine_record(None)  # bytes move here: no model computes
+    rows = [row | {"machine": machine} for row in run_grid(args, log)]
     log("done")
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0 if all(row["verified"] for row in rows) else 1

@@ -99,7 +99,10 @@ class HFEngine(InferenceEngine):
             AutoModelForCausalLM.from_pretrained, model_path, attn_implementation, dtype=DTYPES[dtype]
         )
         self.model.to(self.device).eval().requires_grad_(False)
-        log.info("hf engine: %s attention (model.attn_implementation=%s)", resolved(self.model), attn_implementation)
+        log.info(
+            "hf engine: %s attention (model.attn_implementation=%s), %s weights",
+            resolved(self.model), attn_implementation, dtype,
+        )  # fmt: skip
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self.model.config.max_position_embeddings

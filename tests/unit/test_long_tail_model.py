@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.bench import padding
 from relayrl.models.tiny import write_long_tail_model
+from relayrl.runtime.precision import compute_dtype
+from relayrl.trainer.precision import FLOAT32_SDPA
 
 
 def test_eos_is_about_one_token_in_mean_length_whatever_the_context(tmp_path) -> None:
@@ -34,3 +36,11 @@ def test_the_padding_bench_trains_the_same_update_both_ways(tmp_path, capsys) ->
     assert computed["padded"] == batch["padded_positions"] >= computed["padding_free"] >= batch["real_tokens"]
     assert result["update"]["weights_max_diff"] < 1e-5 < result["update"]["moved_max"]
     assert result["speedup"] > 0 and len(result["speedup_by_round"]) == 1 and result["cpu_speedup"] > 0
+    machine = result["machine"]  # the fairness record (relayrl/bench/record.py)
+    assert machine["cpu_model"] and "fpu" in machine["cpu_flags"].split() and machine["cpus_usable"] >= 1
+    assert len(machine["git"]["commit"]) == 40 and isinstance(machine["git"]["dirty"], bool)
+    compute, _ = compute_dtype("auto", "cpu")  # trainer.precision's default on this CPU: bf16 where it is native
+    side = {"precision": str(compute).removeprefix("torch."), "attn_implementation": "sdpa"}
+    if compute == torch.bfloat16:
+        side["attn_implementation"] = FLOAT32_SDPA  # bf16 compute, float32 attention (trainer/precision.py)
+    assert machine["resolved"] == {"padded": side, "padding_free": side}

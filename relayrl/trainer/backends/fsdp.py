@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
-from relayrl.runtime.attention import AUTO, load_with_attention
+from relayrl.runtime.attention import AUTO, load_with_attention, resolved
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.lora import (
     adapter_name,
@@ -58,6 +59,8 @@ from relayrl.trainer.packing import (
 )
 from relayrl.trainer.precision import Precision
 from relayrl.trainer.prefix import SharedPrefix, group_layouts, layout_unsupported, shared_prefix_logprobs
+
+log = logging.getLogger(__name__)
 
 
 def load_trained_model(
@@ -83,6 +86,7 @@ def load_trained_model(
         head_plan(model)
         layout_unsupported(model)
     precision.prepare(model, device)
+    log.info("trainer model: %s attention (model.attn_implementation=%s)", resolved(model), attn_implementation)
     model.train(True)
     if gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
