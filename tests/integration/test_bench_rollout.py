@@ -27,3 +27,6 @@ def test_bench_runs_both_modes_and_runners_with_exact_logprobs(tmp_path, capsys:
     assert result["speedup_vs_transformers"]["auto"]["concurrent"] > 0
     assert result["median_worker_cpu_seconds"]["auto"]["concurrent"] > 0
     assert result["cpu_speedup_vs_transformers"]["auto"]["concurrent"] > 0
+    side = {"precision": "float32", "attn_implementation": "sdpa"}  # the bench's float32 weights, the model's SDPA
+    assert result["machine"]["resolved"] == {"rollout-auto": side, "rollout-transformers": side}
+    assert result["machine"]["cpu_model"] and len(result["machine"]["git"]["commit"]) == 40

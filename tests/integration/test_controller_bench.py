@@ -38,3 +38,4 @@ def test_bench_controller_reports_every_field(tmp_path) -> None:
     assert report["controller_cpu_us_per_trajectory_net"] <= report["controller_cpu_us_per_trajectory"]
     ledger = report["ledger"]
     assert ledger["failed"] == 0 and ledger["trained"] >= report["steps"] * 4  # nothing lost, nothing failed
+    assert report["machine"]["cpu_flags"] and report["machine"]["resolved"] is None  # simulated: no model computes
