@@ -35,9 +35,9 @@ def one_rank_world():
     dist.destroy_process_group()
 
 
-def backend_of(model_dir) -> tuple[FSDPBackend, TrainerConfig]:
+def backend_of(model_dir, mini_batches: int = 2) -> tuple[FSDPBackend, TrainerConfig]:
     torch.manual_seed(0)
-    tcfg = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")
+    tcfg = TrainerConfig(lr=0.01, mini_batches=mini_batches, precision="float32")
     return FSDPBackend(ModelConfig(path=str(model_dir)), tcfg, with_reference=False), tcfg
 
 
@@ -111,6 +111,23 @@ def test_on_policy_data_trains_as_without_a_correction(tiny_model_dir) -> None:
     assert metrics[CORRECTION_PREFIX + "rejected_token_share"] == 0
     assert metrics[CORRECTION_PREFIX + "is_weight_min"] == pytest.approx(1, abs=1e-5)
     assert metrics[CORRECTION_PREFIX + "is_weight_max"] == pytest.approx(1, abs=1e-5)
+
+
+def test_bypass_and_decoupled_reject_alike_on_policy(tiny_model_dir) -> None:
+    """On-policy, one mini-batch: bypass (old_logprobs rollout: rejection reads the current forward) and decoupled
+    (recompute: the trainer's old log-probs) see the same log-probs, reject nothing and make the same update."""
+    rc = {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.999_1.001,1e-6"}
+    results = {}
+    for mode in ("rollout", "recompute"):
+        backend, tcfg = backend_of(tiny_model_dir, mini_batches=1)
+        batch = rollout_batch(backend)
+        alg = AlgorithmConfig(old_logprobs=mode, rollout_correction=rc)
+        results[mode] = train_on_batch(backend, batch, alg, tcfg, temperature=1.0, norm_len=7), full_weights(backend)
+    for mode, (metrics, _) in results.items():
+        assert metrics[CORRECTION_PREFIX + "rejected_token_share"] == 0, mode
+        assert metrics["old_logprobs_from_engine"] == float(mode == "rollout")
+    for name, tensor in results["recompute"][1].items():
+        torch.testing.assert_close(results["rollout"][1][name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
 def test_two_steps_write_the_diagnostics_of_each_steps_starting_weights(tiny_model_dir, tmp_path) -> None:
