@@ -604,6 +604,10 @@ class Controller:
             stats=stats,
             temperature=self.params.temperature,
             minibatch_groups=minibatch_groups(len(kept), self.cfg.trainer.mini_batches, target=target),
+            prompts=[
+                controller_pb2.PromptText(group=gi, text=g.record.text, answer=g.record.answer)
+                for gi, g in enumerate(kept[: self.cfg.samples.prompts if self.cfg.samples else 0])
+            ],  # what the trainer writes to samples.jsonl shows the user's prompt, not the rendered one alone
         )
 
     # -- trainer-facing ------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class EvalScorer:
                 samples.append(sample)
             rows.append(
                 {"kind": "eval", "eval": name, "step": version, "prompt_id": group.record.prompt_id,
-                 "prompt": group.record.text, "answer": group.record.answer, "samples": samples}
+                 "prompt": group.record.text, "answer": group.record.answer,
+                 "rendered_prompt": self.scorer.tokenizer.decode(list(group.record.token_ids)), "samples": samples}
             )  # fmt: skip
         return rows
 

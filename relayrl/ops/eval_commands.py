@@ -46,4 +46,5 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", type=existing_dir, required=True, help="the run directory (runs/NAME)")
     p.add_argument("--step", type=positive_int, default=None, help="this training step's samples (default: the last)")
     p.add_argument("--json", action="store_true", help="the records as JSON")
+    p.add_argument("--rendered", action="store_true", help="each prompt as the model saw it too (its chat template)")
     p.set_defaults(func=_samples)

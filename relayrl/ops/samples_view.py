@@ -1,7 +1,8 @@
 """``relayrl samples --run runs/NAME``: the latest readable samples of a run, training and eval, as text or JSON.
 
-Training samples come from ``samples.jsonl`` (the ``samples`` section: prompts with each sample's response, reward,
-advantage, finish reason), eval generations from ``eval_samples.jsonl`` (each eval set's latest version)."""
+Training samples come from ``samples.jsonl`` (the ``samples`` section: prompts as the user wrote them, their
+answers, each sample's response, reward, advantage, finish reason), eval generations from ``eval_samples.jsonl``
+(each eval set's latest version); ``--rendered`` shows each prompt as the model saw it too (its chat template)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def latest(run_dir: Path, step: int | None = None) -> list[dict]:
     return chosen + [r for r in evals if r["step"] == newest[r["eval"]]]
 
 
-def render(records: list[dict]) -> str:
-    """Readable text: a heading per step or eval, each prompt, then each sample with its numbers and response."""
+def render(records: list[dict], rendered: bool = False) -> str:
+    """Readable text: a heading per step or eval, each prompt as the user wrote it (and its answer, where the record
+    has one), then each sample with its numbers and response; ``rendered``: each prompt as the model saw it too
+    (chat template and all)."""
     lines: list[str] = []
     heading = None
     for r in records:
@@ -47,6 +50,8 @@ def render(records: list[dict]) -> str:
         lines.append(
             f"prompt {r['prompt_id']}: {r['prompt']!r}" + (f" (answer {r['answer']!r})" if "answer" in r else "")
         )
+        if rendered and "rendered_prompt" in r:
+            lines.append(f"  as the model saw it: {r['rendered_prompt']!r}")
         for i, s in enumerate(r["samples"]):
             numbers = [f"reward {s['reward']:.3f}"]
             if "advantage" in s:
@@ -68,5 +73,5 @@ def cmd_samples(args: argparse.Namespace) -> int:
             f"--run: {run_dir} has no {TRAIN_FILE} or {EVAL_FILE} (set the samples or eval section of its config)"
         )
     records = latest(run_dir, args.step)
-    print(json.dumps(records, indent=1) if args.json else render(records))
+    print(json.dumps(records, indent=1) if args.json else render(records, args.rendered))
     return 0

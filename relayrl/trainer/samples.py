@@ -1,6 +1,8 @@
 """Samples you can read (``samples``): every ``every`` steps (and at the first), the batch's first ``prompts``
-groups, each sample with its response, reward, advantage, finish reason and policy version, one JSON line per group
-in ``<run dir>/samples.jsonl`` (rank 0). An episode's response is decoded with its template's special tokens: its
+groups, each with its prompt as the user wrote it and its answer (``Batch.prompts``; a batch without them: the
+rendered prompt), the prompt as the model saw it (``rendered_prompt``: chat template and all), and each sample with
+its response, reward, advantage, finish reason and policy version, one JSON line per group in
+``<run dir>/samples.jsonl`` (rank 0). An episode's response is decoded with its template's special tokens: its
 turns (the environment's observations included) read as the model saw them. ``relayrl samples`` prints the file.
 """
 
@@ -25,15 +27,19 @@ def step_samples(
     samples = list(batch.samples)
     if len(advantages) != len(samples):
         raise ValueError(f"advantages: {len(advantages)} for the batch's {len(samples)} samples")
+    texts = {p.group: p for p in batch.prompts}  # the user's prompt and answer (the controller's, by group)
     records: dict[int, dict] = {}
     for sample, advantage in zip(samples, advantages):
         if sample.group not in records:
             if len(records) == scfg.prompts:
                 continue
-            prompt = tokenizer.decode(list(sample.prompt_token_ids), skip_special_tokens=False)
+            rendered = cut(tokenizer.decode(list(sample.prompt_token_ids), skip_special_tokens=False), scfg.max_chars)
+            given = texts.get(sample.group)
             records[sample.group] = {
                 "kind": "train", "step": step, "prompt_id": sample.prompt_id,
-                "prompt": cut(prompt, scfg.max_chars), "samples": [],
+                "prompt": cut(given.text, scfg.max_chars) if given is not None else rendered,
+                **({"answer": given.answer} if given is not None else {}),
+                "rendered_prompt": rendered, "samples": [],
             }  # fmt: skip
         episode = bool(sample.loss_mask)
         response = tokenizer.decode(list(sample.response_token_ids), skip_special_tokens=not episode)

@@ -190,20 +190,32 @@ class BatchStats(_message.Message):
     def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., episodes: _Optional[int] = ..., turns_mean: _Optional[float] = ..., turns_median: _Optional[float] = ..., env_seconds_mean: _Optional[float] = ..., tool_parse_errors: _Optional[int] = ..., episode_ends: _Optional[_Mapping[str, int]] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., observation_tokens_mean: _Optional[float] = ..., samples_aborted: _Optional[int] = ..., reward_means: _Optional[_Mapping[str, float]] = ..., prompts_too_long: _Optional[int] = ..., prompts_truncated: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("batch_id", "step", "samples", "stats", "temperature", "minibatch_groups")
+    __slots__ = ("batch_id", "step", "samples", "stats", "temperature", "minibatch_groups", "prompts")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     MINIBATCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     step: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     stats: BatchStats
     temperature: float
     minibatch_groups: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ..., minibatch_groups: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptText]
+    def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., stats: _Optional[_Union[BatchStats, _Mapping]] = ..., temperature: _Optional[float] = ..., minibatch_groups: _Optional[_Iterable[int]] = ..., prompts: _Optional[_Iterable[_Union[PromptText, _Mapping]]] = ...) -> None: ...
+
+class PromptText(_message.Message):
+    __slots__ = ("group", "text", "answer")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    text: str
+    answer: str
+    def __init__(self, group: _Optional[int] = ..., text: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class BatchPart(_message.Message):
     __slots__ = ("samples", "batch", "streamed", "temperature")

@@ -112,6 +112,8 @@ def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) ->
     assert all(len([r for r in records if r["step"] == s]) == 2 for s in (1, 2, 4, 6))  # 2 prompts a step
     for record in records:
         assert record["prompt"].endswith("=") and len(record["samples"]) == 8
+        digit = int(record["prompt"].split("+")[0])  # "d + 1 =": the user's prompt, with its row's answer
+        assert record["answer"] == str((digit + 1) % 10) and "rendered_prompt" in record
         rewards = [s["reward"] for s in record["samples"]]
         advantages = [s["advantage"] for s in record["samples"]]
         assert all(
@@ -122,6 +124,7 @@ def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) ->
     last = [r for r in records if r["step"] == STEPS]
     assert "== training step 6" in printed and "== eval heldout at version 6" in printed
     assert all(repr(r["prompt"]) in printed and repr(r["samples"][0]["response"]) in printed for r in last)
+    assert all(f"{r['prompt']!r} (answer {r['answer']!r})" in printed for r in last)
     assert f"advantage {last[0]['samples'][0]['advantage']:+.3f}" in printed
     assert json.loads(relayrl("samples", "--run", str(cfg.run_dir), "--step", "2", "--json"))[0]["step"] == 2
 
