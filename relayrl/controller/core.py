@@ -148,7 +148,10 @@ class Controller:
             else None
         )
         # held-out evals, each at one policy version (relayrl/controller/evaluation.py)
-        self.evaluator = Evaluator(cfg, self.registry, self.tokenizer, self.state_dir) if cfg.eval else None
+        self.evaluator = None
+        if cfg.eval:  # not while a streamed batch generates: the trainer trains it meanwhile, the workers are busy
+            defer = self._batch_generating_from if not cfg.streams else lambda version: False
+            self.evaluator = Evaluator(cfg, self.registry, self.tokenizer, self.state_dir, defer)
         self.state = "running"
         self.error = ""
         self.syncs = WeightSyncLog()
@@ -164,6 +167,7 @@ class Controller:
         self._batches: dict[int, controller_pb2.Batch] = self._load_batches()
         self._streams: dict[int, list[controller_pb2.Sample]] = {}  # step being built streamed -> kept samples
         self._next_step = max([self.progress.trainer_step, *self._batches]) + 1
+        self._building: int | None = None  # the step whose batch the producer builds now
         self._skip_recorded_draws()
         self._fail_unfinished_prompts()
         self._sync_ledger()
@@ -292,6 +296,12 @@ class Controller:
         interrupts = self.cfg.weight_sync.mode == "pause" and self.cfg.rollout.partial == "off"
         return progress.exact_version >= 0 or progress.trainer_step > 0 or not interrupts
 
+    def _batch_generating_from(self, version: int) -> bool:
+        """The batch trained from ``version`` (step ``version`` + 1) generates now, or may start to."""
+        with self._cond:
+            step = version + 1
+            return self._building == step or (self._next_step == step and self._may_produce(step))
+
     def _produce_loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
@@ -299,6 +309,7 @@ class Controller:
                 if not self._may_produce(step):
                     self._cond.wait(0.5)
                     continue
+                self._building = step
             try:
                 batch = self._build_batch(step, epoch)
             except DynamicSamplingExhausted as err:
@@ -312,6 +323,9 @@ class Controller:
                 log.exception("batch production for step %d failed", step)
                 self._fail(f"batch production for step {step} failed: {err}")
                 continue  # a failed run produces nothing until a rewind (a restarted trainer) sets it running
+            finally:
+                with self._cond:
+                    self._building = None
             with self._cond:
                 self._streams.pop(step, None)  # its batch is stored below, under the same lock, or void
                 if batch is None:

@@ -5,7 +5,10 @@ v is due (``due``), the sets are generated at v on the rollout workers, beside t
 batches both). The trainer's next weight update asks for its plan with a later version; ``hold`` keeps that answer
 back until no eval of an older version is queued or running, so no update lands while an eval generates: every
 token it sampled is checked to come from v (an eval that saw another version is void, logged, never recorded).
-Training stalls only for the part of the eval's generation that outlasts the trainer's next step.
+Training stalls only for the part of the eval's generation that outlasts the trainer's next step. An eval of v
+also waits (``defer``) while the batch trained from v generates (step v + 1, not streamed): at K = 0 the workers
+are idle while the trainer trains that batch, so the eval runs then instead of sharing the engines with the batch
+and delaying it (the eval before training delayed step 1 by its own length).
 
 Results: ``<state dir>/evals.jsonl`` (EvalResult as protobuf JSON), one line per set and version, what survives a
 restart: an eval recorded there is not run again; one cut by a kill is not there and runs again whole while its
@@ -50,6 +53,7 @@ from relayrl.v1 import common_pb2, controller_pb2
 from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+DEFER_POLL_S = 0.05  # how late a deferred eval sees that the batch it waited for is built
 
 
 @dataclass
@@ -173,8 +177,17 @@ class EvalScorer:
 class Evaluator:
     """Runs the evals the controller asks for (``request``), one version at a time, on a thread of its own."""
 
-    def __init__(self, cfg: RelayConfig, registry: WorkerRegistry, tokenizer, state_dir: Path) -> None:
+    def __init__(
+        self,
+        cfg: RelayConfig,
+        registry: WorkerRegistry,
+        tokenizer,
+        state_dir: Path,
+        defer: Callable[[int], bool] = lambda version: False,
+    ) -> None:
+        """``defer(v)``: the eval of v waits while it is true (the batch trained from v generates)."""
         self.cfg = cfg
+        self.defer = defer
         self.sets = load_eval_sets(cfg, tokenizer)
         rows = {pid: row for s in self.sets for pid, row in s.rows.items()}
         self.scoring = EvalScorer(cfg, tokenizer, rows.__getitem__)
@@ -284,8 +297,10 @@ class Evaluator:
                     self._cond.wait(0.5)
                     continue
                 version, epoch = self._queue.popleft(), self._epoch
-                self._running = version
+                self._running = version  # from here the update to a later version is held (``hold``)
             try:
+                while self.defer(version) and not self._stop.is_set() and epoch == self._epoch:
+                    time.sleep(DEFER_POLL_S)
                 for eval_set in self.sets:
                     if eval_set.name not in self._done(version):
                         self._run(eval_set, version, epoch)

@@ -1,9 +1,10 @@
-"""The controller's eval bookkeeping without workers: which versions are due, the hold on a later update, results
-that survive a restart (not run again), a rewind that voids later ones, and the results in Status's rendering,
-the Prometheus gauges and the PNG's curves."""
+"""The controller's eval bookkeeping without workers: which versions are due, the hold on a later update, an eval
+deferred while the batch trained from its version generates, results that survive a restart (not run again), a
+rewind that voids later ones, and the results in Status's rendering, the Prometheus gauges and the PNG's curves."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,6 +72,25 @@ def test_the_pass_threshold_and_the_maj_extractor_follow_controller_reward_fns(t
     assert (metrics["mean@1"], metrics["pass@1"], metrics["maj@1"]) == (0.8, 1.0, 1.0)
     graded = evaluator(tmp_path, tiny_model_dir, fns, "eval.metrics=[pass]", "eval.pass_threshold=0.9")
     assert graded.scoring.result("heldout", 0, groups, failed=0, seconds=1.0).metrics["pass@1"] == 0.0
+
+
+def test_a_deferred_eval_waits_holding_the_next_update_then_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """While ``defer(v)`` (the batch trained from v generates) the eval of v waits, and the update to v + 1 is
+    held all along: the eval still scores exactly version v, after that batch instead of beside it."""
+    generating = threading.Event()
+    generating.set()
+    ev = evaluator(tmp_path, tiny_model_dir)
+    ev.defer = lambda version: generating.is_set()
+    ran = []
+    ev._run = lambda eval_set, version, epoch: ran.append(version)
+    ev.start()
+    try:
+        ev.request(0)
+        assert ev.hold(1, timeout_s=0.5) == 0 and ran == []  # waiting, and the update to version 1 with it
+        generating.clear()
+        assert ev.hold(1, timeout_s=60) is None and ran == [0]
+    finally:
+        ev.stop()
 
 
 def test_results_survive_a_restart_and_a_rewind_voids_later_ones(tmp_path: Path, tiny_model_dir: Path) -> None:
