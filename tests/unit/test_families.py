@@ -197,3 +197,19 @@ def test_a_head_adapted_by_lora_takes_the_models_own_logits_and_says_why(caplog)
     assert head.head_plan(adapted).scale is None
     assert "chunked output head off for LlamaForCausalLM: its output head is a peft." in caplog.text
     assert "not a torch Linear; its own logits are used" in caplog.text
+
+
+def test_a_model_the_layout_cannot_reproduce_never_shares_and_says_why(caplog) -> None:
+    """Gemma3 with bidirectional attention (EmbeddingGemma's): its rows see later tokens, the layout's causal mask
+    does not; the probe at load finds it, and the first decision logs why."""
+    from relayrl.trainer.prefix import SharedPrefix, layout_unsupported
+
+    model = build_family_model("gemma3")
+    assert layout_unsupported(model) is None
+    model = build_family_model("gemma3")
+    model.config.use_bidirectional_attention = True
+    reason = layout_unsupported(model)
+    assert reason.startswith("a probe's shared layout misses its padded rows' logits by"), reason
+    caplog.set_level(logging.INFO, logger="relayrl")
+    assert not SharedPrefix("on", 1024, available=False, reason=reason).decide(400, 100, 50)
+    assert f"trainer.shared_prefix=on: not shared ({reason})" in caplog.text
