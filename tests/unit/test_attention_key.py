@@ -18,6 +18,7 @@ from relayrl.rollout.hf import HFEngine
 from relayrl.runtime.attention import resolved
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
+from relayrl.trainer.precision import FLOAT32_SDPA
 
 TCFG = TrainerConfig(precision="float32")
 
@@ -73,3 +74,14 @@ def test_the_engine_option_is_refused_for_the_documented_key(make_config) -> Non
     with pytest.raises(ConfigError, match=r"rollout\.engine_options\.attn_implementation: set model\.attn_impl"):
         load_config(make_config(), ["rollout.engine_options.attn_implementation=eager"])
     assert load_config(make_config(), ["model.attn_implementation=eager"]).model.attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(("family", "trained"), [("gemma2", "eager"), ("qwen2", FLOAT32_SDPA)])
+def test_bf16_compute_on_a_cpu_keeps_an_eager_models_attention(family_dirs, family, trained) -> None:
+    """Under bf16 compute on a CPU the trainer runs an SDPA model's attention in float32 (precision.FLOAT32_SDPA);
+    Gemma2's stays eager (its soft-capped attention is not SDPA's, and eager's softmax is float32 already), as the
+    engine's does."""
+    backend = FSDPBackend(
+        ModelConfig(path=str(family_dirs[family])), TrainerConfig(precision="bfloat16"), with_reference=False
+    )
+    assert resolved(backend.model) == trained
