@@ -247,6 +247,35 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
     return run_supervised(rest)
 
 
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    """``relayrl train sft CONFIG``: this process is the one rank (``trainer.nproc`` 1), or it starts the ranks
+    under torchrun (each of them runs this command again, as a rank) and supervises them (relayrl/trainer/launch.py)."""
+    from relayrl.config import load_sft_config
+    from relayrl.models.assets import prepare_model
+    from relayrl.trainer.launch import run_supervised, single_rank_env
+    from relayrl.trainer.loop import latest_checkpoint
+
+    cfg = load_sft_config(args.config, args.set)
+    if "RANK" not in os.environ:  # the command a user ran, not one of its ranks
+        checkpoint = latest_checkpoint(cfg.run_dir)
+        if checkpoint is not None and not args.resume:
+            raise ConfigError(
+                f"run.name: {cfg.run_dir} already has checkpoints ({checkpoint.name}); --resume continues it, or "
+                "choose another run.name (or run.dir)"
+            )
+        prepare_model(cfg)
+        if cfg.trainer.nproc > 1:
+            rank = ["-m", "relayrl.cli", "train", "sft", args.config, *(f"--set={kv}" for kv in args.set)]
+            return run_supervised(
+                ["--standalone", f"--nproc-per-node={cfg.trainer.nproc}", *rank, *(["--resume"] if args.resume else [])]
+            )
+        os.environ.update(single_rank_env())
+    prepare_model(cfg)  # a rank: the launcher built it, this points the config at it
+    from relayrl.trainer.sft import run_sft  # after the config is known good: seconds of imports
+
+    return run_sft(cfg, resume=args.resume)
+
+
 def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
     """The config of ``up``/``check`` and, resuming, its changes (relayrl.ops.resume): ``--resume RUN_DIR`` reads
     the run's saved config; ``CONFIG --resume`` (or ``--resume CONFIG``) checks CONFIG against it."""
@@ -391,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.set_defaults(func=cmd_trainer_launch, passthrough=True)
+
+    train = sub.add_parser("train", help="offline training stages on the trainer").add_subparsers(
+        dest="action", required=True
+    )
+    p = train.add_parser("sft", help="supervised fine-tuning on TRL-format data (docs/post-training.md)")
+    _add_config(p, positional=True)
+    p.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
+    p.set_defaults(func=cmd_train_sft, fast_exit=True)
 
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
     _add_resumable_config(p, "continue")

@@ -1049,6 +1049,101 @@ class RelayConfig(Section):
         return self.environment.max_total_tokens if self.environment is not None else self.rollout.max_tokens
 
 
+class SFTDataConfig(Section):
+    """``relayrl train sft``'s dataset, in TRL's formats (relayrl/data/trl_formats.py; docs/post-training.md)."""
+
+    # the training rows, read by relayrl's one loader (JSONL/JSON/parquet/CSV, a save_to_disk directory, a hub id):
+    # language modeling (text or messages) or prompt-completion rows, plain or conversational
+    path: str
+    subset: str | None = None  # a hub dataset's config name
+    split: str = "train"
+    # the held-out rows, for the held-out loss and token accuracy: eval_path (a file or directory as path; a hub
+    # dataset's eval_split, "train" when unset) or, without it, this path's eval_split (a hub dataset's "test").
+    # Both unset: no held-out evaluation. Held out by name, never carved from the training rows
+    eval_path: str | None = None
+    eval_split: str | None = None
+    # the loss reads the completion's tokens only (prompt-completion rows), as TRL's default
+    completion_only_loss: bool = True
+    # the loss reads assistant turns only (conversational rows). On by default, unlike TRL: training on the user's
+    # turns teaches the model to write them
+    assistant_only_loss: bool = True
+    shuffle: bool = True  # each epoch's order, seeded by run.seed and the epoch (a resume replays it)
+
+    @property
+    def heldout(self) -> tuple[str, str] | None:
+        """(path, split) of the held-out rows, None without them."""
+        if self.eval_path is not None:
+            return self.eval_path, self.eval_split or "train"
+        return (self.path, self.eval_split) if self.eval_split is not None else None
+
+
+class SFTTrainerConfig(Section):
+    """``relayrl train sft``'s trainer: the RL trainer's backend, optimizer, schedule and precision under the keys
+    that mean something offline (an RL key such as trainer.stream is refused here, not ignored)."""
+
+    # passes over the training rows; steps, when set, ends the run after that many optimizer steps instead (more
+    # passes if it needs them)
+    epochs: int = Field(1, ge=1)
+    steps: int | None = Field(None, ge=1)
+    # tokens per optimizer step (the gradient-accumulation budget): examples join a step in order while their
+    # tokens fit, so every step trains on about as many tokens whatever the examples' lengths (an example longer
+    # than the budget is a step of its own). Each step's loss is its token mean (sft_loss)
+    batch_tokens: int = Field(8192, ge=1)
+    # most tokens in one packed row, one forward and backward: a step's examples are packed back to back into
+    # rows of at most this many tokens, attention never crossing two examples (an example longer goes alone)
+    pack_tokens: int = Field(2048, ge=1)
+    nproc: int = Field(1, ge=1)  # FSDP2 ranks (torchrun); a step's packed rows are shared out between them
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # the compute dtype, as trainer.precision of `up`
+    lr: float = Field(2e-5, gt=0)  # the peak learning rate; TRL's SFTConfig default
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"  # after warmup; linear: TRL's default
+    warmup_steps: int = Field(0, ge=0)  # steps the lr rises linearly over; 0: warmup_ratio decides
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)  # warmup as a fraction of the run's steps
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # the floor a linear/cosine decay ends at, x lr
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
+    checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints; 0: only at the end
+    save_total_limit: int | None = Field(None, ge=1)  # complete checkpoints kept (None: all)
+    eval_every: int = Field(0, ge=0)  # steps between held-out evaluations; 0: only at the end (and before step 1)
+    export_hf: bool = True  # write <run dir>/final, a directory transformers' from_pretrained loads
+    threads: int | Literal["auto"] = "auto"  # torch intra-op threads per rank ("auto": the CPUs allowed / ranks)
+
+    @field_validator("threads")
+    @classmethod
+    def _positive_threads(cls, value: int | str) -> int | str:
+        return _check_threads(value)
+
+    def as_trainer(self, steps: int) -> TrainerConfig:
+        """The RL trainer's config these keys stand for, for the parts SFT reuses (backend, optimizer, schedule,
+        precision, retention) over a run of ``steps`` optimizer steps."""
+        same = ("nproc", "precision", "lr", "lr_schedule", "min_lr_ratio", "weight_decay", "betas", "grad_clip")
+        same += ("gradient_checkpointing", "save_total_limit", "warmup_ratio")
+        return TrainerConfig(
+            steps=steps, warmup_steps=self.warmup_steps, padding_free="off", shared_prefix="off",
+            **{key: getattr(self, key) for key in same},
+        )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _warmup_once(self) -> SFTTrainerConfig:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("trainer.warmup_steps and trainer.warmup_ratio: set one of them, not both")
+        return self
+
+
+class SFTConfig(Section):
+    """``relayrl train sft CONFIG``: supervised fine-tuning on the RL trainer's backend (docs/post-training.md)."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    data: SFTDataConfig
+    trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.path
+
+
 def stream_blockers(cfg: RelayConfig) -> list[str]:
     """What keeps a streamed step from being exactly the whole-batch update (empty: nothing). Streaming trains
     each group once it is kept and steps a mini-batch once its groups are in, so: every sample must come from the
@@ -1120,6 +1215,19 @@ def parse_config(raw: dict[str, Any]) -> RelayConfig:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayConfig:
     """Read YAML, apply ``key=value`` overrides, validate. Raises ConfigError naming the key."""
+    return parse_config(read_raw(path, overrides))
+
+
+def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTConfig:
+    """``relayrl train sft``'s config, read as ``load_config`` reads a run's. Raises ConfigError naming the key."""
+    try:
+        return SFTConfig.model_validate(read_raw(path, overrides))
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def read_raw(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML mapping at ``path`` with the ``key=value`` overrides applied, not yet validated."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
@@ -1133,7 +1241,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayCo
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for assignment in overrides or []:
         apply_override(raw, assignment)
-    return parse_config(raw)
+    return raw
 
 
 def dump_config(config: RelayConfig) -> str:

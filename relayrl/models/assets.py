@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, ConfigError, RelayConfig
+from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, ConfigError, RelayConfig, SFTConfig
 
 TINY_CHAT = "builtin:tiny-chat"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
@@ -25,7 +25,7 @@ def asset_dir(cfg: RelayConfig) -> Path:
     return cfg.run_dir / "assets"
 
 
-def _model_recipe(cfg: RelayConfig):
+def _model_recipe(cfg: RelayConfig | SFTConfig):
     """(settings, builder modules, build(directory)) of the ``builtin:`` model ``cfg`` names."""
     m = cfg.model
     if m.path == SMOLLM2:
@@ -59,18 +59,25 @@ def builtin_data_path(cfg: RelayConfig, path: str) -> Path:
     return asset_dir(cfg) / f"{path.removeprefix(BUILTIN)}-seed{cfg.run.seed}.jsonl"
 
 
+def prepare_model(cfg: RelayConfig | SFTConfig) -> None:
+    """Build the ``builtin:`` model ``cfg.model.path`` names (when not built yet) and point ``cfg.model.path`` at it,
+    in place (``cached_asset`` says what it built); any other path is left as it is."""
+    if cfg.model.path not in BUILTIN_MODELS:
+        return
+    from relayrl.models.asset_cache import cached_asset
+
+    settings, builders, build = _model_recipe(cfg)
+    name = cfg.model.path.removeprefix(BUILTIN)
+    cfg.model.path = str(cached_asset(name, settings, builders, build, what=cfg.model.path))
+
+
 def prepare_assets(cfg: RelayConfig) -> list[str]:
     """Build the ``builtin:`` assets ``cfg`` names (when not built yet) and point ``cfg.model.path``,
     ``cfg.data.path`` and the eval sets' paths at them, in place; returns the data files this call wrote (a model's
     build says itself what it built and how long it took: ``cached_asset``). A builtin whose optional extra is not
     installed is a ConfigError naming the ``pip install``."""
     built = []
-    if cfg.model.path in BUILTIN_MODELS:
-        from relayrl.models.asset_cache import cached_asset
-
-        settings, builders, build = _model_recipe(cfg)
-        name = cfg.model.path.removeprefix(BUILTIN)
-        cfg.model.path = str(cached_asset(name, settings, builders, build, what=cfg.model.path))
+    prepare_model(cfg)
     for data in [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]:
         if data.path in BUILTIN_DATA:
             data_file = builtin_data_path(cfg, data.path)

@@ -32,17 +32,18 @@ EVAL_KEYS = ("eval", "step", "policy_version", "prompts", "prompts_failed")
 
 
 class MetricsWriter:
-    """Appends one JSON object per step; on resume, drops lines past the resumed step (no repeats)."""
+    """Appends one JSON object per step; on resume, drops lines past the resumed step (no repeats). ``required``: the
+    keys every step line must hold (an RL run's ``REQUIRED_KEYS``)."""
 
-    def __init__(self, path: Path, *, resume_step: int = 0) -> None:
-        self.path = path
+    def __init__(self, path: Path, *, resume_step: int = 0, required: tuple[str, ...] = REQUIRED_KEYS) -> None:
+        self.path, self.required = path, required
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_records(path) if r["step"] <= resume_step] if resume_step else []
         atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))  # a crash keeps the old lines whole
         self._file = path.open("a", buffering=1)
 
     def write(self, record: dict) -> None:
-        missing = [k for k in REQUIRED_KEYS if k not in record]
+        missing = [k for k in self.required if k not in record]
         if missing:
             raise KeyError(f"metrics record lacks {missing}")
         self._file.write(json.dumps(record) + "\n")
@@ -139,21 +140,25 @@ TRAINING_PANELS = (
 )
 
 
-def training_panels(records: list[dict], reference: bool = True) -> list[tuple[str, str]]:
-    """The TRAINING_PANELS some record holds, in order; ``reference``: the run has a reference model (else ref_kl
+def training_panels(
+    records: list[dict], reference: bool = True, panels: tuple[tuple[str, str], ...] = TRAINING_PANELS
+) -> list[tuple[str, str]]:
+    """The ``panels`` some record holds, in order; ``reference``: the run has a reference model (else ref_kl
     is left out)."""
-    return [
-        (key, name)
-        for key, name in TRAINING_PANELS
-        if any(key in r for r in records) and (reference or key != "ref_kl")
-    ]
+    return [(key, name) for key, name in panels if any(key in r for r in records) and (reference or key != "ref_kl")]
 
 
-def plot_training(metrics_path: Path, out_path: Path, title: str = "", reference: bool = True) -> Path | None:
-    """One panel per TRAINING_PANELS key some step recorded, against the step; None without data. ``reference``:
-    the run has a reference model (``algorithm.kl_coef`` > 0)."""
+def plot_training(
+    metrics_path: Path,
+    out_path: Path,
+    title: str = "",
+    reference: bool = True,
+    panels: tuple[tuple[str, str], ...] = TRAINING_PANELS,
+) -> Path | None:
+    """One panel per ``panels`` key (an RL run's TRAINING_PANELS) some step recorded, against the step; None
+    without data. ``reference``: the run has a reference model (``algorithm.kl_coef`` > 0)."""
     records = read_metrics(metrics_path)
-    panels = training_panels(records, reference)
+    panels = training_panels(records, reference, panels)
     if not panels:
         return None
     import matplotlib
