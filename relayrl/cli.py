@@ -264,14 +264,20 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
                 "choose another run.name (or run.dir)"
             )
         prepare_model(cfg)
+        from transformers import AutoTokenizer
+
+        from relayrl.trainer.sft import load_data, run_sft  # after the config is known good: seconds of imports
+
+        data = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.path))  # bad rows: refused before any rank
         if cfg.trainer.nproc > 1:
             rank = ["-m", "relayrl.cli", "train", "sft", args.config, *(f"--set={kv}" for kv in args.set)]
             return run_supervised(
                 ["--standalone", f"--nproc-per-node={cfg.trainer.nproc}", *rank, *(["--resume"] if args.resume else [])]
             )
         os.environ.update(single_rank_env())
+        return run_sft(cfg, resume=args.resume, data=data)
     prepare_model(cfg)  # a rank: the launcher built it, this points the config at it
-    from relayrl.trainer.sft import run_sft  # after the config is known good: seconds of imports
+    from relayrl.trainer.sft import run_sft
 
     return run_sft(cfg, resume=args.resume)
 

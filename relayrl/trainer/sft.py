@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Sequence
 
+import datasets
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -74,6 +75,17 @@ def load_examples(cfg: SFTConfig, tokenizer, path: str, split: str, key: str) ->
         )  # fmt: skip
     except (DataFormatError, FileNotFoundError, ValueError) as err:
         raise ConfigError(f"{key} {path}: {err}") from None
+
+
+def load_data(cfg: SFTConfig, tokenizer) -> tuple[list[SFTExample], list[SFTExample] | None]:
+    """(training examples, held-out examples or None), every row checked (``load_examples``); datasets' progress
+    bars off, so a refusal is the command's one line."""
+    datasets.disable_progress_bars()
+    examples = load_examples(cfg, tokenizer, cfg.data.path, cfg.data.split, "data.path")
+    if cfg.data.heldout is None:
+        return examples, None
+    path, split = cfg.data.heldout
+    return examples, load_examples(cfg, tokenizer, path, split, "data.eval_path" if cfg.data.eval_path else "data.path")
 
 
 def trained_tokens(example: SFTExample) -> int:
@@ -174,8 +186,11 @@ def progress_line(step: int, steps: int, record: dict) -> str:
     return line
 
 
-def run_sft(cfg: SFTConfig, *, resume: bool) -> int:
-    """Train (every rank calls it; rank 0 writes the run's files). Returns the exit code."""
+def run_sft(
+    cfg: SFTConfig, *, resume: bool, data: tuple[list[SFTExample], list[SFTExample] | None] | None = None
+) -> int:
+    """Train (every rank calls it; rank 0 writes the run's files); ``data``: ``load_data``'s, where the caller has
+    loaded it. Returns the exit code."""
     cuda = torch.cuda.is_available()
     init_world(world_backend(cuda))
     rank = dist.get_rank()
@@ -185,11 +200,7 @@ def run_sft(cfg: SFTConfig, *, resume: bool) -> int:
     torch.set_num_threads(threads if threads != "auto" else max(1, available_cores() // dist.get_world_size()))
     run_dir = cfg.run_dir
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    examples = load_examples(cfg, tokenizer, cfg.data.path, cfg.data.split, "data.path")
-    heldout = None
-    if cfg.data.heldout is not None:
-        path, split = cfg.data.heldout
-        heldout = load_examples(cfg, tokenizer, path, split, "data.eval_path" if cfg.data.eval_path else "data.path")
+    examples, heldout = data if data is not None else load_data(cfg, tokenizer)
     lengths = [len(example.input_ids) for example in examples]
     plan = plan_steps(
         lengths, batch_tokens=cfg.trainer.batch_tokens, epochs=cfg.trainer.epochs, steps=cfg.trainer.steps,

@@ -1,0 +1,205 @@
+"""``relayrl train sft`` (relayrl/trainer/sft.py) as a user runs it, on a tiny ChatML Qwen2: the loss falls, the
+export loads with ``from_pretrained`` and scores the held-out rows as the run logged, bad data and unknown keys are
+refused in one line (exit 2), and a run killed with SIGKILL resumes to the uninterrupted run's weights. Also the
+step plan and the packed rows' attention under the CPU's float32 SDPA."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from relayrl.algorithms.sft_loss import pack_examples, pad_examples
+from relayrl.config import TrainerConfig
+from relayrl.models.tiny_chat import build_chat_tokenizer
+from relayrl.trainer.precision import FLOAT32_SDPA, Precision
+from relayrl.trainer.sft_plan import pack_rows, plan_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 8
+
+
+def chat_row(a: int, b: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": f"{a + b}"}]}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A tiny ChatML Qwen2 (hidden 32, 2 layers), 40 training rows and 10 held-out ones of a+b."""
+    root = tmp_path_factory.mktemp("sft")
+    tok = build_chat_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rng = random.Random(0)
+    for name, count in (("train", 40), ("heldout", 10)):
+        rows = [chat_row(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def write_config(root: Path, name: str, **data) -> Path:
+    config = {
+        "run": {"name": name, "dir": str(root / "runs")},
+        "model": {"path": str(root / "model")},
+        "data": {"path": str(root / "train.jsonl"), "eval_path": str(root / "heldout.jsonl"), **data},
+        "trainer": {
+            "steps": STEPS, "batch_tokens": 200, "pack_tokens": 100, "lr": 3e-3, "checkpoint_every": 1,
+            "precision": "float32", "threads": 1,
+        },
+    }  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def command(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "relayrl.cli", "train", "sft", *argv]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def train(*argv: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(*argv), capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished(workdir) -> tuple[Path, subprocess.CompletedProcess]:
+    """An uninterrupted run of STEPS steps."""
+    done = train(str(write_config(workdir, "whole")))
+    return workdir / "runs" / "whole", done
+
+
+def test_the_loss_falls_and_the_run_writes_its_files(finished) -> None:
+    run_dir, done = finished
+    lines = records(run_dir)
+    assert lines[0]["step"] == 0 and set(lines[0]) == {"step", "eval_loss", "eval_token_accuracy"}
+    steps = lines[1:]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for key in ("loss", "token_accuracy", "lr", "grad_norm", "tokens", "epoch"):
+        assert all(key in r for r in steps), key
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
+    assert steps[-1]["eval_loss"] < lines[0]["eval_loss"] - 0.3  # held out: the rows it never trained on
+    assert steps[0]["lr"] == pytest.approx(3e-3) and steps[-1]["lr"] < steps[0]["lr"]  # linear decay by default
+    assert f"step {STEPS}/{STEPS} epoch 1 loss" in done.stdout and "held-out loss" in done.stdout
+    assert (run_dir / "metrics.png").stat().st_size > 0
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == STEPS
+
+
+def test_the_export_loads_and_scores_the_heldout_rows_as_the_run_logged(finished, workdir) -> None:
+    """The exported model's token-mean NLL on the held-out rows, each example in its own padded row, is the
+    run's last eval_loss (computed packed, by the trainer's weights)."""
+    run_dir, _ = finished
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+    from relayrl.data.trl_formats import load_format, render_sft
+
+    rows, _ = load_format(str(workdir / "heldout.jsonl"))
+    examples = [(e.input_ids, e.loss_mask) for e in render_sft(rows, tok)]
+    batch = pad_examples(examples, tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.input_ids[:, 1:], reduction="none")
+    loss = float((nll * batch.target_mask).sum() / batch.target_mask.sum())
+    assert loss == pytest.approx(records(run_dir)[-1]["eval_loss"], abs=1e-5)
+
+
+def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_weights(finished, workdir) -> None:
+    run_dir, _ = finished
+    config = write_config(workdir, "killed")
+    killed = workdir / "runs" / "killed"
+    proc = subprocess.Popen(command(str(config)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    deadline = time.monotonic() + 240
+    while not (killed / "checkpoints" / "step_3" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its third checkpoint"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final").exists()
+    refused = subprocess.run(command(str(config)), capture_output=True, text=True, timeout=300, env=ENV)
+    assert refused.returncode == 2 and "--resume continues it" in refused.stderr
+    train(str(config), "--resume")
+    whole, resumed = (
+        load_file(run_dir / "final" / "model.safetensors"),
+        load_file(killed / "final" / "model.safetensors"),
+    )
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    assert [r["loss"] for r in records(killed)[1:]] == [r["loss"] for r in records(run_dir)[1:]]
+
+
+def refusal(*argv: str) -> str:
+    done = subprocess.run(command(*argv), capture_output=True, text=True, timeout=300, env=ENV)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
+    return lines[0]
+
+
+def test_bad_data_and_unknown_keys_are_refused_in_one_line(workdir) -> None:
+    bad = workdir / "bad.jsonl"
+    bad.write_text(json.dumps(chat_row(1, 2)) + "\n" + json.dumps({"messages": "1+2=3"}) + "\n")
+    config = write_config(workdir, "bad")
+    line = refusal(str(config), "--set", f"data.path={bad}")
+    assert "data.path" in line and "row 1, column 'messages'" in line
+    assert refusal(str(config), "--set", "trainer.stream=on") == "relayrl: config error: trainer.stream: unknown key"
+    assert not (workdir / "runs" / "bad").exists()
+
+
+def test_steps_fill_the_token_budget_and_rows_the_pack_budget() -> None:
+    lengths = [30, 50, 20, 80, 10, 300, 40]
+    plan = plan_steps(lengths, batch_tokens=100, epochs=2, steps=None, seed=0, shuffle=True)
+    for epoch in (0, 1):
+        visited = [i for e, step in plan if e == epoch for i in step]
+        assert sorted(visited) == list(range(len(lengths)))  # every example once per epoch
+    for _, step in plan:
+        assert sum(lengths[i] for i in step) <= 100 or len(step) == 1  # the 300-token example goes alone
+        rows = pack_rows(lengths, step, 60)
+        assert sorted(i for row in rows for i in row) == sorted(step)
+        assert all(sum(lengths[i] for i in row) <= 60 or len(row) == 1 for row in rows)
+    assert plan == plan_steps(lengths, batch_tokens=100, epochs=2, steps=None, seed=0, shuffle=True)
+    capped = plan_steps(lengths, batch_tokens=100, epochs=1, steps=len(plan) + 2, seed=0, shuffle=True)
+    assert len(capped) == len(plan) + 2 and capped[: len(plan)] == plan  # steps past the epochs: more passes
+
+
+def test_packed_examples_do_not_attend_across_under_float32_sdpa(workdir) -> None:
+    """Under bf16 compute on a CPU the trained model's attention is FLOAT32_SDPA (trainer/precision.py): its mask
+    function must be SDPA's, or transformers gives it no mask and a packed row's examples see each other."""
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32)
+    Precision.resolve(TrainerConfig(precision="bfloat16"), "auto", torch.device("cpu")).prepare(
+        model, torch.device("cpu")
+    )
+    assert model.config._attn_implementation == FLOAT32_SDPA
+    examples = [([5, 9, 12, 7], [0, 1, 1, 1]), ([3, 4, 8], [0, 1, 1]), ([6, 2, 11, 10, 13], [0, 0, 1, 1, 1])]
+    packed = pack_examples(examples)
+    with torch.no_grad():  # float32 inputs, no autocast: FLOAT32_SDPA computes as SDPA does
+        together = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+        start = 0
+        for ids, _ in examples:
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            torch.testing.assert_close(together[start : start + len(ids)], alone, atol=1e-5, rtol=1e-5)
+            start += len(ids)
