@@ -3,8 +3,9 @@
 
 ``python docs/hooks/config_reference.py`` (``make config-docs``) rewrites the part of the page between the lines
 ``BEGIN`` and ``END``: one table per section of ``RelayConfig`` (nested and optional sections included), every key
-with its type, default, constraints and comment. As a build hook it refuses a page that is not current, so a key
-added without regenerating fails ``make docs`` and ``tests/docs``.
+with its type, default, constraints and comment; likewise ``SFTConfig`` (``relayrl train sft``) into
+``docs/post-training.md`` between ``SFT_BEGIN`` and ``SFT_END``. As a build hook it refuses a page that is not
+current, so a key added without regenerating fails ``make docs`` and ``tests/docs``.
 
 The comment of a field is what its source says about it: the ``# ...`` comment block right above it, its trailing
 ``# ...`` comment and ``Field(description=...)``, read from the class's source with ``ast`` and ``tokenize``, so a
@@ -38,6 +39,12 @@ PAGE = ROOT / "docs" / "configuration.md"
 COMMAND = "make config-docs"
 BEGIN = f"<!-- config-reference: generated from relayrl/config.py by `{COMMAND}`; do not edit by hand -->"
 END = "<!-- /config-reference -->"
+# `relayrl train sft`'s config (SFTConfig), documented on the page of the offline stages
+SFT_PAGE = ROOT / "docs" / "post-training.md"
+SFT_BEGIN = f"<!-- config-reference of SFTConfig: generated from relayrl/config.py by `{COMMAND}`; do not edit -->"
+SFT_END = "<!-- /config-reference of SFTConfig -->"
+# (begin, end, the root model's name in relayrl/config.py, its sections' heading level)
+REGIONS = ((BEGIN, END, "RelayConfig", 2), (SFT_BEGIN, SFT_END, "SFTConfig", 3))
 CONSTRAINTS = {
     "gt": ">",
     "ge": "≥",
@@ -51,30 +58,37 @@ CONSTRAINTS = {
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # mkdocs hook
-    if BEGIN in markdown and markdown != current(markdown):
+    if any(begin in markdown for begin, *_ in REGIONS) and markdown != current(markdown):
         raise PluginError(f"{page.file.src_path}: the configuration reference is not current: run `{COMMAND}`")
     return markdown
 
 
 def current(text: str) -> str:
-    """``text`` with the part between ``BEGIN`` and ``END`` rendered anew from this tree's ``RelayConfig``."""
-    head, begin, rest = text.partition(BEGIN)
-    _, end, tail = rest.partition(END)
-    if not (begin and end):
-        raise ValueError(f"the page lacks the lines {BEGIN!r} and {END!r} between which the reference goes")
+    """``text`` with each part between a ``REGIONS`` pair of lines rendered anew from this tree's model of it
+    (``RelayConfig`` between ``BEGIN`` and ``END``); ValueError for a page with none."""
     sys.path.insert(0, str(ROOT))  # document this tree's relayrl, whichever one the venv installed
-    from relayrl.config import RelayConfig
+    import relayrl.config
 
-    return f"{head}{BEGIN}\n\n{render(RelayConfig)}\n{END}{tail}"
+    found = False
+    for begin_line, end_line, root, level in REGIONS:
+        head, begin, rest = text.partition(begin_line)
+        _, end, tail = rest.partition(end_line)
+        if begin and end:
+            found = True
+            text = f"{head}{begin}\n\n{render(getattr(relayrl.config, root), level)}\n{end}{tail}"
+    if not found:
+        raise ValueError(f"the page lacks the lines {BEGIN!r} and {END!r} between which the reference goes")
+    return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=f"Rewrite {PAGE.relative_to(ROOT)}'s configuration reference.")
+    parser = argparse.ArgumentParser(description="Rewrite the configuration references of the docs.")
     parser.parse_args()
-    text = PAGE.read_text()
-    updated = current(text)
-    PAGE.write_text(updated)
-    print(f"{PAGE.relative_to(ROOT)}: {'rewritten' if updated != text else 'already current'}")
+    for page in (PAGE, SFT_PAGE):
+        text = page.read_text()
+        updated = current(text)
+        page.write_text(updated)
+        print(f"{page.relative_to(ROOT)}: {'rewritten' if updated != text else 'already current'}")
 
 
 # -- reading the models ------------------------------------------------------------------------------------------
@@ -214,10 +228,11 @@ def code_cell(text: str) -> str:
     return f"<code>{html.escape(text, quote=False)}</code>".replace("|", "&#124;")
 
 
-def render(root: type[BaseModel]) -> str:
+def render(root: type[BaseModel], level: int = 2) -> str:
+    """One table per section of ``root``, each under a heading of ``level``."""
     out = []
     for path, model, optional in sections(root):
-        out.append(f"## {f'`{path}`' if path else 'Top level'}\n")
+        out.append(f"{'#' * level} {f'`{path}`' if path else 'Top level'}\n")
         doc = class_doc(model)
         if doc:
             out.append(prose(doc.replace("``", "`")) + "\n")

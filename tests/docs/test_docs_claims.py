@@ -85,6 +85,22 @@ def test_the_committed_configuration_page_is_current_with_relay_config() -> None
     assert set(re.findall(r'class="config-key" data-key="([^"]+)"', text)) >= {"rollout.limits.max_n", "eval.every"}
 
 
+def test_the_train_sft_reference_is_current_and_lists_every_key_of_sft_config() -> None:
+    """docs/post-training.md's `relayrl train sft` keys are generated from SFTConfig like the run's reference."""
+    from relayrl.config import SFTConfig
+
+    hook = load_hook("config_reference")
+    text = hook.SFT_PAGE.read_text()
+    assert text == hook.current(text), f"docs/post-training.md is not current: run `{hook.COMMAND}`"
+    listed = re.findall(r'class="config-key" data-key="([^"]+)"', text)
+    expected = {
+        f"{section}.{key}"
+        for section in ("run", "data", "trainer")
+        for key in SFTConfig.model_fields[section].annotation.model_fields
+    }
+    assert expected <= set(listed) and "trainer.batch_tokens" in listed and "trainer.stream" not in listed
+
+
 def test_a_stale_configuration_page_fails_the_docs_build_naming_the_command() -> None:
     hook = load_hook("config_reference")
     stale = f"# Configuration reference\n\n{hook.BEGIN}\n| `run.name` | ... |\n{hook.END}\n"
@@ -120,6 +136,8 @@ EXIT_CLAIMS = {
     ("operating.md", "Ctrl-C (exit 0)", "0"): "tests/integration/test_operate_scaling.py::drain_under_up",
     ("operating.md", "refused with exit code 3", "3"): "tests/integration/test_run_lock.py::second_up_is",
     ("operating.md", "`relayrl up` exits 2 naming the filesystem", "2"): "tests/unit/test_runlock.py::without_flock",
+    ("post-training.md", "row and column, with exit status 2", "2"): "tests/unit/test_train_sft.py::bad_data_and",
+    ("post-training.md", "checkpoints it and exits 0", "0"): "tests/unit/test_train_sft.py::stopped_by_sigterm",
     ("quickstart.md", "naming the flag, exit 2", "2"): "tests/unit/test_cli_refusals.py::every_subcommand_refuses",
     ("rewards.md", "`relayrl up` exits 1", "1"): "tests/integration/test_reward_failures.py::raising_reward",
     ("reliability.md", "the role then exits with code 137", "137"): "tests/unit/test_faults.py::ledger_write_point",

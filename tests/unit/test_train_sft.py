@@ -1,7 +1,7 @@
 """``relayrl train sft`` (relayrl/trainer/sft.py) as a user runs it, on a tiny ChatML Qwen2: the loss falls, the
 export loads with ``from_pretrained`` and scores the held-out rows as the run logged, bad data and unknown keys are
-refused in one line (exit 2), and a run killed with SIGKILL resumes to the uninterrupted run's weights. Also the
-step plan and the packed rows' attention under the CPU's float32 SDPA."""
+refused in one line (exit 2), and a run stopped by SIGTERM (exit 0) and killed with SIGKILL resumes to the
+uninterrupted run's weights. Also the step plan and the packed rows' attention under the CPU's float32 SDPA."""
 
 from __future__ import annotations
 
@@ -127,16 +127,30 @@ def test_the_export_loads_and_scores_the_heldout_rows_as_the_run_logged(finished
     assert loss == pytest.approx(records(run_dir)[-1]["eval_loss"], abs=1e-5)
 
 
-def test_a_run_killed_mid_run_resumes_to_the_uninterrupted_weights(finished, workdir) -> None:
+def start_until(config: Path, run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
+    """``train sft CONFIG EXTRA`` started and still running once its checkpoint of ``step`` is complete."""
+    proc = subprocess.Popen(command(str(config), *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"ended before checkpoint {step}"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be stopped"
+    return proc
+
+
+def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weights(finished, workdir) -> None:
+    """SIGTERM: the step in progress ends, is checkpointed, exit 0; then --resume, SIGKILL mid-run, --resume: the
+    weights are the uninterrupted run's bit for bit, and so is every step's loss."""
     run_dir, _ = finished
     config = write_config(workdir, "killed")
     killed = workdir / "runs" / "killed"
-    proc = subprocess.Popen(command(str(config)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    deadline = time.monotonic() + 240
-    while not (killed / "checkpoints" / "step_3" / "trainer_state.json").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its third checkpoint"
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
+    proc = start_until(config, killed, 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()[-3000:]
+    stopped_at = records(killed)[-1]["step"]
+    assert (killed / "checkpoints" / f"step_{stopped_at}" / "trainer_state.json").exists()
+    assert stopped_at < STEPS and not (killed / "final").exists()
+    proc = start_until(config, killed, stopped_at + 2, "--resume")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "final").exists()
