@@ -138,6 +138,7 @@ EXIT_CLAIMS = {
     ("operating.md", "`relayrl up` exits 2 naming the filesystem", "2"): "tests/unit/test_runlock.py::without_flock",
     ("post-training.md", "row and column, with exit status 2", "2"): "tests/unit/test_train_sft.py::bad_data_and",
     ("post-training.md", "checkpoints it and exits 0", "0"): "tests/unit/test_train_sft.py::stopped_by_sigterm",
+    ("post-training.md", "a run stopped by SIGTERM (exit 0", "0"): "tests/unit/test_train_sft.py::stopped_by_sigterm",
     ("quickstart.md", "naming the flag, exit 2", "2"): "tests/unit/test_cli_refusals.py::every_subcommand_refuses",
     ("rewards.md", "`relayrl up` exits 1", "1"): "tests/integration/test_reward_failures.py::raising_reward",
     ("reliability.md", "the role then exits with code 137", "137"): "tests/unit/test_faults.py::ledger_write_point",
