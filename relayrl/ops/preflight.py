@@ -9,7 +9,8 @@ from PYTHONPATH or the working directory, as the roles import it, of a form rela
 the dataset), the environment (``environment.serve`` importable, each of ``environment.servers`` listening), the
 engine (installed, at a supported version), the controller's port (free, when fixed), the TLS files (readable
 PEM), and last the two that import torch: every registry name in the config (advantage estimator, policy loss,
-aggregation, KL estimator: the trainer's registries, whatever they hold) and the model's tokenizer (it loads).
+aggregation, KL estimator: the trainer's registries, whatever they hold), the model's tokenizer (it loads) and a
+forced attention implementation (the model's architecture supports it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from relayrl.config import (
 )
 from relayrl.cores.threads import check_role_cpus
 from relayrl.ops.placement import node_devices, place
+from relayrl.runtime.attention import AUTO, load_with_attention
 from relayrl.runtime.ports import port_in_use
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -156,6 +158,26 @@ def check_tokenizer(cfg: RelayConfig) -> None:
         from relayrl.data.prompts import NO_TEMPLATE_FOR_SYSTEM
 
         raise ConfigError(f"{NO_TEMPLATE_FOR_SYSTEM} ({path})")
+
+
+def check_attention(cfg: RelayConfig) -> None:
+    """A forced ``model.attn_implementation`` is one a local model's architecture supports: the model built on the
+    meta device (no weights, no memory) with it, as the roles load it. Whether this machine has the kernel's
+    package (flash-attn) is left to the roles: the GPU nodes may have what this one lacks."""
+    model = cfg.model
+    path = Path(model.path)
+    if model.attn_implementation == AUTO or model.path in BUILTIN_MODELS or not path.is_dir():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    try:
+        with torch.device("meta"):
+            load_with_attention(AutoModelForCausalLM.from_config, config, model.attn_implementation)
+    except ValueError as err:
+        if not isinstance(err.__cause__, ImportError):
+            raise ConfigError(str(err)) from None
 
 
 def check_data(cfg: RelayConfig) -> None:
@@ -364,4 +386,4 @@ CHECKS = (
     check_port,
     check_tls,
 )
-HEAVY_CHECKS = (check_registry_names, check_tokenizer)
+HEAVY_CHECKS = (check_registry_names, check_tokenizer, check_attention)

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from relayrl.config import dump_config, load_config
+from relayrl.models.families import write_family_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "digits.yaml"
@@ -347,6 +348,7 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     (bad_tokenizer / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     (bad_tokenizer / "tokenizer.json").write_text("{not json")
     (bad_tokenizer / "model.safetensors").write_bytes(b"")  # present: the weights are the roles' to load
+    gemma2 = write_family_model("gemma2", tmp_path / "gemma2")  # eager: its soft-capped attention is not SDPA's
     no_weights = tmp_path / "no-weights"
     shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     bad_rows = tmp_path / "rows.jsonl"
@@ -423,6 +425,11 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
             "check_tokenizer",
             ["data.system_prompt=Be brief."],
             "data.system_prompt: a system turn needs a chat template",
+        ),
+        (
+            "check_attention",
+            [f"model.path={gemma2}", "model.attn_implementation=sdpa"],
+            "model.attn_implementation=sdpa: Gemma2ForCausalLM does not support an attention implementation through",
         ),
     ]
     assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
