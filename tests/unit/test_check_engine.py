@@ -4,20 +4,19 @@ is verified and changes the outputs); an engine that is not installed exits 2 sa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def check_engine(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def check_engine(*args: str, path: Path | None = None) -> subprocess.CompletedProcess:
+    """``relayrl check-engine ARGS``; ``path``: a directory searched for modules before the repository's."""
+    first = f"{path}{os.pathsep}" if path is not None else ""
+    env = {**os.environ, "PYTHONPATH": f"{first}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-m", "relayrl.cli", "check-engine", *args],
         capture_output=True,
@@ -71,8 +70,10 @@ def test_check_engine_lora_fails_an_engine_that_ignores_the_adapter(tiny_model_d
 LORA_CHECKS = ("adapter sync (gRPC + broadcast)", "outputs changed by the adapter", "log-probs with the adapter")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_check_engine_without_vllm_exits_2_with_the_install_command(tiny_model_dir: Path) -> None:
-    done = check_engine("--engine", "vllm", "--model", str(tiny_model_dir))
+def test_check_engine_without_vllm_exits_2_with_the_install_command(tiny_model_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "vllm"  # vLLM absent whether or not this machine has it: its import fails as a missing one
+    missing.mkdir()
+    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
+    done = check_engine("--engine", "vllm", "--model", str(tiny_model_dir), path=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "pip install 'relayrl[vllm]' (that is vllm>=0.33.0,<0.34)" in done.stderr
