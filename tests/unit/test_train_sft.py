@@ -1,7 +1,8 @@
 """``relayrl train sft`` (relayrl/trainer/sft.py) as a user runs it, on a tiny ChatML Qwen2: the loss falls, the
 export loads with ``from_pretrained`` and scores the held-out rows as the run logged, bad data and unknown keys are
-refused in one line (exit 2), and a run stopped by SIGTERM (exit 0) and killed with SIGKILL resumes to the
-uninterrupted run's weights. Also the step plan and the packed rows' attention under the CPU's float32 SDPA."""
+refused in one line (exit 2), a run stopped by SIGTERM (exit 0) and killed with SIGKILL resumes to the
+uninterrupted run's weights, two FSDP2 ranks train to one rank's weights, and LoRA trains under bf16 compute. Also
+the step plan and the packed rows' attention under the CPU's float32 SDPA."""
 
 from __future__ import annotations
 
@@ -109,22 +110,40 @@ def test_the_loss_falls_and_the_run_writes_its_files(finished) -> None:
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == STEPS
 
 
-def test_the_export_loads_and_scores_the_heldout_rows_as_the_run_logged(finished, workdir) -> None:
-    """The exported model's token-mean NLL on the held-out rows, each example in its own padded row, is the
-    run's last eval_loss (computed packed, by the trainer's weights)."""
-    run_dir, _ = finished
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
-    tok = AutoTokenizer.from_pretrained(run_dir / "final")
+def heldout_loss(directory: Path, workdir: Path) -> float:
+    """The token-mean NLL of the model ``from_pretrained`` loads from ``directory`` on the held-out rows, float32,
+    each example in its own padded row."""
     from relayrl.data.trl_formats import load_format, render_sft
 
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(directory)
     rows, _ = load_format(str(workdir / "heldout.jsonl"))
-    examples = [(e.input_ids, e.loss_mask) for e in render_sft(rows, tok)]
-    batch = pad_examples(examples, tok.pad_token_id)
+    batch = pad_examples([(e.input_ids, e.loss_mask) for e in render_sft(rows, tok)], tok.pad_token_id)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.input_ids[:, 1:], reduction="none")
-    loss = float((nll * batch.target_mask).sum() / batch.target_mask.sum())
-    assert loss == pytest.approx(records(run_dir)[-1]["eval_loss"], abs=1e-5)
+    return float((nll * batch.target_mask).sum() / batch.target_mask.sum())
+
+
+def test_the_export_loads_and_scores_the_heldout_rows_as_the_run_logged(finished, workdir) -> None:
+    """The exported model's held-out loss, each example in its own padded row, is the run's last eval_loss
+    (computed packed, by the trainer's weights)."""
+    run_dir, _ = finished
+    assert heldout_loss(run_dir / "final", workdir) == pytest.approx(records(run_dir)[-1]["eval_loss"], abs=1e-5)
+
+
+def test_lora_under_bf16_compute_trains_and_exports_the_adapter_and_the_merged_model(workdir) -> None:
+    """model.lora with trainer.precision bfloat16 (float32 adapter weights, bf16 matmuls, float32 SDPA on a CPU):
+    the held-out loss falls, final/adapter is a PEFT adapter, final/merged loads with from_pretrained and scores the
+    held-out rows as the run's last eval_loss to bf16 rounding."""
+    lora = "model.lora={rank: 8, alpha: 16, export_merged: true}"
+    config = write_config(workdir, "lora")
+    train(str(config), "--set", lora, "--set", "trainer.precision=bfloat16", "--set", "trainer.lr=2e-2")
+    run_dir = workdir / "runs" / "lora"
+    lines = records(run_dir)
+    assert lines[-1]["eval_loss"] < lines[0]["eval_loss"] - 0.1
+    assert json.loads((run_dir / "final" / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert heldout_loss(run_dir / "final" / "merged", workdir) == pytest.approx(lines[-1]["eval_loss"], abs=0.05)
 
 
 def start_until(config: Path, run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
@@ -165,6 +184,20 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weigh
     for name in whole:
         assert torch.equal(whole[name], resumed[name]), name
     assert [r["loss"] for r in records(killed)[1:]] == [r["loss"] for r in records(run_dir)[1:]]
+
+
+def test_two_ranks_train_to_the_one_rank_weights(finished, workdir) -> None:
+    """trainer.nproc 2: torchrun starts two FSDP2 ranks (gloo), each forwards every other packed row of a step (3
+    rows a step here: one rank makes an idle forward), the loss scaled by the ranks: the same losses and weights as
+    one rank, to float rounding."""
+    run_dir, _ = finished
+    train(str(write_config(workdir, "two")), "--set", "trainer.nproc=2")
+    two = workdir / "runs" / "two"
+    assert [r["loss"] for r in records(two)[1:]] == pytest.approx([r["loss"] for r in records(run_dir)[1:]], rel=1e-6)
+    assert all(r["rows"] >= 2 for r in records(two)[1:])
+    one, both = load_file(run_dir / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
+    for name in one:
+        torch.testing.assert_close(both[name], one[name], atol=1e-6, rtol=0)
 
 
 def refusal(*argv: str) -> str:
