@@ -17,9 +17,10 @@ the quantity it bounds, or ``within_tolerance`` says which is not. ``machine`` i
 Prints one JSON object: the batch's shape, seconds per step of each mode (median over rounds, and every round),
 microseconds per token (real tokens of the batch), ``speedup`` against ``float32_full_logits`` (per round and the
 median), the same for the process's CPU seconds (on a shared machine, where a step also waits for a core, steadier
-than wall seconds; exact with ``--threads 1``), each mode's step metrics (loss, grad norm, entropy, logprob
-mismatch against the float32 logprobs) and their gap to ``float32_full_logits``, and, with ``--profile``, where one
-more step of each mode spent its CPU time (torch.profiler: the top operators by self time, and shares by kind).
+than wall seconds; exact with ``--threads 1``), each mode's step metrics (loss, grad norm, entropy, logprob mismatch
+and the rollout-correction diagnostics ``rollout_corr/*`` against the float32 logprobs) and their gap to
+``float32_full_logits``, and, with ``--profile``, where one more step of each mode spent its CPU time
+(torch.profiler: the top operators by self time, and shares by kind).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ MODES = ("float32_full_logits", "float32", "bfloat16", "bfloat16_shared_prefix")
 # batch's tokens in the loss (measured on SmolLM2-135M: loss 0.1 %, grad norm 0.04 % and 0.74 % with shared
 # prompts, entropy 0.04 %).
 TOLERANCE = {"loss_rel": 0.01, "grad_norm_rel": 0.02, "entropy_rel": 0.002}
-METRICS = ("loss", "grad_norm", "entropy", "logprob_mismatch", "logprob_mismatch_max", "clip_frac")
+CORRECTION_METRICS = ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "log_ppl_diff", "ess")
+METRICS = ("loss", "grad_norm", "entropy", "logprob_mismatch", "logprob_mismatch_max", "clip_frac",
+           *(f"rollout_corr/{k}" for k in CORRECTION_METRICS))  # fmt: skip
 # torch.profiler operator names by kind, first match wins ("other": the rest)
 KINDS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_weight_int"),
