@@ -1,7 +1,8 @@
 """The built-in assets, named by ``builtin:`` paths: ``model.path: builtin:tiny-qwen2`` (a seeded tiny Qwen2 sized
 by ``model.tiny_hidden_size``/``tiny_layers``), ``builtin:tiny-chat`` (the agentic demo's tiny chat model,
 relayrl/models/tiny_chat.py), ``builtin:smollm2-135m-instruct`` (a real 135M chat model, relayrl/models/smollm2.py)
-and ``data.path: builtin:digits`` (the digits task).
+and ``data.path: builtin:digits`` (the digits task); ``reasoning-gym:<task>`` data paths are generated here too
+(relayrl/data/gym_tasks.py).
 
 Nothing is ever built because a path is missing: only these names build anything. A model is a pure function of
 its settings, so it is built once per machine into the asset cache (relayrl/models/asset_cache.py) and every run
@@ -14,7 +15,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relayrl.config import BUILTIN, BUILTIN_DATA, BUILTIN_MODELS, ConfigError, RelayConfig, SFTConfig
+from relayrl.config import (
+    BUILTIN,
+    BUILTIN_DATA,
+    BUILTIN_MODELS,
+    REASONING_GYM,
+    ConfigError,
+    DataConfig,
+    RelayConfig,
+    SFTConfig,
+)
 
 TINY_CHAT = "builtin:tiny-chat"
 SMOLLM2 = "builtin:smollm2-135m-instruct"
@@ -78,8 +88,11 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
     installed is a ConfigError naming the ``pip install``."""
     built = []
     prepare_model(cfg)
+    training = cfg.data.path
     for data in [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]:
-        if data.path in BUILTIN_DATA:
+        if data.path.startswith(REASONING_GYM):
+            built += _prepare_gym_task(cfg, data, training)
+        elif data.path in BUILTIN_DATA:
             data_file = builtin_data_path(cfg, data.path)
             if not data_file.exists():
                 from relayrl.data.digits import write_builtin
@@ -87,4 +100,27 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
                 write_builtin(data.path.removeprefix(BUILTIN), data_file, seed=cfg.run.seed)  # a temp file, renamed
                 built.append(str(data_file))
             data.path = str(data_file)
+    return built
+
+
+def _prepare_gym_task(cfg: RelayConfig, data: DataConfig, training: str) -> list[str]:
+    """Point a ``reasoning-gym:`` section at its rows in ``<run dir>/assets`` (generated when not there yet) and
+    give it the library's system prompt (unless data.system_prompt is set); returns the file when written. An eval
+    set of the training's task (``training``: data.path as written) leaves out every question of the training's
+    rows (written first: ``cfg.data.path`` is their file by then)."""
+    from relayrl.data import gym_tasks
+
+    path = asset_dir(cfg) / gym_tasks.asset_name(data)
+    built = []
+    if not path.exists():
+        held_out = data is not cfg.data and data.path == training
+        dropped = gym_tasks.write_rows(
+            data, path, held_out_from=gym_tasks.questions(Path(cfg.data.path)) if held_out else set()
+        )
+        if dropped:
+            gym_tasks.log.warning("%s: %d rows left out: their questions are in the training set", path.name, dropped)
+        built.append(str(path))
+    if data.system_prompt is None:
+        data.system_prompt = gym_tasks.system_prompt(gym_tasks.settings(data))
+    data.path = str(path)
     return built

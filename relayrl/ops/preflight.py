@@ -25,6 +25,7 @@ from pathlib import Path
 from relayrl.config import (
     BUILTIN_DATA,
     BUILTIN_MODELS,
+    REASONING_GYM,
     ConfigError,
     DataConfig,
     RelayConfig,
@@ -181,11 +182,39 @@ def check_attention(cfg: RelayConfig) -> None:
 
 
 def check_data(cfg: RelayConfig) -> None:
+    """``data`` (as every eval set, ``check_data_section``); a reasoning-gym task's eval set of the same task and
+    seed would be its training rows; ``controller.reward.fn: reasoning_gym`` scores reasoning-gym rows only."""
     check_data_section(cfg.data, "data")
+    if cfg.data.path.startswith(REASONING_GYM) and cfg.eval is not None:
+        from relayrl.data.gym_tasks import settings
+
+        for name, data in cfg.eval.sets.items():
+            if data.path == cfg.data.path and settings(data).seed == settings(cfg.data).seed:
+                raise ConfigError(
+                    f"eval.sets.{name}.reasoning_gym.seed: {settings(data).seed}, the training's seed for the same "
+                    "task: its rows would be the training's; set another seed (rows the training has are left out)"
+                )
+    reward = cfg.controller.reward
+    gym_sets = [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]
+    if "reasoning_gym" in [reward.fn, *reward.fns] and not all(d.path.startswith(REASONING_GYM) for d in gym_sets):
+        raise ConfigError(
+            f"controller.reward.fn: reasoning_gym scores the rows of data.path {REASONING_GYM}<task> only (the "
+            "task's score_answer reads the row's entry); every data set of this run must be one"
+        )
 
 
 def check_data_section(data: DataConfig, key: str) -> None:
     """``key``: the section's dotted path in the config (``data``, ``eval.sets.NAME``), named by each error."""
+    if data.path.startswith(REASONING_GYM):
+        from relayrl.data.gym_tasks import check
+
+        try:
+            check(data)
+        except ValueError as err:
+            raise ConfigError(f"{key}.{err}") from None
+        return
+    if data.reasoning_gym is not None:
+        raise ConfigError(f"{key}.reasoning_gym: set beside path {data.path}; it configures {REASONING_GYM}<task> only")
     if data.path in BUILTIN_DATA:
         return
     from relayrl.data.formats import FILE_BUILDERS

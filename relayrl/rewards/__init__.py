@@ -35,3 +35,5 @@ __all__ = [
     "resolve_reward",
     "reward_signature",
 ]
+
+from relayrl.rewards import libraries  # noqa: F401 (registers reasoning_gym and math_verify)
