@@ -317,6 +317,14 @@ def check_reward(cfg: RelayConfig) -> None:
         weighted_rewards(cfg.controller.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from relayrl.data.gym_tasks import missing_extra
+
+    for name, module, dist in (
+        ("math_verify", "math_verify", "math-verify"),
+        ("reasoning_gym", "reasoning_gym", "reasoning-gym"),
+    ):
+        if name in [cfg.controller.reward.fn, *cfg.controller.reward.fns] and (reason := missing_extra(module, dist)):
+            raise ConfigError(f"controller.reward.fn: {name} {reason}")
 
 
 def check_environment(cfg: RelayConfig) -> None:

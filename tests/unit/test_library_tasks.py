@@ -17,7 +17,7 @@ from relayrl.data import gym_tasks
 from relayrl.data.dataset import PromptDataset
 from relayrl.models.assets import prepare_assets
 from relayrl.models.tiny_chat import build_chat_tokenizer
-from relayrl.ops.preflight import check_data
+from relayrl.ops.preflight import check_data, check_reward
 from relayrl.rewards import RewardRaised, load_reward, reward_signature
 from relayrl.rewards.call import GroupInputs, RewardCaller
 from relayrl.rewards.libraries import MathVerify
@@ -114,3 +114,15 @@ def test_relayrl_check_on_the_example() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "examples/reasoning-gym.yaml: ok" in done.stdout
+
+
+def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gym_tasks.importlib.util, "find_spec", lambda name: None)
+    cfg = parse_config(config(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"^data.path: reasoning-gym:basic_arithmetic needs reasoning-gym \(the tasks"
+    ):
+        check_data(cfg)
+    cfg.controller.reward.fn = "math_verify"
+    with pytest.raises(ConfigError, match=r"^controller.reward.fn: math_verify needs math-verify .*relayrl\[tasks\]"):
+        check_reward(cfg)
