@@ -266,7 +266,10 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         prepare_model(cfg)
         from transformers import AutoTokenizer
 
-        from relayrl.trainer.sft import load_data, run_sft  # after the config is known good: seconds of imports
+        from relayrl.trainer.sft import check_resume, load_data, run_sft  # the config is good: seconds of imports
+
+        if args.resume:
+            check_resume(cfg)
 
         data = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.path))  # bad rows: refused before any rank
         if cfg.trainer.nproc > 1:

@@ -24,6 +24,7 @@ import datasets
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
@@ -38,6 +39,7 @@ from relayrl.data.trl_formats import (
     load_format,
     render_sft,
 )
+from relayrl.ops.resume import flatten
 from relayrl.runtime.files import atomic_write
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.loop import ShutdownFlag, broadcast_from_rank0, resume_point, save_checkpoint
@@ -57,6 +59,40 @@ SFT_PANELS = (
     ("lr", "learning rate"),
     ("grad_norm", "grad_norm (before clipping)"),
 )
+
+
+# Keys a resumed run may change: how often it checkpoints and evaluates, what it exports, its threads and ranks
+# (checkpoints load on any world size; the ranks share out the same rows, tests/unit/test_train_sft.py). Any other
+# key may change the step plan or what a step computes, and a resume would no longer continue the run it names.
+RESUME_SAFE_KEYS = (
+    "trainer.checkpoint_every",
+    "trainer.save_total_limit",
+    "trainer.eval_every",
+    "trainer.export_hf",
+    "trainer.threads",
+    "trainer.nproc",
+)
+
+
+def check_resume(cfg: SFTConfig) -> None:
+    """ConfigError listing every key outside RESUME_SAFE_KEYS in which ``cfg`` differs from the run's saved
+    config.yaml (none saved: nothing to compare)."""
+    saved_path = cfg.run_dir / "config.yaml"
+    if not saved_path.exists():
+        return
+    saved, now = flatten(yaml.safe_load(saved_path.read_text())), flatten(cfg.model_dump(mode="json"))
+    safe = [f"{key}." for key in RESUME_SAFE_KEYS]
+    differing = sorted(
+        key
+        for key in saved.keys() | now.keys()
+        if saved.get(key) != now.get(key) and key not in RESUME_SAFE_KEYS and not key.startswith(tuple(safe))
+    )
+    if differing:
+        shown = ", ".join(f"{key} ({saved.get(key)!r} in the run, {now.get(key)!r} now)" for key in differing)
+        raise ConfigError(
+            f"--resume: differs from {saved_path} in {shown}; a resumed run replays its saved config's steps (only "
+            f"{', '.join(RESUME_SAFE_KEYS)} may change)"
+        )
 
 
 def load_examples(cfg: SFTConfig, tokenizer, path: str, split: str, key: str) -> list[SFTExample]:

@@ -175,6 +175,8 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weigh
     assert not (killed / "final").exists()
     refused = subprocess.run(command(str(config)), capture_output=True, text=True, timeout=300, env=ENV)
     assert refused.returncode == 2 and "--resume continues it" in refused.stderr
+    line = refusal(str(config), "--resume", "--set", "trainer.batch_tokens=300", "--set", "trainer.eval_every=2")
+    assert "trainer.batch_tokens (200 in the run, 300 now)" in line and "eval_every" not in line.split(";")[0]
     train(str(config), "--resume")
     whole, resumed = (
         load_file(run_dir / "final" / "model.safetensors"),
