@@ -27,6 +27,8 @@ from relayrl.models.tiny_chat import build_chat_tokenizer
 from relayrl.trainer.precision import FLOAT32_SDPA, Precision
 from relayrl.trainer.sft_plan import pack_rows, plan_steps
 
+# one xdist worker for the module: four tests compare against the one uninterrupted run (`finished`)
+pytestmark = pytest.mark.xdist_group("train_sft")
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 
