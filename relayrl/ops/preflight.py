@@ -151,14 +151,17 @@ def check_tokenizer(cfg: RelayConfig) -> None:
     except Exception as err:
         raise ConfigError(f"model.path: the tokenizer in {path} does not load: {_first_line(err)}") from None
     data = cfg.data
-    if (
-        data.system_prompt is not None
-        and data.chat_template == "auto"
-        and not getattr(tokenizer, "chat_template", None)
-    ):
+    if data.chat_template != "auto" or getattr(tokenizer, "chat_template", None):
+        return
+    if data.system_prompt is not None:
         from relayrl.data.prompts import NO_TEMPLATE_FOR_SYSTEM
 
         raise ConfigError(f"{NO_TEMPLATE_FOR_SYSTEM} ({path})")
+    if data.path.startswith(REASONING_GYM) and (data.reasoning_gym is None or data.reasoning_gym.system_prompt):
+        raise ConfigError(
+            f"data.reasoning_gym.system_prompt: the library's system prompt is a system turn, and the tokenizer in "
+            f"{path} has no chat template: set it to null and ask for the answer format in data.prompt_template"
+        )
 
 
 def check_attention(cfg: RelayConfig) -> None:

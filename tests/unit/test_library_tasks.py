@@ -17,7 +17,7 @@ from relayrl.data import gym_tasks
 from relayrl.data.dataset import PromptDataset
 from relayrl.models.assets import prepare_assets
 from relayrl.models.tiny_chat import build_chat_tokenizer
-from relayrl.ops.preflight import check_data, check_reward
+from relayrl.ops.preflight import check_data, check_reward, check_tokenizer
 from relayrl.rewards import RewardRaised, load_reward, reward_signature
 from relayrl.rewards.call import GroupInputs, RewardCaller
 from relayrl.rewards.libraries import MathVerify
@@ -126,3 +126,14 @@ def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, monkeypatc
     cfg.controller.reward.fn = "math_verify"
     with pytest.raises(ConfigError, match=r"^controller.reward.fn: math_verify needs math-verify .*relayrl\[tasks\]"):
         check_reward(cfg)
+
+
+def test_the_library_system_prompt_needs_a_chat_template(tmp_path) -> None:
+    from relayrl.models.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", seed=0, hidden_size=32, layers=1)  # its tokenizer has no template
+    cfg = parse_config({**config(tmp_path), "model": {"path": str(model)}})
+    with pytest.raises(ConfigError, match=r"^data.reasoning_gym.system_prompt: the library's system prompt is a sys"):
+        check_tokenizer(cfg)
+    cfg.data.reasoning_gym.system_prompt = None
+    check_tokenizer(cfg)
