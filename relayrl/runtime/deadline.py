@@ -2,24 +2,29 @@
 
 The controller scores groups on its dispatch threads, where a signal-based timeout (``signal.alarm``, what
 math-verify uses by default) cannot run, and a thread cannot be stopped; a process can. Workers are fresh
-interpreters (``python -m relayrl.runtime.deadline FD module:function``: no fork of the controller's threads, and
+interpreters (``python -m relayrl.runtime.deadline FD module:function PID``: no fork of the controller's threads, and
 no re-run of its ``__main__`` as multiprocessing's spawn does), started on first use, at most ``workers`` at once,
-and reused; a worker killed at its deadline is replaced on the next call. Calls and answers are pickled over a
+and reused; a worker killed at its deadline is replaced on the next call, and every worker is killed with the
+pool's process (PR_SET_PDEATHSIG), in a call or not. Calls and answers are pickled over a
 socket pair (``multiprocessing.connection.Connection``).
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from relayrl.imports import import_attr
+from relayrl.runtime.procs import PR_SET_PDEATHSIG
 
 # How long a new worker has to start and answer its warm-up (sympy and math-verify's first parse: seconds)
 STARTUP_S = 120.0
@@ -45,13 +50,17 @@ def _serve(conn: Connection, fn: Callable[..., Any]) -> None:
             conn.send((False, f"{type(err).__name__}: {err}"))
 
 
+# Workers are started from this one thread, which lives as long as the process: a worker's PR_SET_PDEATHSIG fires
+# when the thread that started it exits (a dispatch thread may end before the process does)
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deadline-spawner")
+
+
 class _Worker:
     def __init__(self, fn: Callable[..., Any]) -> None:
         ours, theirs = socket.socketpair()
         spec = f"{fn.__module__}:{fn.__qualname__}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), spec], pass_fds=(theirs.fileno(),)
-        )
+        argv = [sys.executable, "-m", __name__, str(theirs.fileno()), spec, str(os.getpid())]
+        self.process = _SPAWNER.submit(subprocess.Popen, argv, pass_fds=(theirs.fileno(),)).result()
         theirs.close()
         self.conn = Connection(ours.detach())
 
@@ -113,5 +122,17 @@ class DeadlinePool:
         raise RuntimeError(f"{self.fn.__name__}'s worker process did not start within {STARTUP_S:g} s")
 
 
-if __name__ == "__main__":  # a worker: python -m relayrl.runtime.deadline FD module:function
+def _die_with(parent: int) -> None:
+    """SIGKILL this worker when ``parent`` (the pool's process) exits, however it exits: mid-call, a worker may be
+    stuck in C (a big-integer power holds the GIL) and would never read the closed socket."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # gone before the call
+        os._exit(0)
+
+
+if __name__ == "__main__":  # a worker: python -m relayrl.runtime.deadline FD module:function PARENT_PID
+    _die_with(int(sys.argv[3]))
     _serve(Connection(int(sys.argv[1])), import_attr(sys.argv[2], "deadline worker function"))
