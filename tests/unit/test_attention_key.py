@@ -6,29 +6,19 @@ option that preceded the key, are refused naming the key."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+from trainer_testing import one_rank_world  # noqa: F401 (an autouse fixture)
 
 from relayrl.config import ConfigError, ModelConfig, TrainerConfig, load_config
 from relayrl.models.families import write_family_model
 from relayrl.rollout.hf import HFEngine
 from relayrl.runtime.attention import resolved
-from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.precision import FLOAT32_SDPA
 
 TCFG = TrainerConfig(precision="float32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -9,29 +9,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from trainer_testing import rollout_batch
+from trainer_testing import one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 
 from relayrl.algorithms import compute_policy_loss
 from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
-from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import streams_said
 
 MISMATCH = 0.03  # mean |engine - trainer| logprob per token of a bf16 engine (the figure)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def engine_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -5,7 +5,6 @@ and version when a new one fails to load."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -13,8 +12,8 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 from engine_testing import PROMPTS, sharp_tiny_model
+from trainer_testing import one_rank_world  # noqa: F401 (an autouse fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.check_engine import _served_worker
@@ -22,7 +21,6 @@ from relayrl.config import ConfigError, LoraConfig, ModelConfig, TrainerConfig, 
 from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.worker import RolloutWorker
-from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.v1 import common_pb2, rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
@@ -32,14 +30,6 @@ from relayrl.wire.sampling import GenerationLimits, SamplingParams
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 SPEC = LoraAdapterSpec(8, 16.0, ("q_proj", "v_proj"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

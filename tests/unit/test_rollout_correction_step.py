@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from trainer_testing import full_weights, on_ranks_case, rollout_batch
+from trainer_testing import full_weights, on_ranks_case, one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 
 from relayrl.algorithms.rollout_correction import apply_correction, rollout_diagnostics
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
@@ -25,14 +23,6 @@ from relayrl.trainer.step import train_on_batch
 DIAGNOSTICS = ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "log_ppl_diff", "ess", "ratio_mean", "ratio_max",
                "ratio_min", "rejected_token_share", "rejected_seq_share", "is_weight_mean", "is_weight_max",
                "is_weight_min")  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def backend_of(model_dir, mini_batches: int = 2) -> tuple[FSDPBackend, TrainerConfig]:

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from trainer_testing import full_weights, rollout_batch
+from trainer_testing import full_weights, one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.step import train_on_batch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class CountingBackend(FSDPBackend):

@@ -5,19 +5,31 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from relayrl.algorithms.partition import minibatch_groups
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import exit_now
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import TrainBatch, to_train_batch
 from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world() -> Iterator[None]:
+    """A one-rank gloo world on a free loopback port for the importing module's tests (FSDP's collectives need
+    one): ``from trainer_testing import one_rank_world`` turns it on."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def full_weights(backend) -> dict[str, torch.Tensor]:
