@@ -1212,6 +1212,16 @@ def _format_error(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and None are leaves."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one ``dotted.key=value`` override in place; the value is parsed as YAML."""
     if "=" not in assignment:

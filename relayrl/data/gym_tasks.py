@@ -14,31 +14,16 @@ library's ``extract_answer``, the format its system prompts ask for) scored by t
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
-from collections.abc import Callable, Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from relayrl.config import REASONING_GYM, DataConfig, ReasoningGymConfig
 from relayrl.runtime.files import atomic_write
+from relayrl.runtime.reasoning_gym import ENTRY_COLUMN, library_dataset, missing_extra
 
 log = logging.getLogger(__name__)
-
-INSTALL = "pip install 'relayrl[tasks]'"
-ENTRY_COLUMN = "reasoning_gym"  # the row's column: JSON {"task", "config", "entry"}
-
-
-def missing_extra(module: str = "reasoning_gym", dist: str = "reasoning-gym") -> str | None:
-    """Why ``module`` cannot be used here (a one-line reason naming the ``pip install``), or None."""
-    try:
-        if importlib.util.find_spec(module) is not None:
-            return None
-    except (ImportError, ValueError):
-        pass
-    return f"needs {dist} (the tasks extra): {INSTALL}"
 
 
 def task_of(path: str) -> str:
@@ -54,22 +39,6 @@ def settings(data: DataConfig) -> ReasoningGymConfig:
 def library_config(gen: ReasoningGymConfig) -> dict[str, Any]:
     """The keyword arguments of ``reasoning_gym.create_dataset``: the task's config with size and seed."""
     return {**gen.config, "size": gen.size, "seed": gen.seed}
-
-
-def library_dataset(task: str, config: Mapping[str, Any]) -> Any:
-    """``reasoning_gym.create_dataset(task, **config)``; ValueError in one line naming the unknown task or the
-    config the task refuses (an unknown key, a failed ``validate``)."""
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
-    if task not in DATASETS:
-        close = sorted(name for name in DATASETS if task[:4] in name)[:8] or sorted(DATASETS)[:8]
-        raise ValueError(f"reasoning-gym has no task {task!r} ({len(DATASETS)} tasks, e.g. {', '.join(close)})")
-    try:
-        return reasoning_gym.create_dataset(task, **config)
-    except (TypeError, AssertionError, ValueError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"task {task!r} refuses its config {dict(config)}: {reason}") from None
 
 
 def system_prompt(gen: ReasoningGymConfig) -> str | None:
@@ -133,23 +102,3 @@ def questions(path: Path) -> set[str]:
     """The questions (``prompt`` column) of a file ``write_rows`` wrote."""
     with path.open(encoding="utf-8") as rows:
         return {json.loads(line)["prompt"] for line in rows if line.strip()}
-
-
-@lru_cache(maxsize=64)
-def _scorer(task: str, config: str) -> Callable[[str | None, dict], float]:
-    return library_dataset(task, json.loads(config)).score_answer
-
-
-def score(response: str, row: Mapping[str, Any]) -> float:
-    """The task's ``score_answer`` of the response's last ``<answer>...</answer>`` (None when it has none: the
-    task scores that, usually 0) against the row's entry. ValueError when the row is not a reasoning-gym row."""
-    from reasoning_gym.utils import extract_answer
-
-    if ENTRY_COLUMN not in row:
-        raise ValueError(
-            f"the row has no {ENTRY_COLUMN!r} column: controller.reward.fn reasoning_gym scores rows of "
-            f"data.path {REASONING_GYM}<task> only"
-        )
-    payload = json.loads(row[ENTRY_COLUMN])
-    scorer = _scorer(payload["task"], json.dumps(payload["config"], sort_keys=True))
-    return float(scorer(extract_answer(response), payload["entry"]))

@@ -320,7 +320,7 @@ def check_reward(cfg: RelayConfig) -> None:
         weighted_rewards(cfg.controller.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    from relayrl.data.gym_tasks import missing_extra
+    from relayrl.runtime.reasoning_gym import missing_extra
 
     for name, module, dist in (
         ("math_verify", "math_verify", "math-verify"),

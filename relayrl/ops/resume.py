@@ -23,11 +23,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from relayrl.config import ConfigError, RelayConfig, TrainerConfig, dump_config, load_config, parse_config
+from relayrl.config import (
+    ConfigError,
+    RelayConfig,
+    TrainerConfig,
+    dump_config,
+    flatten,
+    load_config,
+    parse_config,
+)
 from relayrl.runtime.files import atomic_write
 from relayrl.trainer.metrics import read_metrics
 from relayrl.trainer.schedule import lr_at
@@ -52,16 +59,6 @@ RESUME_SAFE_KEYS = (
     "supervisor.backoff_max_s",
 )
 LOG_FILE = "resume.log"
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and None are leaves."""
-    if not isinstance(tree, dict) or not tree:
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
 
 
 def _under(key: str, section: str) -> bool:

@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from relayrl.data import gym_tasks
 from relayrl.rewards.builtin import REWARDS
+from relayrl.runtime import reasoning_gym as library
 from relayrl.runtime.deadline import DeadlinePool
 
 # Per response, math-verify's parse of both texts and its verify: its own defaults give parse and verify 5 s each
@@ -26,7 +26,7 @@ WARMUP = (r"\boxed{\frac{1}{2}}", "0.5")
 @REWARDS.register("reasoning_gym")
 def reasoning_gym(response: str, row: Mapping[str, Any]) -> float:
     """The row's reasoning-gym task's ``score_answer`` of the response's last ``<answer>...</answer>``."""
-    return gym_tasks.score(response, row)
+    return library.score(response, row)
 
 
 def verify_answer(response: str, answer: str) -> float:
@@ -51,7 +51,7 @@ class MathVerify:
         self.pool = DeadlinePool(verify_answer, workers=workers, timeout_s=timeout_s, warmup=WARMUP)
 
     def __call__(self, response: str, answer: str) -> float:
-        if missing := gym_tasks.missing_extra("math_verify", "math-verify"):
+        if missing := library.missing_extra("math_verify", "math-verify"):
             raise RuntimeError(f"controller.reward.fn math_verify {missing}")
         return self.pool(response, answer)
 

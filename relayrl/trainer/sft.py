@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from relayrl.algorithms.sft_loss import SFTBatch, pack_examples, sft_loss, token_accuracy
-from relayrl.config import ConfigError, SFTConfig, TrainerConfig, dump_config
+from relayrl.config import ConfigError, SFTConfig, TrainerConfig, dump_config, flatten
 from relayrl.cores.threads import available_cores
 from relayrl.data.trl_formats import (
     LANGUAGE_MODELING,
@@ -39,7 +39,6 @@ from relayrl.data.trl_formats import (
     load_format,
     render_sft,
 )
-from relayrl.ops.resume import flatten
 from relayrl.runtime.files import atomic_write
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.loop import ShutdownFlag, broadcast_from_rank0, resume_point, save_checkpoint

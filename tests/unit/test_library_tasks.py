@@ -21,6 +21,7 @@ from relayrl.ops.preflight import check_data, check_reward, check_tokenizer
 from relayrl.rewards import RewardRaised, load_reward, reward_signature
 from relayrl.rewards.call import GroupInputs, RewardCaller
 from relayrl.rewards.libraries import MathVerify
+from relayrl.runtime import reasoning_gym
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -117,7 +118,7 @@ def test_relayrl_check_on_the_example() -> None:
 
 
 def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(gym_tasks.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(reasoning_gym.importlib.util, "find_spec", lambda name: None)
     cfg = parse_config(config(tmp_path))
     with pytest.raises(
         ConfigError, match=r"^data.path: reasoning-gym:basic_arithmetic needs reasoning-gym \(the tasks"
