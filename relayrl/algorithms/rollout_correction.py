@@ -44,9 +44,11 @@ from relayrl.registry import Registry
 SAFETY_BOUND = 20.0  # |log w| is clamped here before exp (verl's SAFETY_BOUND): exp(20) ≈ 4.9e8
 
 TIS_BOUNDS = Bounds(2.0)  # verl's and TRL's default cap
-LogWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-IS_LEVELS: Registry[LogWeightFn] = Registry("rollout IS level")
+# a per-token value [B, T] and the loss mask -> the value of its level, broadcast over the row: the IS levels reduce
+# the log-ratio δ (token: δ_it; sequence: Σ_t m δ_it, the likelihood ratio; geometric: its mean over the row's
+# tokens), the rejection levels a divergence (token, seq_sum, seq_mean, seq_max): one set of functions serves both
 ReduceFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+IS_LEVELS: Registry[ReduceFn] = Registry("rollout IS level")
 RS_LEVELS: Registry[ReduceFn] = Registry("rollout rejection level")
 
 
@@ -55,36 +57,20 @@ def _row_tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 @IS_LEVELS.register("token")
-def token_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log w_it = δ_it."""
-    return log_ratio
-
-
-@IS_LEVELS.register("sequence")
-def sequence_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log w_i = Σ_t m δ_it (the sequence's likelihood ratio), broadcast over the row."""
-    return masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
-
-
-@IS_LEVELS.register("geometric")
-def geometric_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log w_i = Σ_t m δ_it / Σ_t m (the geometric mean of the row's ratios), broadcast; 0 for an empty row."""
-    total = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)
-    return (total / _row_tokens(mask).clamp(min=1)).expand_as(log_ratio)
-
-
 @RS_LEVELS.register("token")
 def token_stat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The token's own value."""
     return values
 
 
+@IS_LEVELS.register("sequence")
 @RS_LEVELS.register("seq_sum")
 def seq_sum_stat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Σ_t m v_it, broadcast over the row."""
     return masked_sum(values, mask, dim=-1).unsqueeze(-1).expand_as(values)
 
 
+@IS_LEVELS.register("geometric")
 @RS_LEVELS.register("seq_mean")
 def seq_mean_stat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Σ_t m v_it / Σ_t m, broadcast over the row (0 for an empty row)."""
