@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from integration.jobs import gpu_host
+from integration.jobs import gpu_host, up_to_the_end
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.trainer.metrics import read_metrics
@@ -21,13 +21,8 @@ def test_demo_reward_rises(tmp_path):
     overrides = [
         f"run.dir={tmp_path / 'runs'}",
     ]
-    argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
-    for o in overrides:
-        argv += ["--set", o]
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     run_dir = tmp_path / "runs" / "digits"
-    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
-    assert done.returncode == 0, done.stderr[-3000:] + logs
+    done = up_to_the_end(ROOT / "examples/digits.yaml", overrides, cwd=tmp_path, run_dir=run_dir, timeout=600)
 
     records = read_metrics(run_dir / "metrics.jsonl")
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -48,7 +43,7 @@ def test_demo_reward_rises(tmp_path):
     # step 1 waited for the trainer's starting weights: their load aborted no call, so nothing was sent twice
     assert "re-dispatching" not in (run_dir / "logs" / "controller.log").read_text()
     if not gpu_host():  # a CPU host forks every role from its server
-        assert not [p.name for p in (run_dir / "logs").glob("*.log") if "not forked" in p.read_text()], logs
+        assert not [p.name for p in (run_dir / "logs").glob("*.log") if "not forked" in p.read_text()]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert model.config.vocab_size == len(tokenizer)

@@ -8,11 +8,10 @@ multipliers."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from integration.jobs import up_to_the_end
 
 from relayrl.models.families import write_family_model
 from relayrl.trainer.metrics import read_metrics
@@ -33,13 +32,8 @@ def test_the_engine_logprobs_are_the_trainers_at_every_step(family, attention, t
         "controller.dynamic_sampling=false",  # a random model's groups mostly score alike: no step waits on them
         "eval=null",
     ]
-    argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/digits.yaml")]
-    for override in overrides:
-        argv += ["--set", override]
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     run_dir = tmp_path / "runs" / "digits"
-    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
-    assert done.returncode == 0, done.stderr[-3000:] + logs
+    up_to_the_end(ROOT / "examples/digits.yaml", overrides, cwd=tmp_path, run_dir=run_dir, timeout=600)
     records = read_metrics(run_dir / "metrics.jsonl")
     assert len(records) == STEPS
     mismatches = [r["logprob_mismatch"] for r in records]

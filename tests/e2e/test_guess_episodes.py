@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from integration.jobs import up_to_the_end
 
 from relayrl.trainer.metrics import read_evals, read_metrics
 
@@ -27,15 +26,11 @@ def test_guess_episodes_train_and_the_reward_rises(tmp_path):
     # the fewest steps in which the rise stands clear of the noise (a step's mean over 32 episodes moves by ~0.05):
     # 0.17 over steps 1-3 -> 0.48 over 8-10 in the recorded 40-step run, 0.18 -> 0.34 in this test on 2026-12-05
     steps = 10
-    argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples/guess.yaml")]
     evals = ["eval.sets.tasks.path=examples/guess-tasks.jsonl", "eval.max_prompts=4", "eval.n=2", "eval.k=[1,2]"]
     evals.append("eval.temperature=1.0")  # two different episodes per task
-    for override in [f"run.dir={tmp_path / 'runs'}", f"trainer.steps={steps}", "trainer.checkpoint_every=0", *evals]:
-        argv += ["--set", override]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     run_dir = tmp_path / "runs" / "guess"
-    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
-    assert done.returncode == 0, done.stderr[-3000:] + logs
+    overrides = [f"run.dir={tmp_path / 'runs'}", f"trainer.steps={steps}", "trainer.checkpoint_every=0", *evals]
+    up_to_the_end(ROOT / "examples/guess.yaml", overrides, cwd=ROOT, run_dir=run_dir, timeout=1100)
 
     records = read_metrics(run_dir / "metrics.jsonl")
     assert len(records) == steps

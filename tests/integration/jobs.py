@@ -111,6 +111,20 @@ def start_up(config_path: Path, *, resume: bool = False, env: dict[str, str] | N
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
 
 
+def up_to_the_end(
+    config_path: Path, overrides: list[str], *, cwd: Path, run_dir: Path, timeout: float
+) -> subprocess.CompletedProcess:
+    """``relayrl up CONFIG --set ...`` run to its end as a user runs it; asserts exit 0, the message carrying its
+    stderr and the tail of each of ``run_dir``'s role logs."""
+    argv = [sys.executable, "-m", "relayrl.cli", "up", str(config_path)]
+    for override in overrides:
+        argv += ["--set", override]
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    logs = "".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log")) if run_dir.exists() else ""
+    assert done.returncode == 0, done.stderr[-3000:] + logs
+    return done
+
+
 @contextlib.contextmanager
 def running_up(config_path: Path) -> Iterator[subprocess.Popen]:
     """``start_up``; whatever happens in the block, a ``relayrl up`` still running at its end is killed (its tree)."""
