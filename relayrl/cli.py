@@ -489,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunLockUnsupported as err:  # the runs directory's filesystem refuses flock: a person must choose
         print(f"relayrl: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (`relayrl samples | head`): the rest is unwanted, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush must not raise
+        return 128 + signal.SIGPIPE
     if getattr(args, "fast_exit", False):
         exit_now(code)  # a process that finished cleanly skips the interpreter's teardown
     return code

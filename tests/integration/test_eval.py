@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_evals_and_samples_reach_tensorboard(run) -> None:
     assert "samples/text_summary" in events.Tags()["tensors"]  # the readable samples, as a markdown table
 
 
-def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) -> None:
+def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them_even_into_a_closed_pipe(run) -> None:
     _, cfg = run
     records = [json.loads(line) for line in (cfg.run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in records}) == [1, 2, 4, 6]
@@ -127,6 +128,15 @@ def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them(run) ->
     assert all(f"{r['prompt']!r} (answer {r['answer']!r})" in printed for r in last)
     assert f"advantage {last[0]['samples'][0]['advantage']:+.3f}" in printed
     assert json.loads(relayrl("samples", "--run", str(cfg.run_dir), "--step", "2", "--json"))[0]["step"] == 2
+    # `relayrl samples | head`: the reader leaves before the print; one exit status, no traceback
+    reader_gone = subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", "samples", "--run", str(cfg.run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    reader_gone.stdout.close()
+    assert reader_gone.wait(timeout=60) == 128 + signal.SIGPIPE and reader_gone.stderr.read() == ""
 
 
 @pytest.mark.parametrize(("checkpoint", "version"), [("checkpoints/step_4", []), ("final", ["--version", "6"])])
