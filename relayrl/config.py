@@ -710,6 +710,13 @@ class AlgorithmConfig(Section):
                 f"loss_agg: gspo's objective is a mean over sequences of their token means (seq-mean-token-mean), "
                 f"not {self.loss_agg}"
             )
+        for key in ("clip_low", "clip_high"):
+            if key in given and getattr(self, key) >= GSPO_WIDEST_CLIP:
+                raise ValueError(
+                    f"{key}: {getattr(self, key)} is a token ratio's band; gspo clips the sequence ratio "
+                    f"(the geometric mean of its tokens' ratios) to 1 - {GSPO_CLIP[0]:g} .. 1 + {GSPO_CLIP[1]:g}: "
+                    f"unset {key} for gspo's own or give one below {GSPO_WIDEST_CLIP:g}"
+                )
         defaults = {"clip_low": GSPO_CLIP[0], "clip_high": GSPO_CLIP[1], "loss_agg": "seq-mean-token-mean"}
         for key, value in defaults.items():
             if key not in given:
@@ -719,6 +726,9 @@ class AlgorithmConfig(Section):
 
 # GSPO's clip range (low, high), verl's examples/gspo_trainer: the default of relayrl/algorithms/policy_loss.py
 GSPO_CLIP = (3e-4, 4e-4)
+# A band this wide on the sequence ratio is a token band carried over from ppo_clip (0.2/0.28: a row's mean
+# log-ratio moves ~1e-3 a step, so nothing would be clipped): refused rather than run as GSPO in name only
+GSPO_WIDEST_CLIP = 0.01
 
 # Policy losses anchored on the trainer's old logprobs, never the engine's. GSPO clips the geometric mean of a
 # row's token ratios to 1 - 3e-4 .. 1 + 4e-4, while an engine's logprobs differ from the trainer's by ~0.03 a token

@@ -15,7 +15,7 @@ import torch
 from trainer_testing import one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 
 from relayrl.algorithms import compute_policy_loss
-from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
+from relayrl.config import GSPO_CLIP, AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.step import train_on_batch
 from relayrl.trainer.stream import streams_said
@@ -99,3 +99,15 @@ def test_gspo_refuses_the_engines_old_logprobs_and_streaming_naming_the_keys(cap
     for mode in ("auto", "recompute"):
         parse_config(config(policy_loss="gspo", old_logprobs=mode))
     parse_config(config(old_logprobs="rollout"))  # ppo_clip's token band holds the engine's mismatch
+
+
+def test_gspo_refuses_a_token_sized_clip_band_naming_the_key() -> None:
+    """A band of 0.2 carried over from ppo_clip would clip no sequence ratio: refused; gspo's own is taken when
+    unset, and a narrow band of one's own is kept."""
+    with pytest.raises(ValueError, match=r"clip_low: 0.2 is a token ratio's band; gspo clips the sequence ratio"):
+        AlgorithmConfig(policy_loss="gspo", clip_low=0.2)
+    with pytest.raises(ValueError, match=r"clip_high: 0.28 is a token ratio's band"):
+        AlgorithmConfig(policy_loss="gspo", clip_high=0.28)
+    assert (AlgorithmConfig(policy_loss="gspo").clip_low, AlgorithmConfig(policy_loss="gspo").clip_high) == GSPO_CLIP
+    assert AlgorithmConfig(policy_loss="gspo", clip_low=1e-3).clip_low == 1e-3
+    assert AlgorithmConfig(clip_low=0.2).clip_low == 0.2  # ppo_clip's band is a token band
