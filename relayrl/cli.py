@@ -180,6 +180,21 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reward_serve(args: argparse.Namespace) -> int:
+    from relayrl.services.scorer_server import serve_scorer
+
+    cfg = _config(args, port_flag="--port")
+    if args.name not in cfg.scorers:
+        raise ConfigError(f"--name: {args.name!r} is not a key of scorers ({', '.join(cfg.scorers) or 'none'})")
+    server, worker = serve_scorer(cfg, args.name, host=args.host, port=args.port, metrics_port=args.metrics_port)
+    announce(f"scorer {args.name} ({worker.model.kind}) listening on port {server.port}")
+    sig = wait_for_shutdown()
+    logging.info("%s: stopping scorer %s", sig, args.name)
+    server.stop(grace_s=cfg.controller.shutdown_grace_s)
+    worker.stop()
+    return 0
+
+
 def cmd_env_serve(args: argparse.Namespace) -> int:
     from relayrl.config import SecurityConfig
     from relayrl.env.pool import busy_ports, pool_ports, run_pool
@@ -413,6 +428,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(func=cmd_env_serve, fast_exit=True)
+
+    reward = sub.add_parser("reward", help="reward models, judges and teachers").add_subparsers(
+        dest="action", required=True
+    )
+    p = reward.add_parser(
+        "serve",
+        help="serve a scorer (scorers.<name>) over ScorerService",
+        description="Serve scorers.<name> of the run config (a reward model, a judge or a teacher) over "
+        "ScorerService (proto/relayrl/v1/scorer.proto); docs/reward-models.md.",
+    )
+    _add_config(p)
+    p.add_argument("--name", required=True, help="the scorer's key in the config's scorers section")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port, default=0)
+    p.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics here (0/absent: off)")
+    p.set_defaults(func=cmd_reward_serve, fast_exit=True)
 
     trainer = sub.add_parser("trainer", help="training ranks (under torchrun)").add_subparsers(
         dest="action", required=True

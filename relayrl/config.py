@@ -876,6 +876,59 @@ class EnvironmentConfig(Section):
             raise ValueError(str(err)) from None
 
 
+SCORER_PREFIX = "scorer:"  # controller.reward.fns key of a served reward: "scorer:<name of scorers>"
+JUDGE_RUBRIC = (
+    "Rate the assistant's answer to the user's request on a scale from 0 to 10, where 10 is a correct, helpful "
+    "answer. Reply with the number only.\n\nRequest: {prompt}\n\nAnswer: {response}"
+)
+
+
+class ScorerConfig(Section):
+    """A scorer (docs/reward-models.md): a reward model, a generative judge or a teacher served over ScorerService
+    (proto/relayrl/v1/scorer.proto) by ``relayrl reward serve``; a run names it in ``controller.reward.fns`` as
+    ``scorer:<name>``."""
+
+    # classifier: an HF AutoModelForSequenceClassification directory with one label (relayrl's or TRL's export),
+    # scoring each conversation re-rendered with its own tokenizer and chat template; judge: a chat model asked
+    # `rubric` greedily, the first number of its answer the score; teacher: a causal LM answering TokenLogprobs
+    kind: Literal["classifier", "judge", "teacher"] = "classifier"
+    model: str  # the model directory (or hub id) it serves
+    replicas: int = Field(1, ge=0)  # scorer processes `relayrl up` starts and supervises (0: `servers` only)
+    servers: list[str] = Field(default_factory=list)  # host:port of scorers started elsewhere (Kubernetes, by hand)
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"  # the compute dtype, resolved as trainer.precision
+    max_batch_size: int = Field(32, ge=1)  # items per model call: requests arriving together share one
+    # how long the first queued item waits for more before the model runs (dynamic batching): a longer wait fills
+    # larger batches under load and adds at most this to an idle scorer's latency
+    max_wait_ms: float = Field(5.0, ge=0.0)
+    max_items: int = Field(1024, ge=1)  # items per request; more: RESOURCE_EXHAUSTED naming `items`
+    max_tokens: int = Field(4096, ge=1)  # tokens of one rendered item; more: RESOURCE_EXHAUSTED naming the item
+    max_text_chars: int = Field(65536, ge=1)  # characters of one message's content
+    # the controller's deadline for one Score call, every retry included (rpc/retry.py: UNAVAILABLE and a try's
+    # DEADLINE_EXCEEDED are tried again, on the next server): a scorer restarting within it loses nothing
+    timeout_s: float = Field(120.0, gt=0.0)
+    # running mean/std normalisation of the served scores at the controller (OpenRLHF's normalize_reward): each
+    # score becomes (x - mean) / std over every score seen so far, this call's included
+    normalize: bool = False
+    rubric: str = JUDGE_RUBRIC  # judge: the user message, with {prompt} and {response} filled in
+    judge_max_tokens: int = Field(8, ge=1)  # judge: tokens of its answer read for the number
+
+    @field_validator("servers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        try:
+            return [str(parse_address(address, f"[{i}]")) for i, address in enumerate(value)]
+        except AddressError as err:
+            raise ValueError(str(err)) from None
+
+    @model_validator(mode="after")
+    def _reachable(self) -> ScorerConfig:
+        if not self.replicas and not self.servers:
+            raise ValueError("replicas is 0 and servers is empty: no scorer would serve")
+        if self.kind == "judge" and ("{prompt}" not in self.rubric or "{response}" not in self.rubric):
+            raise ValueError("rubric: a judge's rubric holds {prompt} and {response}")
+        return self
+
+
 # the keys of `data` that make a row's prompt and answer: an eval set takes `data`'s unless it sets its own, so the
 # held-out task is the training task (same columns, template, system turn and length rule) by default
 EVAL_INHERITS = (
@@ -991,6 +1044,8 @@ class RelayConfig(Section):
     environment: EnvironmentConfig | None = None  # agentic multi-turn episodes (absent: single-turn prompts)
     eval: EvalConfig | None = None  # held-out evaluation during training (absent: none; docs/evaluation.md)
     samples: SamplesConfig | None = None  # training samples written to the run (absent: none)
+    # served rewards and teachers by name (docs/reward-models.md); controller.reward.fns names one as scorer:<name>
+    scorers: dict[str, ScorerConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RelayConfig:
@@ -1055,6 +1110,23 @@ class RelayConfig(Section):
             raise ValueError(f"rollout.n ({self.rollout.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
         if self.eval is not None and self.eval.n > self.rollout.limits.max_n:
             raise ValueError(f"eval.n ({self.eval.n}) exceeds rollout.limits.max_n ({self.rollout.limits.max_n})")
+        served = [
+            spec.removeprefix(SCORER_PREFIX) for spec in self.controller.reward.fns if spec.startswith(SCORER_PREFIX)
+        ]
+        if unknown := [name for name in served if name not in self.scorers]:
+            raise ValueError(
+                f"controller.reward.fns: {SCORER_PREFIX}{unknown[0]} names no scorer (scorers: "
+                f"{', '.join(self.scorers) or 'none'})"
+            )
+        if self.controller.reward.fn.startswith(SCORER_PREFIX):
+            raise ValueError(
+                f"controller.reward.fn: a served reward goes in controller.reward.fns "
+                f"({{'{self.controller.reward.fn}': 1.0}})"
+            )
+        if teachers := [name for name in served if self.scorers[name].kind == "teacher"]:
+            raise ValueError(
+                f"controller.reward.fns: scorer {teachers[0]} is a teacher: it gives log-probs, not scores"
+            )
         if self.trainer.stream == "on" and (blockers := stream_blockers(self)):
             raise ValueError(f"trainer.stream: 'on' needs {'; '.join(blockers)} (or trainer.stream: auto)")
         return self

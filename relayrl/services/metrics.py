@@ -101,7 +101,7 @@ def _timed_stream(behavior, record):
     return wrapper
 
 
-def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=list(labels or {}))
     family.add_metric(list((labels or {}).values()), value)
     return family
@@ -116,13 +116,13 @@ class ControllerCollector(Collector):
     def collect(self) -> Iterator:
         ctl = self.controller
         status = ctl.status()
-        yield _gauge(
+        yield gauge(
             "relayrl_policy_version", "policy version on the workers after the last step", status.policy_version
         )
-        yield _gauge("relayrl_trainer_step", "last trainer step reported", status.trainer_step)
-        yield _gauge("relayrl_dataset_cursor", "prompts drawn from the dataset", status.dataset_cursor)
-        yield _gauge("relayrl_batches_ready", "batches produced, not yet reported trained", ctl.batches_ready)
-        yield _gauge(
+        yield gauge("relayrl_trainer_step", "last trainer step reported", status.trainer_step)
+        yield gauge("relayrl_dataset_cursor", "prompts drawn from the dataset", status.dataset_cursor)
+        yield gauge("relayrl_batches_ready", "batches produced, not yet reported trained", ctl.batches_ready)
+        yield gauge(
             "relayrl_desired_rollout_replicas", "ScaleRollout target (0: unset)", status.desired_rollout_replicas
         )
         state = GaugeMetricFamily("relayrl_run_state", "1 for the run's current state", labels=["state"])
@@ -133,7 +133,7 @@ class ControllerCollector(Collector):
         for name in ("trained", "filtered", "failed", "pending"):
             ledger.add_metric([name], getattr(status.ledger, name))
         yield ledger
-        yield _gauge(
+        yield gauge(
             "relayrl_ledger_torn_tails", "torn last ledger lines cut at a controller start", status.ledger.torn_tails
         )
         by_state = GaugeMetricFamily("relayrl_workers", "registered rollout workers by state", labels=["state"])
@@ -148,7 +148,7 @@ class ControllerCollector(Collector):
             version.add_metric([w.worker_id], w.policy_version)
             rate.add_metric([w.worker_id], w.tokens_per_second)
         yield from (in_flight, version, rate)
-        yield _gauge(
+        yield gauge(
             "relayrl_rollout_tokens_per_second",
             "generated tokens/s, all workers",
             sum(w.tokens_per_second for w in status.workers),
@@ -161,7 +161,7 @@ class ControllerCollector(Collector):
             syncs.add_metric([reason], ctl.syncs.count[reason])
             seconds.add_metric([reason], ctl.syncs.seconds[reason])
         yield from (syncs, seconds)
-        yield _gauge(
+        yield gauge(
             "relayrl_weight_sync_last_seconds", "duration of the last step's weight sync", status.last_sync_seconds
         )
         evals = GaugeMetricFamily(
@@ -205,12 +205,12 @@ class RolloutCollector(Collector):
                 family = CounterMetricFamily(name, text, labels=["worker"])
                 family.add_metric([stats.worker_id], value)
                 yield family
-        yield _gauge(
+        yield gauge(
             "relayrl_rollout_tokens_per_second", "generated tokens/s (10 s window)", stats.tokens_per_second, labels
         )
-        yield _gauge("relayrl_rollout_active_requests", "Generate calls running", stats.active_requests, labels)
-        yield _gauge("relayrl_rollout_policy_version", "loaded policy version (-1: torn)", stats.policy_version, labels)
-        yield _gauge(
+        yield gauge("relayrl_rollout_active_requests", "Generate calls running", stats.active_requests, labels)
+        yield gauge("relayrl_rollout_policy_version", "loaded policy version (-1: torn)", stats.policy_version, labels)
+        yield gauge(
             "relayrl_rollout_last_update_seconds", "duration of the last weight load", stats.last_update_seconds, labels
         )
         state = GaugeMetricFamily("relayrl_rollout_state", "1 for the worker's state", labels=["worker", "state"])

@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"data", "rewards", "client", "weightsync", "algorithms"},  # what the roles share (algorithms: pure functions)
     {"env"},
     {"episodes"},
-    {"controller", "rollout", "trainer", "models"},  # the roles' logic; models: the built-in demo assets
+    {"controller", "rollout", "trainer", "scorer", "models"},  # the roles' logic; models: the built-in demo assets
     {"ops"},  # operating a job: supervision, placement, scaling, deploy manifests, operator commands
     {"services"},  # the role servers
     {"launcher", "check_engine"},  # what `relayrl up` and `relayrl check-engine` run: they compose the roles

@@ -1,0 +1,92 @@
+"""Served rewards: ``controller.reward.fns`` key ``scorer:<name>`` scores a group on the scorer ``scorers.<name>``
+(ScorerService, ``relayrl reward serve``) instead of in the controller.
+
+A group is one Score call with each response's conversation (the scorer re-renders it with its own template). The
+call runs under the one retry policy (relayrl/rpc/retry.py: UNAVAILABLE and a try's DEADLINE_EXCEEDED are tried
+again, each try on the next of the scorer's servers, until ``timeout_s``), so a scorer that dies and is restarted,
+or has a live replica, loses nothing. Any other answer (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL), or a
+scorer unreachable for ``timeout_s``, raises: the group fails with the scorer's message, and a scorer that keeps
+failing stops the run under ``controller.reward.max_failed_share`` as a reward function does.
+
+``normalize``: each score becomes (x - mean) / std over every score the scorer has given this run so far (this
+call's included; Welford's running moments); std 0 (one distinct value so far) leaves x - mean.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from relayrl.config import ScorerConfig
+from relayrl.rpc.channels import open_channel
+from relayrl.rpc.retry import SERVICES
+from relayrl.v1 import environment_pb2, scorer_pb2, scorer_pb2_grpc
+
+
+class ScorerFailed(RuntimeError):
+    """A scorer answered an error, or was unreachable for its whole deadline."""
+
+
+class RunningMoments:
+    """Mean and variance of every value seen (Welford), thread-safe."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self._m2 = 0, 0.0, 0.0
+        self._lock = threading.Lock()
+
+    def normalized(self, values: Sequence[float]) -> list[float]:
+        """Add ``values``, then each as (x - mean) / std (population std; 0: x - mean)."""
+        with self._lock:
+            for x in values:
+                self.count += 1
+                delta = x - self.mean
+                self.mean += delta / self.count
+                self._m2 += delta * (x - self.mean)
+            mean, std = self.mean, math.sqrt(self._m2 / self.count) if self.count else 0.0
+        return [(x - mean) / std if std > 0 else x - mean for x in values]
+
+
+class ScorerClient:
+    """Calls scorer ``name``'s servers (``cfg.servers``) in turn, under the SERVICES retry policy."""
+
+    def __init__(self, name: str, cfg: ScorerConfig) -> None:
+        if not cfg.servers:
+            raise ValueError(f"scorers.{name}.servers: no address to call (relayrl up fills it in for replicas)")
+        self.name, self.cfg = name, cfg
+        self._stubs = [scorer_pb2_grpc.ScorerServiceStub(open_channel(a)) for a in cfg.servers]
+        self._turn = itertools.count()
+        self.moments = RunningMoments() if cfg.normalize else None
+
+    def _call(self, method: str, request, deadline_s: float | None = None):
+        def attempt(left_s: float):
+            stub = self._stubs[next(self._turn) % len(self._stubs)]
+            return getattr(stub, method)(request, timeout=left_s)
+
+        try:
+            return SERVICES.call(attempt, deadline_s=deadline_s or self.cfg.timeout_s, what=f"scorer {self.name}")
+        except grpc.RpcError as err:
+            raise ScorerFailed(f"scorer {self.name}: {err.code().name}: {err.details()}") from None
+
+    def score(self, conversations: Sequence[Sequence[dict]]) -> list[float]:
+        """One score per conversation (each ending with its response), normalised when ``cfg.normalize``."""
+        items = [
+            scorer_pb2.ScoreItem(
+                messages=[environment_pb2.ChatMessage(role=m["role"], content=str(m.get("content", ""))) for m in c]
+            )
+            for c in conversations
+        ]
+        scores = list(self._call("Score", scorer_pb2.ScoreRequest(items=items)).scores)
+        return self.moments.normalized(scores) if self.moments is not None else scores
+
+    def token_logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """The teacher's log-prob of each response token, for (prompt ids, response ids) pairs."""
+        items = [scorer_pb2.ScoreItem(prompt_token_ids=p, response_token_ids=r) for p, r in pairs]
+        answer = self._call("TokenLogprobs", scorer_pb2.TokenLogprobsRequest(items=items))
+        return [list(item.logprobs) for item in answer.items]
+
+    def describe(self, timeout_s: float = 5.0) -> scorer_pb2.DescribeResponse:
+        return self._call("Describe", scorer_pb2.DescribeRequest(), deadline_s=timeout_s)
