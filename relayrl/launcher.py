@@ -37,6 +37,7 @@ from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.run_record import RunEnd
 from relayrl.ops.scaler import LocalScaler
+from relayrl.ops.scorers import scorer_roles, scorers_serving, start_scorers
 from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
@@ -249,7 +250,8 @@ def start_job(
     job.forks = forks
     if forks is not None:
         forks.log_to(job.logs / "forkserver.log")
-    env_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
+    side_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
+    side_roles += start_scorers(job)  # scorers.<name>.replicas: likewise
     job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = cfg.controller.port or free_port(cfg.controller.host)
     job.controller_address = dial_address(cfg.controller.host, port)
@@ -269,8 +271,9 @@ def start_job(
     else:
         launch = ["trainer", "launch", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}", "-m", "relayrl.cli"]
         job.spawn("trainer", job.relay(*launch, *rank), env=trainer_env(cfg))
-    roles = ["controller", *(f"rollout-{i}" for i in range(workers)), "trainer", *env_roles]
+    roles = ["controller", *(f"rollout-{i}" for i in range(workers)), "trainer", *side_roles]
     wait_until(lambda: environments_serving(job.cfg), 120, "the environment servers", job, roles)
+    wait_until(lambda: scorers_serving(job.cfg), 180, "the scorers", job, roles)
     wait_until(lambda: controller_status(job.controller_address), 120, "the controller", job, roles)
     (config_path.parent / "controller.address").write_text(job.controller_address)  # for operator commands
     wait_until(
@@ -519,7 +522,7 @@ def run_local(
         if job is not None:
             failed = failed_by_reason(job)  # before the controller stops
             rollouts = [r for r in job.children if r.startswith("rollout")]
-            job.stop(["trainer", *rollouts, *environment_roles(cfg), "controller"])
+            job.stop(["trainer", *rollouts, *environment_roles(cfg), *scorer_roles(cfg), "controller"])
             job.close()
             reason = f"{stopped_by}: stopped by the operator; `relayrl up --resume` continues it"
             summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed, "stopped", reason)

@@ -138,7 +138,7 @@ class Controller:
         )
         self.scorer = Scorer(
             ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row,
-            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output,
+            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output, scorers=cfg.scorers,
         )  # fmt: skip
         self.params = cfg.rollout.sampling()
         # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
@@ -380,16 +380,20 @@ class Controller:
                 records = self._fit(build, records)
                 by_id = {r.prompt_id: r for r in records}
 
-                def on_group(prompt_id, completions, by_id=by_id):
+                early: dict[str, ScoredGroup | None] = {}  # a whole batch's groups, scored as each completes
+
+                def on_group(prompt_id, completions, by_id=by_id, early=early):
                     group = self._score(build, by_id[prompt_id], completions)
                     with offer_lock:
-                        if group is not None and not build.closed:  # a call still running after a stop: settled below
+                        if not build.streamed:
+                            early[prompt_id] = group  # offered below, in dataset order
+                        elif group is not None and not build.closed:  # a call still running after a stop: settled below
                             self._offer(build, group)
 
                 result = self._generate(
                     records,
                     min_version=required,
-                    on_group=on_group if build.streamed else None,
+                    on_group=on_group,
                     should_stop=lambda: self._stop.is_set() or epoch != self._epoch or build.reward_error is not None,
                     only=exact,
                 )
@@ -409,9 +413,14 @@ class Controller:
                 build.closed = False
                 if not build.streamed:
                     for r in records:
-                        if r.prompt_id in result.groups and (
-                            group := self._score(build, r, result.groups[r.prompt_id])
-                        ):
+                        if r.prompt_id not in result.groups:
+                            continue
+                        with offer_lock:
+                            scored = r.prompt_id in early
+                            group = early.pop(r.prompt_id, None)
+                        if not scored:
+                            group = self._score(build, r, result.groups[r.prompt_id])
+                        if group is not None:
                             self._offer(build, group)
                     if build.reward_error is not None:
                         raise build.reward_error

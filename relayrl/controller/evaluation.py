@@ -105,7 +105,7 @@ class EvalScorer:
         self.max_tokens = eval_params(cfg).max_tokens
         self.scorer = Scorer(
             cfg.controller.reward, tokenizer, cfg.max_response_tokens, rows,
-            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output,
+            stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output, scorers=cfg.scorers,
         )  # fmt: skip
         self.episodic = cfg.environment is not None
         self.by_function = bool(cfg.controller.reward.fns)  # each function's metrics beside the weighted score's

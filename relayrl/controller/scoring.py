@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.algorithms.overlong import overlong_penalty
-from relayrl.config import RewardConfig
+from relayrl.config import RewardConfig, ScorerConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
@@ -84,11 +84,13 @@ class Scorer:
         *,
         stop: Sequence[str] = (),
         include_stop: bool = False,
+        scorers: Mapping[str, ScorerConfig] | None = None,
     ) -> None:
+        """``scorers``: the run's (``scorers``), for the served rewards of ``cfg.fns``."""
         self.cfg = cfg
         self.stop, self.include_stop = tuple(stop), include_stop
         self.reward: RewardCaller = check_reward(cfg)  # fn's caller (a client's SubmitPrompts may name it)
-        self.rewards = weighted_rewards(cfg)  # what scores a group: fns weighted, else fn
+        self.rewards = weighted_rewards(cfg, scorers or {})  # what scores a group: fns weighted, else fn
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.row_of = row_of

@@ -1,14 +1,18 @@
 """Several reward functions with weights (``controller.reward.fns``, TRL's ``reward_funcs`` + ``reward_weights``):
 a response's score is sum_i w_i x f_i(response), each f_i's value kept apart (logged as ``rewards/<name>``).
 
-A function's name is its registry name, or the function part of ``module:function``."""
+A function's name is its registry name, or the function part of ``module:function``; a served reward
+(``scorer:<name>``, relayrl/rewards/served.py) is named by its scorer."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from relayrl.config import RewardConfig
+from relayrl.config import SCORER_PREFIX, RewardConfig, ScorerConfig
 from relayrl.rewards.call import GroupInputs, RewardCaller, load_reward
+from relayrl.rewards.served import ScorerClient
+from relayrl.rewards.signature import RewardSignature
 
 
 def reward_name(spec: str) -> str:
@@ -34,14 +38,27 @@ class WeightedRewards:
         return scores, parts
 
 
-def weighted_rewards(cfg: RewardConfig) -> WeightedRewards:
-    """The start-up check and the callers of ``controller.reward``: ``fns`` (each weighted), else ``fn`` with weight 1.
-    ValueError starting with the key when a function does not resolve or has no form."""
+def served_reward(name: str, cfg: ScorerConfig) -> RewardCaller:
+    """A batched reward function of the conversations that asks scorer ``name`` (a ScorerClient)."""
+    client = ScorerClient(name, cfg)
+    return RewardCaller(client.score, name, RewardSignature(batched=True, keywords=("conversations",)))
+
+
+def weighted_rewards(cfg: RewardConfig, scorers: Mapping[str, ScorerConfig] | None = None) -> WeightedRewards:
+    """The start-up check and the callers of ``controller.reward``: ``fns`` (each weighted), else ``fn`` with weight 1;
+    ``scorers``: the run's, which ``scorer:<name>`` keys name (None: a start-up check before the scorers have
+    addresses; those keys are left out, the config checked their names). ValueError starting with the key when a
+    function does not resolve or has no form."""
     specs = cfg.fns or {cfg.fn: 1.0}
     key = "controller.reward.fns" if cfg.fns else "controller.reward.fn"
     callers = []
     for spec, weight in specs.items():
         try:
+            if spec.startswith(SCORER_PREFIX):
+                if scorers is not None:
+                    name = spec.removeprefix(SCORER_PREFIX)
+                    callers.append((name, weight, served_reward(name, scorers[name])))
+                continue
             callers.append((reward_name(spec), weight, load_reward(spec, cfg.form)))
         except (KeyError, ValueError) as err:
             raise ValueError(f"{key}: {err.args[0]}") from None

@@ -1,0 +1,70 @@
+"""The scorers of ``relayrl up`` (``scorers.<name>.replicas``): roles ``reward-<name>-0`` .. ``reward-<name>-<r-1>``.
+
+Each replica is ``relayrl reward serve --name <name> --port P`` on its own free port, started before the
+controller and supervised like every role (a dead scorer is restarted on the same port, so its address stays
+valid; the controller's calls retry meanwhile, relayrl/rewards/served.py). Their addresses are appended to
+``scorers.<name>.servers`` in the run's config.yaml before any role starts, so the controller reads them where it
+reads scorers started elsewhere (as ``relayrl.ops.environments`` does for environment servers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from relayrl.config import RelayConfig, load_config
+from relayrl.rpc.channels import open_channel
+from relayrl.runtime.files import atomic_write
+from relayrl.runtime.ports import free_port
+
+ROLE_PREFIX = "reward-"
+
+
+def scorer_roles(cfg: RelayConfig) -> dict[str, tuple[str, int]]:
+    """role -> (scorer name, replica index) of every scorer replica ``relayrl up`` starts."""
+    return {f"{ROLE_PREFIX}{name}-{i}": (name, i) for name, s in cfg.scorers.items() for i in range(s.replicas)}
+
+
+def add_scorer_servers(config_path: Path, addresses: dict[str, list[str]]) -> RelayConfig:
+    """Append each scorer's ``addresses`` to ``scorers.<name>.servers`` in the YAML at ``config_path``."""
+    raw = yaml.safe_load(config_path.read_text())
+    for name, added in addresses.items():
+        raw["scorers"][name]["servers"] = [*raw["scorers"][name].get("servers", []), *added]
+    atomic_write(config_path, yaml.safe_dump(raw, sort_keys=False))
+    return load_config(config_path)
+
+
+def start_scorers(job) -> list[str]:
+    """Start the scorer replicas of ``job`` (the launcher's LocalJob); returns their roles. The run config gets their
+    addresses first (``job.cfg`` is reloaded from it)."""
+    roles = scorer_roles(job.cfg)
+    if not roles:
+        return []
+    ports = {role: free_port() for role in roles}
+    addresses: dict[str, list[str]] = {}
+    for role, (name, _) in roles.items():
+        addresses.setdefault(name, []).append(f"127.0.0.1:{ports[role]}")
+    job.cfg = add_scorer_servers(job.config_path, addresses)
+    for role, (name, _) in roles.items():
+        argv = ["reward", "serve", "--config", str(job.config_path), "--name", name, "--port", str(ports[role])]
+        job.spawn(role, job.relay(*argv))
+    return list(roles)
+
+
+def scorers_serving(cfg: RelayConfig) -> bool:
+    """Every address of every ``scorers.<name>.servers`` answers SERVING to the standard health check."""
+    for scorer in cfg.scorers.values():
+        for address in scorer.servers:
+            channel = open_channel(address)
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+            finally:
+                channel.close()
+            if answer.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+    return True

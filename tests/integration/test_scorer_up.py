@@ -1,0 +1,73 @@
+"""A served reward model through ``relayrl up`` (issue 46, items 3-4): the run's only reward is a tiny reward model
+served by a supervised scorer role (``scorers.rm``, ``controller.reward.fns: {scorer:rm: 1}``). Killed with
+SIGKILL after the first step, the scorer is restarted on its port while the controller's Score calls retry: the run
+completes and every prompt drawn is trained once (none failed). A scorer that refuses every request (its token
+limit below any conversation) stops the run within its first step with the scorer's error on the console."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from relayrl.config import load_config
+from relayrl.trainer.metrics import read_metrics
+from tests.unit.scorer_testing import write_tiny_reward_model
+
+from .jobs import finish, ledger_fates, start_up, supervised_roles
+
+pytestmark = pytest.mark.slow
+
+SHAPE = {"prompts_per_gen_batch": 4, "train_batch_groups": 4, "dynamic_sampling": False}
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    return write_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm", seed=3)
+
+
+def served_config(make_config, name: str, reward_model, steps: int, **scorer):
+    return make_config(
+        name,
+        scorers={"rm": {"model": str(reward_model), "precision": "float32", **scorer}},
+        controller={**SHAPE, "reward": {"fns": {"scorer:rm": 1.0}}},
+        trainer={"steps": steps},
+        rollout={"workers": 1},
+    )
+
+
+@pytest.mark.timeout(900)
+def test_a_served_reward_model_trains_through_a_scorer_killed_mid_run(tmp_path, make_config, reward_model):
+    steps = 4
+    config = served_config(make_config, "served", reward_model, steps)
+    cfg = load_config(config)
+    up = start_up(config)
+    deadline = time.monotonic() + 600
+    while len(read_metrics(cfg.run_dir / "metrics.jsonl")) < 1:
+        assert up.poll() is None and time.monotonic() < deadline, finish(up)[1]
+        time.sleep(0.2)
+    os.kill(supervised_roles(cfg)["reward-rm-0"]["pid"], signal.SIGKILL)
+    code, err = finish(up)
+    assert code == 0, err
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all("rewards/rm" in r for r in records)  # the served score is the reward, logged under the scorer's name
+    assert supervised_roles(cfg)["reward-rm-0"]["restarts"] == 1
+    fates = ledger_fates(cfg)
+    assert all(f[-1] in ("trained", "filtered") and f.count("trained") <= 1 for f in fates.values()), fates
+    assert not [pid for pid, f in fates.items() if "failed" in f]  # the kill lost no prompt
+    assert sum(f.count("trained") for f in fates.values()) == steps * SHAPE["train_batch_groups"]
+
+
+@pytest.mark.timeout(900)
+def test_a_scorer_that_refuses_every_request_stops_the_run_with_its_error(tmp_path, make_config, reward_model):
+    config = served_config(make_config, "refused", reward_model, 3, max_tokens=4)
+    code, err = finish(start_up(config))
+    cfg = load_config(config)
+    assert code == 1, err
+    assert "run stopped: step 1: 4 of the 4 prompts scored failed their reward function" in err, err
+    assert "scorer rm: RESOURCE_EXHAUSTED: items[0] tokens:" in err and "exceeds the limit 4" in err, err
+    assert read_metrics(cfg.run_dir / "metrics.jsonl") == []
+    assert supervised_roles(cfg)["reward-rm-0"]["restarts"] == 0  # the scorer itself never died
