@@ -1,6 +1,7 @@
 """Clients and servers in another language, written from the .proto files alone (Node.js, @grpc/grpc-js):
 an EnvironmentService server that runs episodes through ``EnvironmentClient``, and a SubmitPrompts client that
-omits sampling fields against a real controller and rollout worker (issue #27 item 8)."""
+omits sampling fields against a real controller and rollout worker (issue #27 item 8); a ScorerService client
+(issue 46, item 1)."""
 
 from __future__ import annotations
 
@@ -127,3 +128,28 @@ def test_a_node_submit_prompts_that_omits_sampling_fields_gets_the_defaults(node
     assert len(completions) == 2  # two prompts, n omitted -> 1 each
     assert {c["sample_index"] for c in completions} == {0}
     assert all(1 <= c["tokens"] <= 2 for c in completions)
+
+
+def test_a_node_client_scores_conversations_from_the_scorer_proto_alone(node: str, tmp_path) -> None:
+    """Score from scorer.proto with @grpc/proto-loader: the scores Python's client gets for the same conversations,
+    and an empty request answered INVALID_ARGUMENT naming ``items``."""
+    from relayrl.rewards.served import ScorerClient
+    from relayrl.services.scorer_server import serve_scorer
+    from tests.unit.scorer_testing import write_tiny_reward_model
+
+    scorer = {"model": str(write_tiny_reward_model(tmp_path / "rm")), "precision": "float32", "replicas": 1}
+    cfg = parse_config({"model": {"path": "m"}, "data": {"path": "d"}, "scorers": {"rm": scorer}})
+    server, worker = serve_scorer(cfg, "rm", host="127.0.0.1", port=0)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        argv = [node, str(NODE_DIR / "score.js"), address]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        answer = json.loads(result.stdout)
+        chats = [[{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": r}] for r in ("5", "6")]
+        python = ScorerClient("rm", cfg.scorers["rm"].model_copy(update={"servers": [address]})).score(chats)
+        assert answer["scores"] == pytest.approx(python, abs=1e-6)
+        assert answer["refused"].startswith("INVALID_ARGUMENT: items:"), answer
+    finally:
+        server.stop(grace_s=0)
+        worker.stop()
