@@ -619,6 +619,8 @@ class Controller:
         )
         fill_episode_stats(stats, build.episodes)
         stats.reward_means.update(reward_means(build.all_groups))
+        for name, client in self.scorer.rewards.served.items():  # the served rewards' calls for this batch
+            stats.scorer_metrics.update({f"{name}/{k}": v for k, v in client.step_metrics().items()})
         target = filler.target_groups if build.streamed else None
         return controller_pb2.Batch(
             batch_id=f"{build.step}-{uuid.uuid4().hex[:8]}",

@@ -92,10 +92,24 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
         ledger.add_column(column, justify="right")
     c = status.ledger
     ledger.add_row(*(str(v) for v in (c.dispatched, c.trained, c.filtered, c.failed, c.pending, c.torn_tails)))
-    tables = [run, workers, ledger]
+    tables = [run, workers, ledger, *([scorers_table(status.scorers)] if status.scorers else [])]
     if c.failed_by_reason:
         tables.append(failed_table(dict(c.failed_by_reason)))
     return tables
+
+
+def scorers_table(scorers) -> Table:
+    """Every scorer server of the run's served rewards (``StatusResponse.scorers``)."""
+    table = Table(title="scorers")
+    for column in ("scorer", "address", "kind", "items", "batch size", "latency", "queued"):
+        table.add_column(column, justify="left" if column in ("scorer", "address", "kind") else "right")
+    for s in scorers:
+        if s.error:
+            table.add_row(s.name, s.address, f"unreachable: {s.error}", "", "", "", "")
+            continue
+        numbers = (str(s.items_scored), f"{s.mean_batch_size:.1f}", f"{s.mean_latency_s * 1000:.0f} ms", str(s.queued))
+        table.add_row(s.name, s.address, s.kind, *numbers)
+    return table
 
 
 def failed_table(by_reason: dict[str, int]) -> Table:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -60,16 +61,28 @@ class ScorerClient:
         self._stubs = [scorer_pb2_grpc.ScorerServiceStub(open_channel(a)) for a in cfg.servers]
         self._turn = itertools.count()
         self.moments = RunningMoments() if cfg.normalize else None
+        self._lock = threading.Lock()
+        self._calls = self._tries = 0  # since step_metrics last read them
+        self._seconds = 0.0
 
-    def _call(self, method: str, request, deadline_s: float | None = None):
+    def _call(self, method: str, request):
+        tries = 0
+
         def attempt(left_s: float):
+            nonlocal tries
+            tries += 1
             stub = self._stubs[next(self._turn) % len(self._stubs)]
             return getattr(stub, method)(request, timeout=left_s)
 
+        started = time.monotonic()
         try:
-            return SERVICES.call(attempt, deadline_s=deadline_s or self.cfg.timeout_s, what=f"scorer {self.name}")
+            return SERVICES.call(attempt, deadline_s=self.cfg.timeout_s, what=f"scorer {self.name}")
         except grpc.RpcError as err:
             raise ScorerFailed(f"scorer {self.name}: {err.code().name}: {err.details()}") from None
+        finally:
+            with self._lock:
+                self._calls, self._tries = self._calls + 1, self._tries + tries
+                self._seconds += time.monotonic() - started
 
     def score(self, conversations: Sequence[Sequence[dict]]) -> list[float]:
         """One score per conversation (each ending with its response), normalised when ``cfg.normalize``."""
@@ -88,5 +101,30 @@ class ScorerClient:
         answer = self._call("TokenLogprobs", scorer_pb2.TokenLogprobsRequest(items=items))
         return [list(item.logprobs) for item in answer.items]
 
-    def describe(self, timeout_s: float = 5.0) -> scorer_pb2.DescribeResponse:
-        return self._call("Describe", scorer_pb2.DescribeRequest(), deadline_s=timeout_s)
+    def describe_servers(self, timeout_s: float = 1.0) -> list[tuple[str, scorer_pb2.DescribeResponse | str]]:
+        """(address, its Describe answer, or why there is none) for each server, one try each."""
+        answers = []
+        for address, stub in zip(self.cfg.servers, self._stubs):
+            try:
+                answers.append((address, stub.Describe(scorer_pb2.DescribeRequest(), timeout=timeout_s)))
+            except grpc.RpcError as err:
+                answers.append((address, f"{err.code().name}: {err.details()}"))
+        return answers
+
+    def step_metrics(self) -> dict[str, float]:
+        """The calls since the last read (latency_s: their mean seconds, retries included; calls; retries) and the
+        servers' batching now (batch_size: items per model call, averaged over the servers that answered; queued)."""
+        with self._lock:
+            calls, tries, seconds = self._calls, self._tries, self._seconds
+            self._calls = self._tries = 0
+            self._seconds = 0.0
+        metrics = {
+            "calls": float(calls),
+            "retries": float(tries - calls),
+            "latency_s": seconds / calls if calls else 0.0,
+        }
+        answered = [a for _, a in self.describe_servers() if not isinstance(a, str)]
+        if answered:
+            metrics["batch_size"] = sum(a.mean_batch_size for a in answered) / len(answered)
+            metrics["queued"] = float(sum(a.queued for a in answered))
+        return metrics

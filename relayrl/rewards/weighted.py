@@ -7,7 +7,7 @@ A function's name is its registry name, or the function part of ``module:functio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relayrl.config import SCORER_PREFIX, RewardConfig, ScorerConfig
 from relayrl.rewards.call import GroupInputs, RewardCaller, load_reward
@@ -25,6 +25,7 @@ class WeightedRewards:
     """``rewards(group) -> (scores, parts)``: each response's weighted sum, and each function's values by name."""
 
     callers: tuple[tuple[str, float, RewardCaller], ...]  # (name, weight, caller)
+    served: dict[str, ScorerClient] = field(default_factory=dict)  # the served rewards' clients, by name
 
     def wants(self, argument: str) -> bool:
         """Some function asks for ``argument`` (``row``: the dataset row is read only then)."""
@@ -38,10 +39,9 @@ class WeightedRewards:
         return scores, parts
 
 
-def served_reward(name: str, cfg: ScorerConfig) -> RewardCaller:
-    """A batched reward function of the conversations that asks scorer ``name`` (a ScorerClient)."""
-    client = ScorerClient(name, cfg)
-    return RewardCaller(client.score, name, RewardSignature(batched=True, keywords=("conversations",)))
+def served_reward(client: ScorerClient) -> RewardCaller:
+    """A batched reward function of the conversations that asks ``client``'s scorer."""
+    return RewardCaller(client.score, client.name, RewardSignature(batched=True, keywords=("conversations",)))
 
 
 def weighted_rewards(cfg: RewardConfig, scorers: Mapping[str, ScorerConfig] | None = None) -> WeightedRewards:
@@ -51,15 +51,16 @@ def weighted_rewards(cfg: RewardConfig, scorers: Mapping[str, ScorerConfig] | No
     function does not resolve or has no form."""
     specs = cfg.fns or {cfg.fn: 1.0}
     key = "controller.reward.fns" if cfg.fns else "controller.reward.fn"
-    callers = []
+    callers, served = [], {}
     for spec, weight in specs.items():
         try:
             if spec.startswith(SCORER_PREFIX):
                 if scorers is not None:
                     name = spec.removeprefix(SCORER_PREFIX)
-                    callers.append((name, weight, served_reward(name, scorers[name])))
+                    served[name] = ScorerClient(name, scorers[name])
+                    callers.append((name, weight, served_reward(served[name])))
                 continue
             callers.append((reward_name(spec), weight, load_reward(spec, cfg.form)))
         except (KeyError, ValueError) as err:
             raise ValueError(f"{key}: {err.args[0]}") from None
-    return WeightedRewards(tuple(callers))
+    return WeightedRewards(tuple(callers), served)

@@ -109,6 +109,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def Status(self, request, context):
         status = self.controller.status()
         status.restarts.update(read_restarts(self.controller.cfg.run_dir))  # written by the supervisor, if any
+        for name, client in self.controller.scorer.rewards.served.items():
+            for address, answer in client.describe_servers():
+                if isinstance(answer, str):
+                    status.scorers.add(name=name, address=address, error=answer)
+                    continue
+                status.scorers.add(
+                    name=name, address=address, kind=answer.kind, items_scored=answer.items_scored,
+                    mean_batch_size=answer.mean_batch_size, mean_latency_s=answer.mean_latency_s, queued=answer.queued,
+                )  # fmt: skip
         return status
 
     @guarded

@@ -335,6 +335,7 @@ def step_record(step: int, batch: controller_pb2.Batch, train: dict, sync, step_
         "data_cursor_end": stats.cursor_end,
         **step_episode_metrics(stats),
         **{f"rewards/{name}": mean for name, mean in sorted(stats.reward_means.items())},
+        **{f"scorer/{key}": value for key, value in sorted(stats.scorer_metrics.items())},
         "time": time.time(),
     }
 

@@ -113,7 +113,7 @@ class Sample(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchStats(_message.Message):
-    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end", "episodes", "turns_mean", "turns_median", "env_seconds_mean", "tool_parse_errors", "episode_ends", "env_metrics", "observation_tokens_mean", "samples_aborted", "reward_means", "prompts_too_long", "prompts_truncated")
+    __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end", "episodes", "turns_mean", "turns_median", "env_seconds_mean", "tool_parse_errors", "episode_ends", "env_metrics", "observation_tokens_mean", "samples_aborted", "reward_means", "prompts_too_long", "prompts_truncated", "scorer_metrics")
     class EpisodeEndsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,13 @@ class BatchStats(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class RewardMeansEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ScorerMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +168,7 @@ class BatchStats(_message.Message):
     REWARD_MEANS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SCORER_METRICS_FIELD_NUMBER: _ClassVar[int]
     groups_kept: int
     groups_filtered: int
     gen_batches: int
@@ -187,7 +195,8 @@ class BatchStats(_message.Message):
     reward_means: _containers.ScalarMap[str, float]
     prompts_too_long: int
     prompts_truncated: int
-    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., episodes: _Optional[int] = ..., turns_mean: _Optional[float] = ..., turns_median: _Optional[float] = ..., env_seconds_mean: _Optional[float] = ..., tool_parse_errors: _Optional[int] = ..., episode_ends: _Optional[_Mapping[str, int]] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., observation_tokens_mean: _Optional[float] = ..., samples_aborted: _Optional[int] = ..., reward_means: _Optional[_Mapping[str, float]] = ..., prompts_too_long: _Optional[int] = ..., prompts_truncated: _Optional[int] = ...) -> None: ...
+    scorer_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, groups_kept: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., gen_batches: _Optional[int] = ..., rollout_version_min: _Optional[int] = ..., rollout_version_max: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., score_mean: _Optional[float] = ..., samples_generated: _Optional[int] = ..., response_len_mean: _Optional[float] = ..., groups_stale: _Optional[int] = ..., groups_failed: _Optional[int] = ..., cursor_start: _Optional[int] = ..., cursor_end: _Optional[int] = ..., episodes: _Optional[int] = ..., turns_mean: _Optional[float] = ..., turns_median: _Optional[float] = ..., env_seconds_mean: _Optional[float] = ..., tool_parse_errors: _Optional[int] = ..., episode_ends: _Optional[_Mapping[str, int]] = ..., env_metrics: _Optional[_Mapping[str, float]] = ..., observation_tokens_mean: _Optional[float] = ..., samples_aborted: _Optional[int] = ..., reward_means: _Optional[_Mapping[str, float]] = ..., prompts_too_long: _Optional[int] = ..., prompts_truncated: _Optional[int] = ..., scorer_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "step", "samples", "stats", "temperature", "minibatch_groups", "prompts")
@@ -379,7 +388,7 @@ class LedgerCounts(_message.Message):
     def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ..., torn_tails: _Optional[int] = ..., failed_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals")
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals", "scorers")
     class RestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +415,7 @@ class StatusResponse(_message.Message):
     RECENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     EVALS_FIELD_NUMBER: _ClassVar[int]
+    SCORERS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     trainer_step: int
@@ -425,7 +435,28 @@ class StatusResponse(_message.Message):
     recent_steps: int
     drained_workers: _containers.RepeatedScalarFieldContainer[str]
     evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ...) -> None: ...
+    scorers: _containers.RepeatedCompositeFieldContainer[ScorerStatus]
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., scorers: _Optional[_Iterable[_Union[ScorerStatus, _Mapping]]] = ...) -> None: ...
+
+class ScorerStatus(_message.Message):
+    __slots__ = ("name", "address", "kind", "items_scored", "mean_batch_size", "mean_latency_s", "queued", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_SCORED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    kind: str
+    items_scored: int
+    mean_batch_size: float
+    mean_latency_s: float
+    queued: int
+    error: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., items_scored: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_latency_s: _Optional[float] = ..., queued: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PauseRunRequest(_message.Message):
     __slots__ = ("reason",)

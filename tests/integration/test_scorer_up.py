@@ -1,8 +1,9 @@
 """A served reward model through ``relayrl up`` (issue 46, items 3-4): the run's only reward is a tiny reward model
-served by a supervised scorer role (``scorers.rm``, ``controller.reward.fns: {scorer:rm: 1}``). Killed with
-SIGKILL after the first step, the scorer is restarted on its port while the controller's Score calls retry: the run
-completes and every prompt drawn is trained once (none failed). A scorer that refuses every request (its token
-limit below any conversation) stops the run within its first step with the scorer's error on the console."""
+served by a supervised scorer role (``scorers.rm``, ``controller.reward.fns: {scorer:rm: 1}``). ``relayrl status``
+lists the scorer; killed with SIGKILL after the first step, it is restarted on its port while the controller's Score
+calls retry: the run completes, every prompt drawn is trained once (none failed), and each step's metrics carry the
+scorer's latency, calls and batch size. A scorer that refuses every request (its token limit below any
+conversation) stops the run within its first step with the scorer's error on the console."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 import pytest
 
 from relayrl.config import load_config
+from relayrl.launcher import controller_status
+from relayrl.ops.render import status_tables
 from relayrl.trainer.metrics import read_metrics
 from tests.unit.scorer_testing import write_tiny_reward_model
 
@@ -48,12 +51,18 @@ def test_a_served_reward_model_trains_through_a_scorer_killed_mid_run(tmp_path, 
     while len(read_metrics(cfg.run_dir / "metrics.jsonl")) < 1:
         assert up.poll() is None and time.monotonic() < deadline, finish(up)[1]
         time.sleep(0.2)
+    status = controller_status((cfg.run_dir / "controller.address").read_text())  # what `relayrl status` shows
+    (scorer,) = status.scorers
+    assert (scorer.name, scorer.kind, scorer.error) == ("rm", "classifier", "") and scorer.items_scored > 0
+    assert "scorers" in [table.title for table in status_tables(status)]
     os.kill(supervised_roles(cfg)["reward-rm-0"]["pid"], signal.SIGKILL)
     code, err = finish(up)
     assert code == 0, err
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all("rewards/rm" in r for r in records)  # the served score is the reward, logged under the scorer's name
+    assert all(r["scorer/rm/calls"] >= SHAPE["prompts_per_gen_batch"] and r["scorer/rm/latency_s"] > 0 for r in records)
+    assert records[0]["scorer/rm/batch_size"] >= 1 and "scorer/rm/queued" in records[0]
     assert supervised_roles(cfg)["reward-rm-0"]["restarts"] == 1
     fates = ledger_fates(cfg)
     assert all(f[-1] in ("trained", "filtered") and f.count("trained") <= 1 for f in fates.values()), fates
