@@ -279,6 +279,8 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
                 "choose another run.name (or run.dir)"
             )
         prepare_model(cfg)
+        if cfg.eval is not None:
+            check_sft_eval(cfg)
         from transformers import AutoTokenizer
 
         from relayrl.trainer.sft import check_resume, load_data, run_sft  # the config is good: seconds of imports
@@ -298,6 +300,19 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     from relayrl.trainer.sft import run_sft
 
     return run_sft(cfg, resume=args.resume)
+
+
+def check_sft_eval(cfg) -> None:
+    """``train sft``'s eval section: its RL config loads, has an eval section and passes ``relayrl eval``'s checks;
+    a ConfigError naming ``eval.config`` before any rank starts."""
+    from relayrl.ops.preflight import check_eval
+    from relayrl.trainer.sft_eval import load_eval_config
+
+    rl_cfg = load_eval_config(cfg)
+    try:
+        check_eval(rl_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"eval.config {cfg.eval.config}: {err}") from None
 
 
 def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:

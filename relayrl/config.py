@@ -1244,6 +1244,15 @@ class SFTTrainerConfig(Section):
         return self
 
 
+class SFTEvalConfig(Section):
+    """The RL loop's held-out sets on the SFT checkpoints: before step 1 and at each held-out evaluation step
+    (trainer.eval_every, and the last step) the weights are exported and scored by ``relayrl eval`` of an RL config
+    (its eval section, rollout sampling and reward) on a rollout worker process that command starts."""
+
+    config: str  # a `relayrl up` config with an eval section, read with model.path set to this run's model.path
+    set: list[str] = Field(default_factory=list)  # key=value overrides of that config, as `relayrl eval --set`
+
+
 class SFTConfig(Section):
     """``relayrl train sft CONFIG``: supervised fine-tuning on the RL trainer's backend (docs/post-training.md)."""
 
@@ -1251,6 +1260,7 @@ class SFTConfig(Section):
     model: ModelConfig
     data: SFTDataConfig
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+    eval: SFTEvalConfig | None = None  # the RL loop's eval sets on the checkpoints (absent: held-out loss only)
 
     @property
     def run_dir(self) -> Path:

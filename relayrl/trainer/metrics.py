@@ -154,11 +154,17 @@ def plot_training(
     title: str = "",
     reference: bool = True,
     panels: tuple[tuple[str, str], ...] = TRAINING_PANELS,
+    evals: bool = False,
 ) -> Path | None:
-    """One panel per ``panels`` key (an RL run's TRAINING_PANELS) some step recorded, against the step; None
-    without data. ``reference``: the run has a reference model (``algorithm.kl_coef`` > 0)."""
+    """One panel per ``panels`` key (an RL run's TRAINING_PANELS) some step recorded, against the step, and with
+    ``evals`` one per eval set (its ``eval_curves`` curve); None without data. ``reference``: the run has a
+    reference model (``algorithm.kl_coef`` > 0)."""
     records = read_metrics(metrics_path)
+    series = {key: [(r["step"], r[key]) for r in records if key in r] for key, _ in panels}
     panels = training_panels(records, reference, panels)
+    for name, (key, xs, ys) in (eval_curves(read_evals(metrics_path)) if evals else {}).items():
+        series[f"eval/{name}/{key}"] = list(zip(xs, ys))
+        panels.append((f"eval/{name}/{key}", f"eval/{name}/{key} (held-out, rollout workers)"))
     if not panels:
         return None
     import matplotlib
@@ -170,7 +176,7 @@ def plot_training(
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(11, 3.2 * rows), dpi=110, squeeze=False)
     for ax, (key, name) in zip(axes.flat, panels):
-        points = [(r["step"], r[key]) for r in records if key in r]
+        points = series[key]
         ax.plot(
             [p[0] for p in points], [p[1] for p in points], color="tab:blue", marker="." if len(points) < 30 else None
         )

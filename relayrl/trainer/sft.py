@@ -9,8 +9,9 @@ optimizer, precision, checkpoints and export are the FSDP backend's (relayrl/tra
 schedule and checkpoint/resume helpers the RL loop's (relayrl/trainer/schedule.py, relayrl/trainer/loop.py).
 
 Files in the run directory: config.yaml, metrics.jsonl (one line per step: loss, token_accuracy, lr, grad_norm,
-tokens, ...; eval_loss and eval_token_accuracy on evaluated steps, step 0 the model before training),
-checkpoints/step_N, final (the Hugging Face export) and metrics.png.
+tokens, ...; eval_loss and eval_token_accuracy on evaluated steps, step 0 the model before training; with an
+``eval`` section, the RL loop's eval lines of the same steps, relayrl/trainer/sft_eval.py), checkpoints/step_N, final
+(the Hugging Face export) and metrics.png.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.loop import ShutdownFlag, broadcast_from_rank0, resume_point, save_checkpoint
 from relayrl.trainer.metrics import MetricsWriter, plot_training
 from relayrl.trainer.schedule import lr_at, set_lr
+from relayrl.trainer.sft_eval import score_checkpoint
 from relayrl.trainer.sft_plan import pack_rows, plan_steps
 from relayrl.trainer.world import init_world, world_backend
 
@@ -60,9 +62,9 @@ SFT_PANELS = (
 )
 
 
-# Keys a resumed run may change: how often it checkpoints and evaluates, what it exports, its threads and ranks
-# (checkpoints load on any world size; the ranks share out the same rows, tests/unit/test_train_sft.py). Any other
-# key may change the step plan or what a step computes, and a resume would no longer continue the run it names.
+# Keys a resumed run may change: how often it checkpoints and evaluates, its eval sets, what it exports, its threads
+# and ranks (checkpoints load on any world size; the ranks share out the same rows, tests/unit/test_train_sft.py). Any
+# other key may change the step plan or what a step computes, and a resume would no longer continue the run it names.
 RESUME_SAFE_KEYS = (
     "trainer.checkpoint_every",
     "trainer.save_total_limit",
@@ -70,6 +72,7 @@ RESUME_SAFE_KEYS = (
     "trainer.export_hf",
     "trainer.threads",
     "trainer.nproc",
+    "eval",
 )
 
 
@@ -260,6 +263,8 @@ def run_sft(
         if writer is not None:
             writer.write({"step": 0, **before})
             print(f"step 0 held-out loss {before['eval_loss']:.4f} token_accuracy {before['eval_token_accuracy']:.3f}")
+    if cfg.eval is not None and start == 0:
+        write_evals(writer, score_checkpoint(cfg, backend, tokenizer, 0))
 
     stop = ShutdownFlag()
     saved = start
@@ -276,11 +281,14 @@ def run_sft(
         record.update(lr=lr, tokens=tokens, examples=len(indices), rows=len(rows), step_seconds=seconds)
         record["tokens_per_second"] = tokens / seconds
         every = cfg.trainer.eval_every
-        if heldout is not None and ((every and step % every == 0) or step == len(plan)):
+        evaluating = (every and step % every == 0) or step == len(plan)
+        if heldout is not None and evaluating:
             record.update(evaluate(backend, heldout, cfg.trainer.pack_tokens))
         if writer is not None:
             writer.write(record)
             print(progress_line(step, len(plan), record), flush=True)
+        if cfg.eval is not None and evaluating:
+            write_evals(writer, score_checkpoint(cfg, backend, tokenizer, step))
         every = cfg.trainer.checkpoint_every
         if (every and step % every == 0) or step == len(plan):
             save_checkpoint(backend, run_dir, step, step, trainer_cfg)
@@ -296,9 +304,21 @@ def run_sft(
         backend.export_hf(run_dir / "final", tokenizer)
     if writer is not None:
         writer.close()
-        plot_training(run_dir / "metrics.jsonl", run_dir / "metrics.png", f"{cfg.run.name}: SFT", panels=SFT_PANELS)
+        plot_training(
+            run_dir / "metrics.jsonl", run_dir / "metrics.png", f"{cfg.run.name}: SFT", panels=SFT_PANELS, evals=True
+        )
         print(f"relayrl train sft: done, {run_dir / 'final'} and {run_dir / 'metrics.png'}", flush=True)
     return finish(None)
+
+
+def write_evals(writer: MetricsWriter | None, records: list[dict]) -> None:
+    """The eval sets' lines into metrics.jsonl (rank 0), each with a progress line."""
+    if writer is None:
+        return
+    for record in records:
+        writer.write_eval(record)
+        scores = " ".join(f"{k} {v:.3f}" for k, v in record.items() if k.startswith(("mean@", "pass@")))
+        print(f"step {record['step']} eval {record['eval']}: {scores}", flush=True)
 
 
 def finish(writer: MetricsWriter | None) -> int:

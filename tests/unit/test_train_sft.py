@@ -254,3 +254,52 @@ def test_packed_examples_do_not_attend_across_under_float32_sdpa(workdir) -> Non
             alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
             torch.testing.assert_close(together[start : start + len(ids)], alone, atol=1e-5, rtol=1e-5)
             start += len(ids)
+
+
+def write_eval_config(workdir: Path, name: str, rows: list[dict], with_eval: bool = True) -> Path:
+    """An RL config (``relayrl up``'s) whose eval set holds ``rows`` as prompt/answer rows, scored by exact_match."""
+    prompts = workdir / "eval-prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]}) + "\n"
+            for r in rows
+        )
+    )
+    config = {
+        "model": {"path": str(workdir / "model")},
+        "data": {"path": str(prompts)},
+        "rollout": {"workers": 1, "max_tokens": 4},
+        "controller": {"reward": {"fn": "exact_match"}},
+        **({"eval": {"sets": {"sums": {"path": str(prompts)}}}} if with_eval else {}),
+    }
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_rl_eval_sets_score_the_checkpoints_on_a_rollout_worker(workdir) -> None:
+    """An eval section naming an RL config: before step 1 and at each eval step the weights are scored by ``relayrl
+    eval`` (greedy, a rollout worker process) and the sets' lines land in metrics.jsonl as ``relayrl up`` writes
+    them, and in metrics.png. Trained on the very rows the set asks, all of them summing to 7 (it measures the
+    checkpoint, not generalisation), the greedy accuracy climbs from the random model's 0."""
+    rows = [chat_row(a, 7 - a) for a in range(5)]
+    train_path = workdir / "memorise.jsonl"
+    train_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config, rl_config = write_config(workdir, "rl-eval"), write_eval_config(workdir, "up-sums", rows)
+    sets = [f"data.path={train_path}", "data.eval_path=null", f"eval.config={rl_config}"]
+    sets += ["trainer.steps=30", "trainer.lr=1e-2", "trainer.lr_schedule=constant", "trainer.checkpoint_every=0"]
+    done = train(str(config), *(arg for s in sets for arg in ("--set", s)))
+    run_dir = workdir / "runs" / "rl-eval"
+    evals = [r for r in records(run_dir) if "eval" in r]
+    assert [(r["eval"], r["step"], r["prompts"]) for r in evals] == [("sums", s, 5) for s in (0, 30)]
+    assert evals[0]["mean@1"] == 0.0 and evals[-1]["mean@1"] == 1.0, evals
+    assert "step 30 eval sums: mean@1 1.000" in done.stdout
+    assert not (run_dir / "eval_weights").exists() and (run_dir / "metrics.png").stat().st_size > 0
+
+
+def test_an_eval_config_without_eval_sets_is_refused_naming_the_key(workdir) -> None:
+    config = write_config(workdir, "rl-eval-bad")
+    rl_config = write_eval_config(workdir, "up-no-eval", [chat_row(1, 2)], with_eval=False)
+    line = refusal(str(config), "--set", f"eval.config={rl_config}")
+    assert line.startswith(f"relayrl: config error: eval.config {rl_config}: the config has no eval section"), line
+    assert not (workdir / "runs" / "rl-eval-bad").exists()
