@@ -13,7 +13,8 @@ must agree with it on every key, except:
 - any other key changed by an explicit ``--set`` and named by ``--allow-change KEY`` (an lr lowered after the run
   diverged): applied and logged the same way, marked as allowed;
 - ``controller.port: 0`` ("any free port"): the run keeps the port it recorded, so its address stays;
-- the ``environment.servers`` addresses ``relayrl up`` appended for ``environment.serve`` (it starts them anew).
+- the ``environment.servers`` addresses ``relayrl up`` appended for ``environment.serve``, and the
+  ``scorers.<name>.servers`` addresses it appended for each scorer's ``replicas`` (it starts them anew).
 
 Any other difference is refused, every differing key listed. A run directory without a saved config is no
 run to resume; a run whose ``trainer.steps`` are all trained has nothing left to train.
@@ -99,6 +100,16 @@ def resume_run(run_dir: Path, overrides: list[str], allowed: list[str] = ()) -> 
     return resume_config(saved, [*where, *overrides], allowed, from_saved=True)
 
 
+def drop_launched_addresses(cfg: RelayConfig) -> None:
+    """Remove from ``cfg`` the addresses ``relayrl up`` appended for the servers it started (``environment.serve``'s
+    replicas, each scorer's ``replicas``): it starts them anew, on new ports."""
+    if cfg.environment is not None and cfg.environment.serve:
+        cfg.environment.servers = cfg.environment.servers[: -cfg.environment.replicas]
+    for scorer in cfg.scorers.values():
+        if scorer.replicas:
+            scorer.servers = scorer.servers[: -scorer.replicas]
+
+
 def resume_config(
     path: str | Path, overrides: list[str], allowed: list[str] = (), *, from_saved: bool = False
 ) -> tuple[RelayConfig, list[str]]:
@@ -113,8 +124,7 @@ def resume_config(
     if given.controller.port == 0:
         given.controller.port = saved.controller.port
     for cfg in (saved, given) if from_saved else (saved,):
-        if cfg.environment is not None and cfg.environment.serve:  # the addresses `relayrl up` appended itself
-            cfg.environment.servers = cfg.environment.servers[: -cfg.environment.replicas]
+        drop_launched_addresses(cfg)
     old, new = flatten(saved.model_dump(mode="json")), flatten(given.model_dump(mode="json"))
     differing = sorted(key for key in old.keys() | new.keys() if old.get(key, None) != new.get(key, None))
     for key in allowed:

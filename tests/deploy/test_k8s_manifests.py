@@ -111,7 +111,10 @@ def workloads(docs) -> dict[str, dict]:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_validates_strict(overlay: str, version: str):
-    docs = render(overlay)
+    assert_valid(render(overlay), version)
+
+
+def assert_valid(docs, version: str) -> None:
     assert docs
     errors = []
     for d in docs:
@@ -442,3 +445,26 @@ def test_every_example_a_deploy_file_names_exists():
     assert named, "the deploy files name no example: the pattern is out of date"
     missing = sorted((str(path), example) for path, example in named if not (REPO / example).exists())
     assert not missing, missing
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_reward_overlay_serves_the_scorer_its_config_calls(version: str):
+    """cpu-reward = cpu-demo + the reward component (docs/reward-models.md): a StatefulSet of `relayrl reward serve`
+    behind a headless Service with gRPC probes on its port, each pod an address of the config's scorer, which names
+    it in controller.reward.fns and starts no replica itself; the reward model is read from the run-dir claim."""
+    docs = render("cpu-reward")
+    assert_valid(docs, version)
+    reward, service = by_name(docs, "StatefulSet", "relayrl-reward"), by_name(docs, "Service", "relayrl-reward")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert selects(service, reward) and not selects(service, by_name(docs, "StatefulSet", "relayrl-rollout"))
+    c = container(reward)
+    assert c["args"][:2] == ["reward", "serve"] and arg_after(c["args"], "--host") == "0.0.0.0"
+    name, port = arg_after(c["args"], "--name"), int(arg_after(c["args"], "--port"))
+    assert all(c[probe]["grpc"]["port"] == port for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    cfg = config.parse_config(run_config(docs))
+    scorer = cfg.scorers[name]
+    assert scorer.replicas == 0 and f"scorer:{name}" in cfg.controller.reward.fns
+    pods = range(reward["spec"]["replicas"])
+    assert scorer.servers == [f"relayrl-reward-{i}.relayrl-reward:{port}" for i in pods]
+    assert volume_for_mount(reward, "/var/lib/relayrl/runs")["persistentVolumeClaim"]["claimName"] == "relayrl-run"
+    assert scorer.model.startswith("/var/lib/relayrl/runs/")

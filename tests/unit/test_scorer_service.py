@@ -5,6 +5,7 @@ field and the server lives on; health and reflection; requests from several call
 
 from __future__ import annotations
 
+import re
 import threading
 
 import grpc
@@ -18,6 +19,7 @@ from relayrl.models.tiny_chat import write_tiny_chat_model
 from relayrl.rewards.served import ScorerClient, ScorerFailed
 from relayrl.rpc.channels import open_channel
 from relayrl.scorer.batcher import DynamicBatcher
+from relayrl.scorer.models import judged_score
 from relayrl.services.scorer_server import serve_scorer
 from relayrl.v1 import environment_pb2, scorer_pb2, scorer_pb2_grpc
 from tests.unit.scorer_testing import write_tiny_reward_model
@@ -44,6 +46,7 @@ def served(tmp_path_factory):
     scorers = {
         "rm": {"model": str(rm), "max_tokens": 64, "max_items": 8, "precision": "float32", "servers": ["127.0.0.1:1"]},
         "teacher": {"kind": "teacher", "model": str(teacher), "precision": "float32", "servers": ["127.0.0.1:1"]},
+        "judge": {"kind": "judge", "model": str(teacher), "precision": "float32", "servers": ["127.0.0.1:1"]},
     }
     cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}, "scorers": scorers})
     running = {name: serve_scorer(cfg, name, host="127.0.0.1", port=0) for name in scorers}
@@ -79,6 +82,28 @@ def test_a_teachers_log_probs_are_the_causal_lms_own(served) -> None:
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
     own = [torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token].item() for t, token in enumerate(response)]
     assert served_lps == pytest.approx(own, abs=1e-5)
+
+
+def test_a_judges_score_is_what_its_model_answers_the_rubric(served) -> None:
+    """The served judge answers as the chat model's own greedy ``generate`` on the rubric filled with the prompt and
+    the response: its first number, or (this tiny untrained model may answer none) the request refused quoting it."""
+    judge = served["judge"][1]
+    tokenizer = AutoTokenizer.from_pretrained(judge.model)
+    model = AutoModelForCausalLM.from_pretrained(judge.model)
+    conversation = CONVERSATIONS[1]
+    question = judge.rubric.format(prompt="hi", response="hello there, how are you")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )
+    out = model.generate(
+        ids, max_new_tokens=judge.judge_max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    expected = judged_score(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    if isinstance(expected, Exception):
+        with pytest.raises(ScorerFailed, match=re.escape(f"scorer judge: INTERNAL: ValueError: {expected}")):
+            client(served, "judge").score([conversation])
+    else:
+        assert client(served, "judge").score([conversation]) == [expected]
 
 
 def call_status(stub, method: str, request) -> tuple[grpc.StatusCode, str]:

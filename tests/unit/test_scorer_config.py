@@ -1,0 +1,76 @@
+"""The scorers section and the served rewards' client, without a server: a run names its scorers correctly or is
+refused naming the key; the running normalisation is (x - mean) / std over every score so far; a judge's number."""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+import pytest
+
+from relayrl.config import ConfigError, parse_config
+from relayrl.rewards.served import RunningMoments
+from relayrl.scorer.models import judged_score
+
+BASE = {"model": {"path": "m"}, "data": {"path": "d"}}
+
+
+def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
+    return {**BASE, "scorers": {"rm": {"model": "rm-dir", **scorer}}, "controller": {"reward": {"fn": fn, "fns": fns}}}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (config({"scorer:judge": 1.0}), "controller.reward.fns: scorer:judge names no scorer (scorers: rm)"),
+        (config({}, fn="scorer:rm"), "controller.reward.fn: a served reward goes in controller.reward.fns"),
+        (config({"scorer:rm": 1.0}, kind="teacher"), "scorer rm is a teacher: it gives log-probs, not scores"),
+        (
+            config({"scorer:rm": 1.0}, replicas=0),
+            "scorers.rm: replicas is 0 and servers is empty: no scorer would serve",
+        ),
+        (config({"scorer:rm": 1.0}, servers=["nohost"]), "scorers.rm.servers"),
+        (config({"scorer:rm": 1.0}, kind="judge", rubric="rate {response}"), "rubric: a judge's rubric holds"),
+        (config({"scorer:rm": 1.0}, max_wait_ms=-1), "scorers.rm.max_wait_ms"),
+    ],
+)
+def test_a_scorer_a_run_cannot_use_is_refused_naming_the_key(raw: dict, message: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
+        parse_config(raw)
+
+
+def test_a_served_reward_beside_a_function_parses() -> None:
+    cfg = parse_config(config({"scorer:rm": 1.0, "exact_match": 0.5}, normalize=True))
+    assert cfg.scorers["rm"].kind == "classifier" and cfg.scorers["rm"].normalize
+
+
+def test_running_normalisation_is_over_every_score_so_far() -> None:
+    moments, seen = RunningMoments(), []
+    for batch in ([1.0, 3.0], [2.0, 10.0, -4.0], [7.0]):
+        seen += batch
+        mean, std = statistics.fmean(seen), statistics.pstdev(seen)
+        assert moments.normalized(batch) == pytest.approx([(x - mean) / std for x in batch], abs=1e-12)
+    assert RunningMoments().normalized([5.0]) == [0.0]  # std 0: x - mean
+
+
+def test_a_judges_score_is_the_first_number_of_its_answer() -> None:
+    assert judged_score(" 7/10, fine") == 7.0 and judged_score("score: -2.5") == -2.5
+    assert str(judged_score("excellent!")) == "the judge answered 'excellent!': no number"
+
+
+def test_a_resume_drops_the_scorer_addresses_relayrl_up_appended(tmp_path) -> None:
+    """`relayrl up` appended its replica's address to scorers.rm.servers in the saved config; the resume starts the
+    replica anew on a new port, so the old address is neither a difference from the user's file nor kept."""
+    from relayrl.config import dump_config
+    from relayrl.ops.resume import resume_config
+
+    raw = {**config({"scorer:rm": 1.0}, servers=["scorer-host:50053"]), "run": {"name": "r", "dir": str(tmp_path)}}
+    given = tmp_path / "given.yaml"
+    given.write_text(dump_config(parse_config(raw)))
+    launched = parse_config(raw)
+    launched.scorers["rm"].servers.append("127.0.0.1:41234")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.yaml").write_text(dump_config(launched))
+    for path, from_saved in ((given, False), (tmp_path / "r" / "config.yaml", True)):
+        cfg, changes = resume_config(path, [f"run.dir={tmp_path}", "run.name=r"], from_saved=from_saved)
+        assert (cfg.scorers["rm"].servers, changes) == (["scorer-host:50053"], [])
