@@ -1,6 +1,6 @@
-"""Token authentication and (m)TLS on ControllerService and RolloutService: refused without the token, with a
-wrong one, or (mTLS) without a client certificate signed by the CA; served with the right ones; health checks
-need no token; reflection does."""
+"""Token authentication and (m)TLS on ControllerService and RolloutService (the token on ScorerService too):
+refused without the token, with a wrong one, or (mTLS) without a client certificate signed by the CA; served with
+the right ones; health checks need no token; reflection does."""
 
 from __future__ import annotations
 
@@ -191,3 +191,30 @@ def test_mtls_certificate_without_token_is_unauthenticated(mtls, service, pki) -
     channel = open_channel(mtls[service], security=tls_client(pki, token=None, cert=pki.cert, key=pki.key))
     assert status_of(unary_call(service), channel) == grpc.StatusCode.UNAUTHENTICATED
     assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_scorer_needs_the_token_and_its_health_does_not(token, tmp_path, monkeypatch) -> None:
+    """ScorerService (relayrl reward serve) under the run's security section, as every relayrl server."""
+    from relayrl.config import parse_config
+    from relayrl.services.scorer_server import serve_scorer
+    from relayrl.v1 import scorer_pb2, scorer_pb2_grpc
+    from tests.unit.scorer_testing import write_tiny_reward_model
+
+    monkeypatch.setenv(TOKEN_ENV, token)
+    scorer = {"model": str(write_tiny_reward_model(tmp_path / "rm")), "precision": "float32"}
+    raw = {"model": {"path": "m"}, "data": {"path": "d"}, "security": {"auth_token_env": TOKEN_ENV}}
+    server, worker = serve_scorer(parse_config({**raw, "scorers": {"rm": scorer}}), "rm", host="127.0.0.1", port=0)
+    address = f"127.0.0.1:{server.port}"
+
+    def describe(channel: grpc.Channel) -> object:
+        return scorer_pb2_grpc.ScorerServiceStub(channel).Describe(scorer_pb2.DescribeRequest(), timeout=10)
+
+    try:
+        refused = grpc.StatusCode.UNAUTHENTICATED
+        for sent, code in ((None, refused), ("wrong-token-of-plenty-length", refused), (token, grpc.StatusCode.OK)):
+            assert status_of(describe, open_channel(address, security=ClientSecurity(token=sent))) == code
+        anonymous = open_channel(address, security=ClientSecurity())
+        assert health(anonymous, "relayrl.v1.ScorerService") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(grace_s=0)
+        worker.stop()
