@@ -3,6 +3,8 @@ names the key or flag; no run directory and nothing built left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -26,8 +28,40 @@ DEMO = ROOT / "examples" / "digits.yaml"
 NO_ADDRESS = {"RELAYRL_CONTROLLER": ""}  # an operator's shell may have one set
 
 
+def relayrl_run(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``relayrl ARGV`` in this process, as ``python -m relayrl.cli ARGV`` runs it (``relayrl.cli.main``), in ``cwd``
+    with ``env`` added to the environment: (exit code, stdout, stderr). A refusal comes before anything starts, so
+    a process of its own only repeats the imports; the role commands (their process set-up: relayrl.runtime.heap,
+    gcfreeze) and `up` past its light checks (it starts its fork server) run as processes (``relayrl_process``)."""
+    from relayrl import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if cwd is not None:
+            patch.chdir(cwd)
+        for key, value in {"PYTHONPATH": str(ROOT), **(env or {})}.items():
+            patch.setenv(key, value)
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as done:  # argparse's refusals, as the interpreter exits with them
+            code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def one_line(code: int, stdout: str, stderr: str) -> str:
+    """Asserts exit code 2 and exactly one line on stderr, and returns that line."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, (code, stderr[-3000:], stdout[-1000:])
+    return lines[0]
+
+
 def relayrl(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
-    """Run ``relayrl ARGV``; asserts exit code 2 and exactly one line on stderr, and returns that line."""
+    """``relayrl ARGV`` refused (``relayrl_run``): its one stderr line."""
+    return one_line(*relayrl_run(*argv, cwd=cwd, env=env))
+
+
+def relayrl_process(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """``relayrl ARGV`` refused as a process of its own (``python -m relayrl.cli``): its one stderr line."""
     done = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", *argv],
         cwd=cwd,
@@ -36,9 +70,7 @@ def relayrl(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = No
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:], done.stdout[-1000:])
-    return lines[0]
+    return one_line(done.returncode, done.stdout, done.stderr)
 
 
 def saved_run(tmp_path: Path, *sets: str) -> Path:
@@ -72,11 +104,8 @@ def test_resume_from_the_run_directory_alone_and_an_unsafe_change_only_when_name
     from relayrl.ops.resume import record_changes, resume_run
 
     run_dir = saved_run(tmp_path, "trainer.steps=20")
-    ok = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "check", "--resume", str(run_dir)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert ok.returncode == 0 and f"`relayrl up` resumes {run_dir}" in ok.stdout, ok.stderr
+    code, stdout, stderr = relayrl_run("check", "--resume", str(run_dir), cwd=tmp_path)
+    assert code == 0 and f"`relayrl up` resumes {run_dir}" in stdout, stderr
     line = relayrl("up", "--resume", str(run_dir), "--set", "trainer.lr=0.0005", cwd=tmp_path)
     assert "trainer.lr (0.002 in the run, 0.0005 now)" in line and "--allow-change KEY" in line
     line = relayrl("up", "--resume", str(run_dir), "--allow-change", "trainer.lr", cwd=tmp_path)
@@ -266,11 +295,17 @@ SUBCOMMANDS = {
 }
 
 
+ROLES = {"controller serve", "rollout serve", "env serve", "trainer run"}  # each a process of its own (relayrl_run)
+
+
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
 def test_every_subcommand_refuses_a_missing_path_a_bad_port_and_a_bad_value_in_one_line(command, tmp_path) -> None:
     cases = [case for case in SUBCOMMANDS[command] if case is not None]
-    with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: side by side
-        lines = list(pool.map(lambda case: relayrl(*case[0], cwd=tmp_path, env=NO_ADDRESS), cases))
+    if command in ROLES:
+        with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: side by side
+            lines = list(pool.map(lambda case: relayrl_process(*case[0], cwd=tmp_path, env=NO_ADDRESS), cases))
+    else:
+        lines = [relayrl(*argv, cwd=tmp_path, env=NO_ADDRESS) for argv, _ in cases]
     for (argv, flag), line in zip(cases, lines, strict=True):
         assert flag in line, (argv, line)
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
@@ -300,12 +335,9 @@ def test_status_of_a_run_whose_controller_is_gone_reads_the_run_directory(tmp_pa
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
 
     def status(*flags: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "relayrl.cli", "status", "--run", str(run_dir), *flags],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **NO_ADDRESS},
-        )  # fmt: skip
-        assert done.returncode == 0 and not done.stderr.strip(), (done.returncode, done.stderr[-2000:])
-        return " ".join(done.stdout.split())
+        code, stdout, stderr = relayrl_run("status", "--run", str(run_dir), *flags, env=NO_ADDRESS)
+        assert code == 0 and not stderr.strip(), (code, stderr[-2000:])
+        return " ".join(stdout.split())
 
     stopped = status()
     assert "not running (no controller answers) and not finished: 3 of 20 steps trained, the last at" in stopped
@@ -435,26 +467,27 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
     runs = tmp_path / "runs"
 
+    heavy = {check.__name__ for check in HEAVY_CHECKS}
+
     def refused(numbered: tuple[int, tuple[str, tuple[str, list[str], str]]]) -> tuple[str, str]:
-        number, (command, (_, sets, expected)) = numbered
+        number, (command, (check, sets, expected)) = numbered
         # a runs directory each: `up`s refused at once would otherwise race over making and removing a shared one
         # (each removes it only when it made it), and two `up` of one name are the run lock's refusal
         sets = [f"run.dir={runs}-{number}", f"model.path={tiny_model_dir}", *sets]
-        return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
+        # `up` refused by a heavy check has started its fork server (and kills it): a process of its own
+        run = relayrl_process if command == "up" and check in heavy else relayrl
+        return run(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
 
     first_of_each = list({case[0]: case for case in reversed(cases)}.values())
-    runs_of = [("check", case) for case in cases] + [("up", case) for case in first_of_each]
-    with ThreadPoolExecutor(4) as pool:
-        for line, expected in pool.map(refused, enumerate(runs_of)):
+    runs_of = list(enumerate([("check", case) for case in cases] + [("up", case) for case in first_of_each]))
+    processes = [run for run in runs_of if run[1][0] == "up" and run[1][1][0] in heavy]
+    with ThreadPoolExecutor(len(processes)) as pool:  # side by side with the others, in this process
+        refused_processes = pool.map(refused, processes)
+        for line, expected in [*map(refused, [run for run in runs_of if run not in processes]), *refused_processes]:
             assert expected in line, line
     assert not list(tmp_path.glob("runs*"))
-    ok = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "check", str(DEMO), "--set", f"run.dir={runs}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert ok.returncode == 0 and "ok" in ok.stdout and not runs.exists(), ok.stderr
+    code, stdout, stderr = relayrl_run("check", str(DEMO), "--set", f"run.dir={runs}")
+    assert code == 0 and "ok" in stdout and not runs.exists(), stderr
 
 
 def test_a_hub_model_id_that_does_not_resolve_is_refused_before_anything_is_created(tmp_path: Path) -> None:
@@ -469,11 +502,11 @@ def test_a_hub_model_id_that_does_not_resolve_is_refused_before_anything_is_crea
     cache = {"HF_HUB_CACHE": str(tmp_path / "hub")}
     offline = {**cache, "HF_HUB_OFFLINE": "1"}
     unreachable = {**cache, "HF_HUB_OFFLINE": "", "HF_ENDPOINT": f"http://127.0.0.1:{nobody}"}
-    for command in ("check", "up"):
-        line = relayrl(command, str(DEMO), *sets, cwd=tmp_path, env=offline)
+    for command in ("check", "up"):  # processes: huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT at import
+        line = relayrl_process(command, str(DEMO), *sets, cwd=tmp_path, env=offline)
         assert line.startswith("relayrl: config error: model.path: no-such-org/no-such-model: not in the local hub")
         assert "the hub is offline (HF_HUB_OFFLINE)" in line, line
-        line = relayrl(command, str(DEMO), *sets, cwd=tmp_path, env=unreachable)
+        line = relayrl_process(command, str(DEMO), *sets, cwd=tmp_path, env=unreachable)
         assert f"the hub (http://127.0.0.1:{nobody}) cannot be reached" in line and "looks offline" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -501,8 +534,7 @@ def test_check_refuses_each_impossible_combination_as_up_does(tmp_path: Path) ->
         return relayrl(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path)
 
     runs = [(command, sets) for sets, _, _ in REFUSED_COMBINATIONS for command in ("check", "up")]
-    with ThreadPoolExecutor(4) as pool:
-        lines = list(pool.map(line, enumerate(runs)))
+    lines = list(map(line, enumerate(runs)))
     for (_, first, second), check, up in zip(REFUSED_COMBINATIONS, lines[::2], lines[1::2], strict=True):
         assert check == up and check.startswith("relayrl: config error: "), (check, up)
         assert first in check and second in check, check
@@ -555,15 +587,18 @@ def test_a_role_that_dies_at_start_has_its_error_on_the_console(tmp_path: Path, 
 
 def test_a_busy_port_is_one_line_before_anything_is_built(tmp_path: Path, busy_port: int) -> None:
     sets = ["--set", f"run.dir={tmp_path / 'runs'}"]
-    for argv, flag in [
+    cases = [
         (["controller", "serve", "--config", str(DEMO), "--port", str(busy_port), *sets], "--port"),
         (
             ["controller", "serve", "--config", str(DEMO), "--set", f"controller.port={busy_port}", *sets],
             "controller.port",
         ),
         (["rollout", "serve", "--config", str(DEMO), "--port", str(busy_port), *sets], "--port"),
-    ]:
-        assert f"{flag}: 127.0.0.1:{busy_port} is in use" in relayrl(*argv, cwd=tmp_path)
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:  # role commands: each a process of its own (ROLES)
+        lines = list(pool.map(lambda case: relayrl_process(*case[0], cwd=tmp_path), cases))
+    for (_, flag), line in zip(cases, lines, strict=True):
+        assert f"{flag}: 127.0.0.1:{busy_port} is in use" in line
     assert not any(tmp_path.iterdir())
 
 
@@ -619,8 +654,7 @@ def test_check_refuses_a_rollout_correction_threshold_that_cannot_hold_naming_th
         argv = ["check", str(DEMO), *(arg for s in sets for arg in ("--set", s))]
         return relayrl(*argv, cwd=tmp_path, env=NO_ADDRESS)
 
-    with ThreadPoolExecutor(len(cases)) as pool:
-        lines = list(pool.map(refused, [sets for sets, _ in cases]))
+    lines = [refused(sets) for sets, _ in cases]
     for (sets, reason), line in zip(cases, lines, strict=True):
         named = "rollout_is_threshold" if "rollout_is_threshold" in sets[-1] else "rollout_rs_threshold"
         assert f"{key}.{named}" in line and reason in line, (sets, line)
