@@ -537,6 +537,14 @@ RS_CRITERIA = tuple(
     f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean", "seq_max") for k in ("k1", "k2", "k3")
     if (level, k) != ("seq_max", "k1")
 )  # fmt: skip
+# the prefix of the rollout-correction diagnostics in metrics.jsonl (verl's), in ReportStep's metrics and in
+# `relayrl status` (StatusResponse.step_metrics, and the last step record of a run whose controller is gone)
+CORRECTION_PREFIX = "rollout_corr/"
+
+
+def correction_metrics_of(record: dict) -> dict[str, float]:
+    """A step record's ``rollout_corr/*`` diagnostics."""
+    return {k: float(v) for k, v in record.items() if k.startswith(CORRECTION_PREFIX)}
 
 
 @dataclasses.dataclass(frozen=True)

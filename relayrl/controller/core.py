@@ -156,6 +156,7 @@ class Controller:
         self.error = ""
         self.syncs = WeightSyncLog()
         self.pace = Pace()
+        self.step_metrics: dict[str, float] = {}  # the last reported step's metrics (ReportStepRequest.metrics)
         self.repeats = RepeatedWarning(log)  # per-step warnings: once every 10 with a count
         self.drained: set[str] = set()  # worker ids an operator drained; forgotten when the id registers anew
         self._cond = threading.Condition()
@@ -723,6 +724,7 @@ class Controller:
         if self.evaluator is not None:
             self.evaluator.request(request.policy_version)
         self.pace.record(request.step_seconds, batch.stats.samples_generated, batch.stats.reward_mean)
+        self.step_metrics = dict(request.metrics)
         self.syncs.record(
             controller_pb2.WeightSyncRecord(
                 policy_version=request.policy_version,
@@ -852,6 +854,7 @@ class Controller:
             dataset_cursor=self.progress.cursor,
             desired_rollout_replicas=self.progress.desired_rollout_replicas,
             drained_workers=sorted(self.drained - {w.worker_id for w in workers}),
+            step_metrics=self.step_metrics,
         )
         self.pace.fill(status, self.cfg.trainer.steps)
         if self.evaluator is not None:

@@ -11,6 +11,8 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
+from relayrl.config import CORRECTION_PREFIX
+from relayrl.ops.run_record import correction_rows
 from relayrl.v1 import controller_pb2
 
 
@@ -95,6 +97,8 @@ def status_tables(status: controller_pb2.StatusResponse) -> list[Table]:
     tables = [run, workers, ledger, *([scorers_table(status.scorers)] if status.scorers else [])]
     if c.failed_by_reason:
         tables.append(failed_table(dict(c.failed_by_reason)))
+    if rows := correction_rows(dict(status.step_metrics)):
+        tables.append(correction_table(rows, status.trainer_step))
     return tables
 
 
@@ -109,6 +113,16 @@ def scorers_table(scorers) -> Table:
             continue
         numbers = (str(s.items_scored), f"{s.mean_batch_size:.1f}", f"{s.mean_latency_s * 1000:.0f} ms", str(s.queued))
         table.add_row(s.name, s.address, s.kind, *numbers)
+    return table
+
+
+def correction_table(rows: list[tuple[str, float]], step: int) -> Table:
+    """The trainer's rollout-correction diagnostics of ``step`` (docs/algorithms.md, "Rollout correction")."""
+    table = Table(title=f"rollout correction at step {step} ({CORRECTION_PREFIX}*, at the step's start)")
+    table.add_column("diagnostic")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, f"{value:.4g}")
     return table
 
 

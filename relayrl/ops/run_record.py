@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from relayrl.config import CORRECTION_PREFIX, correction_metrics_of
 from relayrl.runtime.address import parse_address
 
 CONNECT_TIMEOUT_S = 1.0
@@ -33,36 +34,67 @@ def _when(seconds: float) -> str:
 def ended_record(run_dir: Path) -> dict | None:
     """The run's final state when ``relayrl up`` ended it since its last start (``summary.json`` newer than the
     ``controller.address`` each start writes): state finished, failed or stopped (``ended``; a summary without one
-    is a finished run's), with its ``reason``; else None."""
+    is a finished run's), with its ``reason`` and the last step's rollout-correction diagnostics (``step_metrics``);
+    else None."""
     summary, address = run_dir / "summary.json", run_dir / "controller.address"
     if not summary.is_file() or (address.is_file() and address.stat().st_mtime > summary.stat().st_mtime):
         return None
     record = json.loads(summary.read_text())
-    return {"state": record.get("ended", "finished"), "at": _when(summary.stat().st_mtime), **record}
+    last = last_step_record(run_dir)
+    return {
+        "state": record.get("ended", "finished"),
+        "at": _when(summary.stat().st_mtime),
+        **record,
+        "step_metrics": correction_metrics_of(last) if last else {},
+    }
 
 
-def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
-    """The state of a run that did not finish and has no controller: its last trained step and when."""
+def last_step_record(run_dir: Path) -> dict | None:
+    """The last trained step's record in the run's ``metrics.jsonl`` (eval lines and lines torn by a kill skipped),
+    None when there is none."""
     metrics = run_dir / "metrics.jsonl"
     last = None
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             try:
-                last = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by the kill
+            if "eval" not in record:
+                last = record
+    return last
+
+
+def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
+    """The state of a run that did not finish and has no controller: its last trained step, when, and that step's
+    rollout-correction diagnostics (``step_metrics``)."""
+    last = last_step_record(run_dir)
     record = {"state": "stopped", "run_dir": str(run_dir), "steps": last["step"] if last else 0}
     if last is not None:
-        record["at"] = _when(metrics.stat().st_mtime)
+        record["at"] = _when((run_dir / "metrics.jsonl").stat().st_mtime)
         if "reward_mean" in last:
             record["reward_last"] = last["reward_mean"]
+        record["step_metrics"] = correction_metrics_of(last)
     if total_steps is not None:
         record["total_steps"] = total_steps
     return record
 
 
 def describe(record: dict) -> str:
-    """One line for the console."""
+    """One line for the console, and a second with the last step's rollout-correction diagnostics when it has any."""
+    metrics = record.get("step_metrics")
+    if not metrics:
+        return _headline(record)
+    shown = ", ".join(f"{name} {value:.4g}" for name, value in correction_rows(metrics))
+    return f"{_headline(record)}\nrollout correction at step {record['steps']} ({CORRECTION_PREFIX}*): {shown}"
+
+
+def correction_rows(metrics: dict[str, float]) -> list[tuple[str, float]]:
+    """The ``rollout_corr/*`` diagnostics among ``metrics`` as (name without the prefix, value), by name."""
+    return sorted((k.removeprefix(CORRECTION_PREFIX), v) for k, v in metrics.items() if k.startswith(CORRECTION_PREFIX))
+
+
+def _headline(record: dict) -> str:
     if record["state"] == "finished":
         reward = ""
         if "reward_window" in record:

@@ -22,11 +22,9 @@ from relayrl.algorithms.rollout_correction import (
     normalised,
     weight_sums,
 )
-from relayrl.config import AlgorithmConfig
+from relayrl.config import CORRECTION_PREFIX, AlgorithmConfig
 from relayrl.trainer.batch import TrainBatch
 
-# the prefix of the diagnostics in metrics.jsonl (verl's)
-CORRECTION_PREFIX = "rollout_corr/"
 EXTREMA = ("_max", "_min")
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from relayrl.algorithms.version_mix import version_mix
-from relayrl.config import RelayConfig, TrainerConfig, dump_config
+from relayrl.config import RelayConfig, TrainerConfig, correction_metrics_of, dump_config
 from relayrl.cores.threads import GenerationFirst, torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
@@ -437,16 +437,17 @@ def run_trainer(
         export_candidate(backend, keeper, step, tokenizer)
         if rank == 0:
             step_seconds = time.perf_counter() - began
+            record = step_record(step, batch_msg, {**train, "lr": lr}, sync, step_seconds)
             report = controller_pb2.ReportStepRequest(
                 step=step,
                 batch_id=batch_msg.batch_id,
                 policy_version=step,
                 sync_seconds=sync.seconds,
                 step_seconds=step_seconds,
+                metrics=correction_metrics_of(record),  # relayrl status shows them
                 synced_worker_ids=sync.synced,
             )
             call_with_retry(partial(stub.ReportStep, report, timeout=60), what="ReportStep", deadline_s=600)
-            record = step_record(step, batch_msg, {**train, "lr": lr}, sync, step_seconds)
             writer.write(record)
             trackers.log(record)
             if evals is not None:

@@ -149,7 +149,7 @@ def test_a_converged_policy_trains_on_zero_advantage_groups_or_fails_the_run(mak
 def test_a_converged_run_warns_once_every_10_steps_and_status_shows_its_pace(make_config, tmp_path, caplog):
     """Every step of a converged run exhausts dynamic sampling: the warning is logged at the 1st and the 11th
     step, the second with its count, not at each. Status has the run's total, recent reward, samples/s and ETA
-    over the last 10 steps reported (Pace)."""
+    over the last 10 steps reported (Pace), and the metrics the last report carried (step_metrics)."""
     controller = {"dynamic_sampling": True, "max_gen_batches": 2, "on_exhausted": "partial"}
     cfg = load_config(make_config(controller=controller, trainer={"steps": 30}))
     ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n, same_answers=True))
@@ -163,7 +163,7 @@ def test_a_converged_run_warns_once_every_10_steps_and_status_shows_its_pace(mak
                 ctl.report_step(
                     controller_pb2.ReportStepRequest(
                         step=step, batch_id=batch.batch_id, policy_version=step, step_seconds=2.0 + step % 2,
-                        synced_worker_ids=["w0"],
+                        synced_worker_ids=["w0"], metrics={"rollout_corr/kl_k1": step / 1000, "rollout_corr/ess": 1.0},
                     )
                 )  # fmt: skip
         status = ctl.status()
@@ -179,3 +179,4 @@ def test_a_converged_run_warns_once_every_10_steps_and_status_shows_its_pace(mak
     assert status.recent_reward == pytest.approx(sum(s.reward_mean for s in recent) / 10)
     assert status.samples_per_second == pytest.approx(sum(s.samples_generated for s in recent) / seconds)
     assert status.eta_seconds == pytest.approx((30 - 12) * seconds / 10)
+    assert dict(status.step_metrics) == {"rollout_corr/kl_k1": pytest.approx(0.012), "rollout_corr/ess": 1.0}

@@ -5,6 +5,7 @@ TensorBoard/W&B mirrors."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import subprocess
 from pathlib import Path
@@ -15,7 +16,7 @@ import grpc
 import torch
 
 from relayrl.controller.weight_syncs import WeightSyncLog
-from relayrl.ops import commands, k8s, render
+from relayrl.ops import commands, k8s, render, run_record
 from relayrl.ops.parser import add_operator_commands
 from relayrl.ops.scaler import LocalScaler
 from relayrl.trainer.loop import pull_or_stop, wait_level
@@ -120,6 +121,31 @@ def test_status_table_shows_the_pace_and_its_unknowns():
     fresh = dict(render.pace_rows(controller_pb2.StatusResponse(state="running", total_steps=60)))
     assert fresh["recent reward"].startswith("-") and fresh["ETA"].startswith("unknown")
     assert [render.duration(s) for s in (42, 185, 3725)] == ["42s", "3m 05s", "1h 02m"]
+
+
+def test_status_shows_the_last_steps_rollout_correction_diagnostics_live_and_of_a_gone_run(tmp_path):
+    """A live run's StatusResponse.step_metrics is a table of its rollout_corr/* rows, by name, without the
+    prefix; a run whose controller is gone says the last trained step's (its metrics.jsonl, eval lines and a torn
+    last line skipped) on a second line, in the --json record too."""
+    live = controller_pb2.StatusResponse(
+        state="running", trainer_step=7, step_metrics={"rollout_corr/kl_k1": 0.0123, "rollout_corr/ess": 0.98765}
+    )
+    (table,) = [t for t in render.status_tables(live) if "rollout correction" in str(t.title)]
+    assert table.title.startswith("rollout correction at step 7")
+    assert [list(c.cells) for c in table.columns] == [["ess", "kl_k1"], ["0.9877", "0.0123"]]
+    assert not any("rollout correction" in str(t.title) for t in render.status_tables(controller_pb2.StatusResponse()))
+    lines = [
+        {"step": 1, "reward_mean": 0.1, "rollout_corr/kl_k3": 0.5, "kl": 0.0},
+        {"step": 2, "reward_mean": 0.2, "rollout_corr/kl_k3": 0.002, "rollout_corr/is_weight_max": 2.0, "kl": 0.0},
+        {"eval": "heldout", "step": 2, "mean@1": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "rew')
+    record = run_record.stopped_record(tmp_path, total_steps=10)
+    assert record["steps"] == 2 and record["reward_last"] == 0.2
+    assert record["step_metrics"] == {"rollout_corr/kl_k3": 0.002, "rollout_corr/is_weight_max": 2.0}
+    headline, correction = run_record.describe(record).splitlines()
+    assert "2 of 10 steps trained" in headline
+    assert correction == "rollout correction at step 2 (rollout_corr/*): is_weight_max 2, kl_k3 0.002"
 
 
 def test_scale_command_rejects_half_of_the_kubernetes_flags():

@@ -13,10 +13,9 @@ import torch.multiprocessing as mp
 from trainer_testing import full_weights, on_ranks_case, one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 
 from relayrl.algorithms.rollout_correction import apply_correction, rollout_diagnostics
-from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.config import CORRECTION_PREFIX, AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.runtime.ports import free_port
 from relayrl.trainer.backends.fsdp import FSDPBackend
-from relayrl.trainer.correction import CORRECTION_PREFIX
 from relayrl.trainer.metrics import MetricsWriter, read_records
 from relayrl.trainer.step import train_on_batch
 
