@@ -58,13 +58,18 @@ def reward_gain(records: list[dict]) -> dict:
     return {"reward_first10": first, "reward_last10": last, "reward_gain": last - first}
 
 
-def publish(result: dict, run: ExampleRun, out: str | None, png: str | None) -> int:
-    """Print ``result`` as JSON, write it to ``out`` and the run's reward.png to ``png`` (each when given), then
-    remove the run's workdir; returns the exit code 0."""
+def write_result(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON and write it to ``out`` when given."""
     text = json.dumps(result, indent=1)
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def publish(result: dict, run: ExampleRun, out: str | None, png: str | None) -> int:
+    """``write_result``, the run's reward.png copied to ``png`` when given, then the run's workdir removed;
+    returns the exit code 0."""
+    write_result(result, out)
     if png:
         shutil.copyfile(run.run_dir / "reward.png", png)
     shutil.rmtree(run.workdir, ignore_errors=True)
