@@ -1,6 +1,7 @@
 """How a run ended is said after it (issue 45, item 4), through `relayrl up` and `relayrl status --run` as a user
 meets them: a reward function that returns a string fails the run (exit 1), and status names the failure and its
-reason; Ctrl-C stops one (exit 130), and status says so; each leaves its summary.json, as a finished run does."""
+reason; Ctrl-C stops one (exit 130), and status says so, with the last step's rollout-correction diagnostics; each
+leaves its summary.json, as a finished run does."""
 
 from __future__ import annotations
 
@@ -68,3 +69,9 @@ def test_a_run_stopped_by_ctrl_c_says_so_and_how_it_goes_on(tmp_path, make_confi
     line, record = status(run_dir)
     assert line.startswith(f"run {run_dir}: stopped at ") and "`relayrl up --resume` continues it" in line, line
     assert record["state"] == "stopped"
+    last = read_metrics(run_dir / "metrics.jsonl")[-1]  # its rollout-correction diagnostics, said after it too
+    assert record["step_metrics"] == {k: v for k, v in last.items() if k.startswith("rollout_corr/")}
+    assert {"kl_k1", "kl_k3", "chi2_token", "log_ppl_diff", "ess", "rejected_token_share", "is_weight_max"} <= {
+        k.removeprefix("rollout_corr/") for k in record["step_metrics"]
+    }
+    assert f"\nrollout correction at step {last['step']} (rollout_corr/*): chi2_seq " in line, line

@@ -1,8 +1,8 @@
 """Held-out evaluation through ``relayrl up``, one real run shared by every assertion: at K = 1 with in-flight weight
-updates (``rollout.partial: keep_kv``), each eval measures one policy version while training goes on; evals and
-samples reach TensorBoard; the readable samples of training and eval are written and ``relayrl samples`` prints
-them; the best version by an eval metric is kept as ``best``; ``relayrl eval`` on a checkpoint of that run
-reproduces its greedy in-run eval exactly."""
+updates (``rollout.partial: keep_kv``), each eval measures one policy version while training goes on; evals,
+samples and the rollout-correction diagnostics reach TensorBoard; the readable samples of training and eval are
+written and ``relayrl samples`` prints them; the best version by an eval metric is kept as ``best``; ``relayrl
+eval`` on a checkpoint of that run reproduces its greedy in-run eval exactly."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_each_eval_under_k1_with_in_flight_updates_measures_one_version_and_trai
     assert (cfg.run_dir / "best" / "config.json").is_file() and not (cfg.run_dir / "candidates").exists()
 
 
-def test_evals_and_samples_reach_tensorboard(run) -> None:
+def test_evals_samples_and_rollout_correction_diagnostics_reach_tensorboard(run) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _, cfg = run
@@ -104,6 +104,10 @@ def test_evals_and_samples_reach_tensorboard(run) -> None:
     scalars = events.Scalars("eval/heldout/mean@1")  # at the version each eval measured
     assert [(e.step, e.value) for e in scalars] == [(r["step"], pytest.approx(r["mean@1"])) for r in evals]
     assert "samples/text_summary" in events.Tags()["tensors"]  # the readable samples, as a markdown table
+    records = contiguous_records(cfg, STEPS)  # each step's rollout-correction diagnostics, as in metrics.jsonl
+    for name in ("kl_k3", "ess", "rejected_token_share", "is_weight_mean"):
+        values = [(e.step, e.value) for e in events.Scalars(f"rollout_corr/{name}")]
+        assert values == [(r["step"], pytest.approx(r[f"rollout_corr/{name}"], rel=1e-6)) for r in records], name
 
 
 def test_the_run_writes_readable_samples_and_relayrl_samples_prints_them_even_into_a_closed_pipe(run) -> None:

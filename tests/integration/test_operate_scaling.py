@@ -147,9 +147,10 @@ def test_scale_rollout_up_and_down_on_a_live_run(make_config, monkeypatch):
 
 def test_drain_under_up_keeps_the_worker_gone_and_status_shows_the_run(make_config, monkeypatch):
     """One short ``relayrl up`` run (2 workers, 1 trainer rank). ``status`` shows step/total, recent reward,
-    samples/s and ETA, and ``--watch`` refreshes it. An operator drains rollout-1 and stops it at once, as the
-    drain message used to tell: the supervisor does not restart it, its slot is given up (desired 1), status
-    lists it as drained, and training goes on with rollout-0. ``resume`` says it is the alias of ``unpause``."""
+    samples/s, ETA and the last step's rollout-correction diagnostics, and ``--watch`` refreshes it. An operator
+    drains rollout-1 and stops it at once, as the drain message used to tell: the supervisor does not restart it,
+    its slot is given up (desired 1), status lists it as drained, and training goes on with rollout-0. ``resume``
+    says it is the alias of ``unpause``."""
     steps = 400  # the run is stopped long before
     config = make_config("drain", controller={"dynamic_sampling": False}, trainer={"steps": steps, "nproc": 1})
     cfg = load_config(config)
@@ -171,8 +172,13 @@ def test_drain_under_up_keeps_the_worker_gone_and_status_shows_the_run(make_conf
             [sys.executable, "-m", "relayrl.cli", "status"], capture_output=True, text=True, timeout=60, cwd=ROOT,
             env={**os.environ, "COLUMNS": "200"},
         )  # fmt: skip
-        for shown in (f"/{steps} (", "recent reward", "samples/s", "ETA", "drained"):
+        for shown in (f"/{steps} (", "recent reward", "samples/s", "ETA", "drained", "rollout correction at step"):
             assert shown in human.stdout, human.stdout
+        diagnostics = {k.removeprefix("rollout_corr/") for k in status["step_metrics"]}  # the last step's
+        assert {
+            "kl_k1", "kl_k3", "chi2_token", "chi2_seq", "log_ppl_diff", "ess", "rejected_token_share",
+            "rejected_seq_share", "is_weight_mean", "is_weight_max", "is_weight_min",
+        } <= diagnostics, status  # fmt: skip
         watch = subprocess.Popen(
             [sys.executable, "-m", "relayrl.cli", "status", "--watch", "0.2", "--json"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
