@@ -443,6 +443,35 @@ def addition(result: dict) -> str:
     return table(["figure", "value"], rows)
 
 
+def rollout_correction(result: dict) -> str:
+    """The real-model run without and with the rollout correction (relayrl/bench/rollout_correction.py), side by
+    side: reward, held-out accuracy, and the diagnostics of the first and the last 10 steps."""
+    runs = [result["runs"][name] for name in ("uncorrected", "corrected")]
+    lowest = [min(c["accuracy"] for c in run["heldout_curve"][1:]) for run in runs]
+    rows = [
+        ["steps; wall time (both at once)", *(f"{run['steps']}; {f(run['wall_s'], 0)} s" for run in runs)],
+        ["mean reward, first → last 10 steps",
+         *(f"{f(run['reward_first10'], 3)} → **{f(run['reward_last10'], 3)}**" for run in runs)],
+        ["held-out greedy accuracy, before → after",
+         *(f"{f(run['heldout_before']['accuracy'], 2)} → **{f(run['heldout_after']['accuracy'], 2)}**"
+           for run in runs)],
+        ["lowest held-out accuracy after step 0", *(f(low, 2) for low in lowest)],
+    ]  # fmt: skip
+    for key, digits in (("kl_k3", 4), ("ess", 3), ("rejected_token_share", 3), ("is_weight_max", 2)):
+        rows.append([
+            f"`rollout_corr/{key}`, mean of the first → last 10 steps",
+            *(f"{f(run['diagnostics_first10']['rollout_corr/' + key], digits)} → "
+              f"{f(run['diagnostics_last10']['rollout_corr/' + key], digits)}" for run in runs),
+        ])  # fmt: skip
+    precision = runs[0]["resolved"]
+    note = (
+        f"Trainer: {precision['trainer']['precision']}; engine weights: {precision['rollout-0']['precision']}. "
+        f"Load average at start: {f(result['machine']['loadavg_at_start'][0], 1)} "
+        f"({result['machine']['cpus']} CPUs{provenance(result['machine'])})."
+    )
+    return table(["figure", "without correction", "with correction"], rows) + "\n\n" + note
+
+
 def episodes(r: dict) -> str:
     s = r["settings"]
     load = r["machine"].get("loadavg_at_start") or r["machine"]["loadavg_start"]  # the key before bench/record.py
@@ -534,5 +563,11 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "addition-smollm2.json",
         "relayrl bench addition --out bench/results/addition-smollm2.json --png docs/addition-smollm2.png",
         addition,
+    ),
+    "rollout-correction": (
+        "rollout-correction.json",
+        "relayrl bench rollout-correction --out bench/results/rollout-correction.json"
+        " --png docs/rollout-correction.png",
+        rollout_correction,
     ),
 }
