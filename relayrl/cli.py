@@ -181,15 +181,20 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_reward_serve(args: argparse.Namespace) -> int:
-    from relayrl.services.scorer_server import serve_scorer
+    from relayrl.services.scorer_server import ControllerMembership, serve_scorer
 
     cfg = _config(args, port_flag="--port")
     if args.name not in cfg.scorers:
         raise ConfigError(f"--name: {args.name!r} is not a key of scorers ({', '.join(cfg.scorers) or 'none'})")
     server, worker = serve_scorer(cfg, args.name, host=args.host, port=args.port, metrics_port=args.metrics_port)
     announce(f"scorer {args.name} ({worker.model.kind}) listening on port {server.port}")
+    controller = _controller(args)
+    address = args.advertise or f"{'127.0.0.1' if args.host in ('0.0.0.0', '[::]') else args.host}:{server.port}"
+    membership = ControllerMembership(controller, args.name, address) if controller else None
     sig = wait_for_shutdown()
     logging.info("%s: stopping scorer %s", sig, args.name)
+    if membership is not None:
+        membership.leave()
     server.stop(grace_s=cfg.controller.shutdown_grace_s)
     worker.stop()
     return 0
@@ -458,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="the scorer's key in the config's scorers section")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=0)
+    p.add_argument(
+        "--controller",
+        type=address,
+        default=None,
+        help="join the servers this controller calls for the scorer (a scorer added to a running run)",
+    )
+    p.add_argument("--advertise", type=address, default=None, help="host:port the controller reaches this scorer at")
     p.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics here (0/absent: off)")
     p.set_defaults(func=cmd_reward_serve, fast_exit=True)
 

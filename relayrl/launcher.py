@@ -37,7 +37,8 @@ from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.run_record import RunEnd
 from relayrl.ops.scaler import LocalScaler
-from relayrl.ops.scorers import scorer_roles, scorers_serving, start_scorers
+from relayrl.ops.scorers import ROLE_PREFIX as SCORER_ROLE_PREFIX
+from relayrl.ops.scorers import ScorerScaler, scorers_serving, start_scorers
 from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.address import Address
@@ -302,6 +303,7 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
     with progress or nullcontext():
         say = progress.console.print if progress is not None else console.print
         scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=say)
+        scorers = ScorerScaler(job, stub, on_change=say)
         supervisor = Supervisor(
             job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, say),
             run_stopped=lambda: run_stopped(job),
@@ -312,6 +314,7 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
             if not ended:
                 job.reap_orphans()
                 scaler.tick()  # `relayrl scale rollout N`
+                scorers.tick()  # `relayrl scale reward N --name NAME`
                 supervisor.tick(leave=scaler.draining)  # a dead role restarted, or the run ends here
             records = read_records(metrics_path)
             if lines is not None:
@@ -522,7 +525,8 @@ def run_local(
         if job is not None:
             failed = failed_by_reason(job)  # before the controller stops
             rollouts = [r for r in job.children if r.startswith("rollout")]
-            job.stop(["trainer", *rollouts, *environment_roles(cfg), *scorer_roles(cfg), "controller"])
+            scorers = [r for r in job.children if r.startswith(SCORER_ROLE_PREFIX)]  # those scaled up too
+            job.stop(["trainer", *rollouts, *environment_roles(cfg), *scorers, "controller"])
             job.close()
             reason = f"{stopped_by}: stopped by the operator; `relayrl up --resume` continues it"
             summary(cfg, cfg.run_dir / "metrics.jsonl", time.monotonic() - started, failed, "stopped", reason)

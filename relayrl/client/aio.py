@@ -110,6 +110,13 @@ class AsyncRelayClient:
         request = controller_pb2.ScaleRolloutRequest(replicas=replicas)
         return await self._call(self.stub.ScaleRollout, request, timeout)
 
+    async def scale_scorer(
+        self, name: str, replicas: int, *, timeout: float | None = None
+    ) -> controller_pb2.ScaleScorerResponse:
+        """``RelayClient.scale_scorer`` in asyncio."""
+        request = controller_pb2.ScaleScorerRequest(name=name, replicas=replicas)
+        return await self._call(self.stub.ScaleScorer, request, timeout)
+
     async def sync_weights(
         self, force: bool = False, *, timeout: float | None = None
     ) -> controller_pb2.SyncWeightsResponse:

@@ -110,6 +110,13 @@ class RelayClient:
     def scale_rollout(self, replicas: int, *, timeout: float | None = None) -> controller_pb2.ScaleRolloutResponse:
         return self._call(self.stub.ScaleRollout, controller_pb2.ScaleRolloutRequest(replicas=replicas), timeout)
 
+    def scale_scorer(
+        self, name: str, replicas: int, *, timeout: float | None = None
+    ) -> controller_pb2.ScaleScorerResponse:
+        """Set the desired server count of scorer ``name`` (``relayrl scale reward``); ``relayrl up`` actuates it."""
+        request = controller_pb2.ScaleScorerRequest(name=name, replicas=replicas)
+        return self._call(self.stub.ScaleScorer, request, timeout)
+
     def sync_weights(self, force: bool = False, *, timeout: float | None = None) -> controller_pb2.SyncWeightsResponse:
         return self._call(self.stub.SyncWeights, controller_pb2.SyncWeightsRequest(force=force), timeout)
 

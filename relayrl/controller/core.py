@@ -159,6 +159,7 @@ class Controller:
         self.step_metrics: dict[str, float] = {}  # the last reported step's metrics (ReportStepRequest.metrics)
         self.repeats = RepeatedWarning(log)  # per-step warnings: once every 10 with a count
         self.drained: set[str] = set()  # worker ids an operator drained; forgotten when the id registers anew
+        self.desired_scorers: dict[str, int] = {}  # scorer name -> servers an operator asked for (ScaleScorer)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._epoch = 0  # bumped by rewind(): batches begun in an older epoch are void
@@ -855,6 +856,7 @@ class Controller:
             desired_rollout_replicas=self.progress.desired_rollout_replicas,
             drained_workers=sorted(self.drained - {w.worker_id for w in workers}),
             step_metrics=self.step_metrics,
+            desired_scorer_replicas=self.desired_scorers,
         )
         self.pace.fill(status, self.cfg.trainer.steps)
         if self.evaluator is not None:
@@ -907,6 +909,31 @@ class Controller:
         return controller_pb2.ScaleRolloutResponse(
             previous=previous, replicas=replicas, registered=len(self.registry.snapshot())
         )
+
+    def _served(self, name: str) -> list:
+        """The ScorerClients of served reward ``name`` (training's and the evals'); NotFound naming it when none."""
+        owners = [self.scorer, *([self.evaluator.scoring.scorer] if self.evaluator is not None else [])]
+        clients = [owner.rewards.served[name] for owner in owners if name in owner.rewards.served]
+        if not clients:
+            raise NotFound(f"name: {name!r} is no served reward of this run ({', '.join(self.scorer.rewards.served)})")
+        return clients
+
+    def scale_scorer(self, name: str, replicas: int) -> controller_pb2.ScaleScorerResponse:
+        """Record the desired server count of scorer ``name`` (in memory); ``relayrl up`` actuates it."""
+        clients = self._served(name)
+        if replicas < 1:
+            raise InvalidArgument("replicas", f"must be >= 1, got {replicas}")
+        with self._cond:
+            previous = self.desired_scorers.get(name, 0)
+            self.desired_scorers[name] = replicas
+        log.warning("desired servers of scorer %s: %d -> %d", name, previous, replicas)
+        return controller_pb2.ScaleScorerResponse(previous=previous, replicas=replicas, servers=len(clients[0].servers))
+
+    def register_scorer(self, name: str, address: str, leaving: bool) -> controller_pb2.RegisterScorerResponse:
+        """Add (or, ``leaving``, remove) ``address`` to the servers scorer ``name``'s calls go to."""
+        counts = [c.remove_server(address) if leaving else c.add_server(address) for c in self._served(name)]
+        log.info("scorer %s server %s %s: %d servers", name, address, "left" if leaving else "joined", counts[0])
+        return controller_pb2.RegisterScorerResponse(servers=counts[0])
 
     def request_sync(self, force: bool) -> controller_pb2.SyncWeightsResponse:
         request_id = self.syncs.request(force)

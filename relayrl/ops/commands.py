@@ -355,6 +355,20 @@ def cmd_scale_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale_reward(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        response = client.scale_scorer(args.name, args.replicas)
+    if args.json:
+        print_json(out, response)
+    else:
+        previous = response.previous or "unset"
+        out.print(
+            f"desired servers of scorer {args.name} {previous} -> {response.replicas} ({response.servers} called now); "
+            "`relayrl up` starts or stops local scorers to match"
+        )
+    return 0
+
+
 def _scale_statefulset(args: argparse.Namespace) -> int:
     """Drain the pods a scale-down removes (when a controller is reachable), then patch the StatefulSet."""
     drained: list[str] = []

@@ -149,3 +149,8 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     )
     _connection(p)
     p.set_defaults(func=_lazy("cmd_scale_rollout"))
+    p = scale.add_parser("reward", help="set the desired number of servers of a scorer (scorers.<name>)")
+    p.add_argument("replicas", type=positive_int)
+    p.add_argument("--name", required=True, help="the scorer's key in the run's scorers section")
+    _connection(p)
+    p.set_defaults(func=_lazy("cmd_scale_reward"))

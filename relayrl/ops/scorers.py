@@ -9,6 +9,9 @@ reads scorers started elsewhere (as ``relayrl.ops.environments`` does for enviro
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -19,6 +22,9 @@ from relayrl.config import RelayConfig, load_config
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.ports import free_port
+from relayrl.v1 import controller_pb2
+
+log = logging.getLogger(__name__)
 
 ROLE_PREFIX = "reward-"
 
@@ -68,3 +74,41 @@ def scorers_serving(cfg: RelayConfig) -> bool:
             if answer.status != health_pb2.HealthCheckResponse.SERVING:
                 return False
     return True
+
+
+class ScorerScaler:
+    """Scaling ``relayrl up``'s scorer replicas to ``Status.desired_scorer_replicas`` (``relayrl scale reward N
+    --name NAME``), from the launcher's watch loop. Scale-up starts ``reward-<name>-<k>`` (lowest free k) on a free
+    port with ``--controller``: once serving it joins the servers the controller calls (RegisterScorer). Scale-down
+    stops the highest-numbered replicas with SIGTERM: each leaves the controller's servers first, and its calls in
+    flight finish within its grace (a call cut short is retried on another server)."""
+
+    def __init__(self, job, stub, *, interval_s: float = 1.0, on_change: Callable[[str], None] = log.info) -> None:
+        self.job, self.stub, self.interval_s, self.on_change = job, stub, interval_s, on_change
+        self._next_tick = 0.0
+
+    def replicas(self, name: str) -> list[int]:
+        """Indices of scorer ``name``'s running replicas."""
+        prefix = f"{ROLE_PREFIX}{name}-"
+        return sorted(int(r.removeprefix(prefix)) for r in self.job.children if r.startswith(prefix))
+
+    def tick(self) -> None:
+        if time.monotonic() < self._next_tick or not self.job.cfg.scorers:
+            return
+        self._next_tick = time.monotonic() + self.interval_s
+        try:
+            desired = dict(self.stub.Status(controller_pb2.StatusRequest(), timeout=5).desired_scorer_replicas)
+        except grpc.RpcError:
+            return  # the controller is checked for liveness elsewhere
+        for name, count in desired.items():
+            running = self.replicas(name)
+            for k in [k for k in range(len(running) + count) if k not in running][: max(0, count - len(running))]:
+                role, port = f"{ROLE_PREFIX}{name}-{k}", free_port()
+                self.on_change(f"scale up: starting {role} on port {port}")
+                argv = ["reward", "serve", "--config", str(self.job.config_path), "--name", name, "--port", str(port)]
+                self.job.spawn(role, self.job.relay(*argv, "--controller", self.job.controller_address))
+            for k in running[count:] if count < len(running) else []:
+                role = f"{ROLE_PREFIX}{name}-{k}"
+                self.on_change(f"scale down: stopping {role}")
+                self.job.stop([role])
+                del self.job.children[role]

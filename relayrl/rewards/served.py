@@ -65,13 +65,36 @@ class ScorerClient:
         self._calls = self._tries = 0  # since step_metrics last read them
         self._seconds = 0.0
 
+    @property
+    def servers(self) -> list[str]:
+        with self._lock:
+            return list(self.cfg.servers)
+
+    def add_server(self, address: str) -> int:
+        """Call ``address`` too (a scorer that registered; one listed already: nothing); the servers now."""
+        with self._lock:
+            if address not in self.cfg.servers:
+                self.cfg = self.cfg.model_copy(update={"servers": [*self.cfg.servers, address]})
+                self._stubs.append(scorer_pb2_grpc.ScorerServiceStub(open_channel(address)))
+            return len(self._stubs)
+
+    def remove_server(self, address: str) -> int:
+        """Stop calling ``address`` (a scorer that stops), unless it is the last; the servers now."""
+        with self._lock:
+            if address in self.cfg.servers and len(self._stubs) > 1:
+                i = self.cfg.servers.index(address)
+                self.cfg = self.cfg.model_copy(update={"servers": [a for a in self.cfg.servers if a != address]})
+                del self._stubs[i]
+            return len(self._stubs)
+
     def _call(self, method: str, request):
         tries = 0
 
         def attempt(left_s: float):
             nonlocal tries
             tries += 1
-            stub = self._stubs[next(self._turn) % len(self._stubs)]
+            with self._lock:
+                stub = self._stubs[next(self._turn) % len(self._stubs)]
             return getattr(stub, method)(request, timeout=left_s)
 
         started = time.monotonic()
@@ -104,7 +127,9 @@ class ScorerClient:
     def describe_servers(self, timeout_s: float = 1.0) -> list[tuple[str, scorer_pb2.DescribeResponse | str]]:
         """(address, its Describe answer, or why there is none) for each server, one try each."""
         answers = []
-        for address, stub in zip(self.cfg.servers, self._stubs):
+        with self._lock:
+            servers = list(zip(self.cfg.servers, self._stubs))
+        for address, stub in servers:
             try:
                 answers.append((address, stub.Describe(scorer_pb2.DescribeRequest(), timeout=timeout_s)))
             except grpc.RpcError as err:

@@ -22,6 +22,7 @@ from relayrl.rewards import GroupInputs, RewardRaised, load_reward
 from relayrl.rpc.channels import configure_client
 from relayrl.rpc.server import GrpcServer, guarded
 from relayrl.rpc.validate import (
+    check_address,
     check_count,
     check_length,
     check_number,
@@ -142,6 +143,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def ScaleRollout(self, request, context):
         check_number("replicas", request.replicas, low=1, high=self.controller.cfg.controller.max_workers)
         return self.controller.scale(request.replicas)
+
+    @guarded
+    def ScaleScorer(self, request, context):
+        check_length("name", request.name, self.limits.max_id_chars, required=True)
+        check_number("replicas", request.replicas, low=1, high=self.controller.cfg.controller.max_workers)
+        return self.controller.scale_scorer(request.name, request.replicas)
+
+    @guarded
+    def RegisterScorer(self, request, context):
+        check_length("name", request.name, self.limits.max_id_chars, required=True)
+        check_address("address", request.address, self.limits)
+        return self.controller.register_scorer(request.name, request.address, request.leaving)
 
     @guarded
     def WeightsStatus(self, request, context):

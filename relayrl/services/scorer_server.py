@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
+import grpc
 import torch
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from relayrl.config import RelayConfig
 from relayrl.cores.threads import torch_threads
+from relayrl.rpc.channels import open_channel
+from relayrl.rpc.retry import SERVICES
 from relayrl.rpc.server import GrpcServer, guarded
 from relayrl.scorer.models import Pair, load_scoring_model
 from relayrl.scorer.worker import ScorerWorker
 from relayrl.services.metrics import MetricsEndpoint, gauge
-from relayrl.v1 import scorer_pb2, scorer_pb2_grpc
+from relayrl.v1 import controller_pb2, controller_pb2_grpc, scorer_pb2, scorer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,29 @@ class ScorerCollector(Collector):
         yield gauge("relayrl_scorer_mean_batch_size", "items per model call", stats.mean_batch_size, labels)
         yield gauge("relayrl_scorer_mean_latency_seconds", "a request's wait and compute", stats.mean_latency_s, labels)
         yield gauge("relayrl_scorer_queued_items", "items waiting for the model", self.worker.batcher.queued, labels)
+
+
+class ControllerMembership:
+    """A scorer started after its run (``relayrl scale reward``) joins the servers the controller calls
+    (RegisterScorer, retried in the background until the controller answers) and leaves them when it stops."""
+
+    def __init__(self, controller: str, name: str, address: str) -> None:
+        self.name, self.address = name, address
+        self._stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller))
+        self._thread = threading.Thread(target=self._join, name="scorer-join", daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
+        request = controller_pb2.RegisterScorerRequest(name=self.name, address=self.address)
+        try:
+            SERVICES.call(lambda left: self._stub.RegisterScorer(request, timeout=min(left, 10)), deadline_s=600)
+        except grpc.RpcError as err:
+            log.error("scorer %s could not join the controller: %s: %s", self.name, err.code().name, err.details())
+
+    def leave(self) -> None:
+        request = controller_pb2.RegisterScorerRequest(name=self.name, address=self.address, leaving=True)
+        with contextlib.suppress(grpc.RpcError):
+            self._stub.RegisterScorer(request, timeout=5)
 
 
 def serve_scorer(

@@ -388,7 +388,7 @@ class LedgerCounts(_message.Message):
     def __init__(self, dispatched: _Optional[int] = ..., trained: _Optional[int] = ..., filtered: _Optional[int] = ..., failed: _Optional[int] = ..., pending: _Optional[int] = ..., torn_tails: _Optional[int] = ..., failed_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals", "scorers", "step_metrics")
+    __slots__ = ("run_name", "state", "trainer_step", "policy_version", "workers", "ledger", "last_sync_seconds", "last_sync_unix", "error", "dataset_cursor", "desired_rollout_replicas", "restarts", "total_steps", "recent_reward", "samples_per_second", "eta_seconds", "recent_steps", "drained_workers", "evals", "scorers", "step_metrics", "desired_scorer_replicas")
     class RestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +403,13 @@ class StatusResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DesiredScorerReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +431,7 @@ class StatusResponse(_message.Message):
     EVALS_FIELD_NUMBER: _ClassVar[int]
     SCORERS_FIELD_NUMBER: _ClassVar[int]
     STEP_METRICS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_SCORER_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     trainer_step: int
@@ -445,7 +453,8 @@ class StatusResponse(_message.Message):
     evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
     scorers: _containers.RepeatedCompositeFieldContainer[ScorerStatus]
     step_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., scorers: _Optional[_Iterable[_Union[ScorerStatus, _Mapping]]] = ..., step_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    desired_scorer_replicas: _containers.ScalarMap[str, int]
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., trainer_step: _Optional[int] = ..., policy_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ledger: _Optional[_Union[LedgerCounts, _Mapping]] = ..., last_sync_seconds: _Optional[float] = ..., last_sync_unix: _Optional[float] = ..., error: _Optional[str] = ..., dataset_cursor: _Optional[int] = ..., desired_rollout_replicas: _Optional[int] = ..., restarts: _Optional[_Mapping[str, int]] = ..., total_steps: _Optional[int] = ..., recent_reward: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., recent_steps: _Optional[int] = ..., drained_workers: _Optional[_Iterable[str]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., scorers: _Optional[_Iterable[_Union[ScorerStatus, _Mapping]]] = ..., step_metrics: _Optional[_Mapping[str, float]] = ..., desired_scorer_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ScorerStatus(_message.Message):
     __slots__ = ("name", "address", "kind", "items_scored", "mean_batch_size", "mean_latency_s", "queued", "error")
@@ -546,6 +555,40 @@ class ScaleRolloutRequest(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: int
     def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleScorerRequest(_message.Message):
+    __slots__ = ("name", "replicas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    replicas: int
+    def __init__(self, name: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleScorerResponse(_message.Message):
+    __slots__ = ("previous", "replicas", "servers")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    previous: int
+    replicas: int
+    servers: int
+    def __init__(self, previous: _Optional[int] = ..., replicas: _Optional[int] = ..., servers: _Optional[int] = ...) -> None: ...
+
+class RegisterScorerRequest(_message.Message):
+    __slots__ = ("name", "address", "leaving")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    leaving: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class RegisterScorerResponse(_message.Message):
+    __slots__ = ("servers",)
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    servers: int
+    def __init__(self, servers: _Optional[int] = ...) -> None: ...
 
 class ScaleRolloutResponse(_message.Message):
     __slots__ = ("previous", "replicas", "registered")

@@ -104,6 +104,16 @@ class ControllerServiceStub:
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.SerializeToString,
                 response_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.FromString,
                 _registered_method=True)
+        self.ScaleScorer = channel.unary_unary(
+                '/relayrl.v1.ControllerService/ScaleScorer',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleScorerRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleScorerResponse.FromString,
+                _registered_method=True)
+        self.RegisterScorer = channel.unary_unary(
+                '/relayrl.v1.ControllerService/RegisterScorer',
+                request_serializer=relayrl_dot_v1_dot_controller__pb2.RegisterScorerRequest.SerializeToString,
+                response_deserializer=relayrl_dot_v1_dot_controller__pb2.RegisterScorerResponse.FromString,
+                _registered_method=True)
         self.WeightsStatus = channel.unary_unary(
                 '/relayrl.v1.ControllerService/WeightsStatus',
                 request_serializer=relayrl_dot_v1_dot_controller__pb2.WeightsStatusRequest.SerializeToString,
@@ -237,6 +247,23 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleScorer(self, request, context):
+        """Record the desired number of servers of scorer `name` (scorers.<name>): `relayrl up` polls
+        Status.desired_scorer_replicas and starts or stops its local replicas to match. NOT_FOUND for a name that is
+        no served reward of the run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterScorer(self, request, context):
+        """A scorer server joins (or, `leaving`, leaves) the servers the controller calls for scorer `name`; a server
+        already listed joins as a no-op, the last one never leaves. NOT_FOUND for a name that is no served reward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WeightsStatus(self, request, context):
         """Every worker's loaded policy version (asked from the worker itself with Stats) and the most
         recent weight syncs with their durations.
@@ -333,6 +360,16 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.ScaleRollout,
                     request_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.FromString,
                     response_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.SerializeToString,
+            ),
+            'ScaleScorer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleScorer,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.ScaleScorerRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.ScaleScorerResponse.SerializeToString,
+            ),
+            'RegisterScorer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterScorer,
+                    request_deserializer=relayrl_dot_v1_dot_controller__pb2.RegisterScorerRequest.FromString,
+                    response_serializer=relayrl_dot_v1_dot_controller__pb2.RegisterScorerResponse.SerializeToString,
             ),
             'WeightsStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.WeightsStatus,
@@ -728,6 +765,60 @@ class ControllerService:
             '/relayrl.v1.ControllerService/ScaleRollout',
             relayrl_dot_v1_dot_controller__pb2.ScaleRolloutRequest.SerializeToString,
             relayrl_dot_v1_dot_controller__pb2.ScaleRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleScorer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/ScaleScorer',
+            relayrl_dot_v1_dot_controller__pb2.ScaleScorerRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.ScaleScorerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterScorer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayrl.v1.ControllerService/RegisterScorer',
+            relayrl_dot_v1_dot_controller__pb2.RegisterScorerRequest.SerializeToString,
+            relayrl_dot_v1_dot_controller__pb2.RegisterScorerResponse.FromString,
             options,
             channel_credentials,
             insecure,

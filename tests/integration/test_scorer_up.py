@@ -3,12 +3,15 @@ served by a supervised scorer role (``scorers.rm``, ``controller.reward.fns: {sc
 lists the scorer; killed with SIGKILL after the first step, it is restarted on its port while the controller's Score
 calls retry: the run completes, every prompt drawn is trained once (none failed), and each step's metrics carry the
 scorer's latency, calls and batch size. A scorer that refuses every request (its token limit below any
-conversation) stops the run within its first step with the scorer's error on the console."""
+conversation) stops the run within its first step with the scorer's error on the console. ``relayrl scale reward``
+adds a scorer mid-run that serves beside the first, and removes it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,7 +22,7 @@ from relayrl.ops.render import status_tables
 from relayrl.trainer.metrics import read_metrics
 from tests.unit.scorer_testing import write_tiny_reward_model
 
-from .jobs import finish, ledger_fates, start_up, supervised_roles
+from .jobs import finish, ledger_fates, running_up, start_up, supervised_roles, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +83,41 @@ def test_a_scorer_that_refuses_every_request_stops_the_run_with_its_error(tmp_pa
     assert "scorer rm: RESOURCE_EXHAUSTED: items[0] tokens:" in err and "exceeds the limit 4" in err, err
     assert read_metrics(cfg.run_dir / "metrics.jsonl") == []
     assert supervised_roles(cfg)["reward-rm-0"]["restarts"] == 0  # the scorer itself never died
+
+
+def scorer_servers(cfg) -> list:
+    """The scorer servers the run's controller calls, as ``relayrl status`` lists them."""
+    return list(controller_status((cfg.run_dir / "controller.address").read_text()).scorers)
+
+
+def scale_reward(cfg, replicas: int) -> str:
+    argv = [sys.executable, "-m", "relayrl.cli", "scale", "reward", str(replicas), "--name", "rm"]
+    done = subprocess.run([*argv, "--run", str(cfg.run_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path, make_config, reward_model):
+    """`relayrl scale reward 2 --name rm` mid-run: relayrl up starts reward-rm-1, which joins the servers the
+    controller calls and scores groups beside reward-rm-0; `scale reward 1` stops it and it leaves them; the run
+    completes with every prompt trained once."""
+    steps = 12
+    config = served_config(make_config, "scaled", reward_model, steps)
+    cfg = load_config(config)
+    with running_up(config) as up:
+        wait_until(lambda: len(read_metrics(cfg.run_dir / "metrics.jsonl")) >= 1, 600, "step 1")
+        assert "desired servers of scorer rm unset -> 2" in scale_reward(cfg, 2)
+        wait_until(
+            lambda: len(servers := scorer_servers(cfg)) == 2 and all(s.items_scored > 0 for s in servers),
+            300,
+            "two scorer servers, each scoring",
+        )
+        scale_reward(cfg, 1)
+        wait_until(lambda: len(scorer_servers(cfg)) == 1, 120, "one scorer server again")
+        code, err = finish(up)
+    assert code == 0, err
+    assert "scale up: starting reward-rm-1" in err and "scale down: stopping reward-rm-1" in err, err
+    fates = ledger_fates(cfg)
+    assert not [pid for pid, f in fates.items() if "failed" in f or f.count("trained") > 1]
+    assert sum(f.count("trained") for f in fates.values()) == steps * SHAPE["train_batch_groups"]
