@@ -450,8 +450,9 @@ def test_every_example_a_deploy_file_names_exists():
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_reward_overlay_serves_the_scorer_its_config_calls(version: str):
     """cpu-reward = cpu-demo + the reward component (docs/reward-models.md): a StatefulSet of `relayrl reward serve`
-    behind a headless Service with gRPC probes on its port, each pod an address of the config's scorer, which names
-    it in controller.reward.fns and starts no replica itself; the reward model is read from the run-dir claim."""
+    behind a headless Service with gRPC probes on its port; pod 0 is the config's scorer address, as it advertises
+    itself, and every pod joins the controller's list when it serves; the config names the scorer in
+    controller.reward.fns and starts no replica itself; the reward model is read from the run-dir claim."""
     docs = render("cpu-reward")
     assert_valid(docs, version)
     reward, service = by_name(docs, "StatefulSet", "relayrl-reward"), by_name(docs, "Service", "relayrl-reward")
@@ -464,7 +465,11 @@ def test_the_reward_overlay_serves_the_scorer_its_config_calls(version: str):
     cfg = config.parse_config(run_config(docs))
     scorer = cfg.scorers[name]
     assert scorer.replicas == 0 and f"scorer:{name}" in cfg.controller.reward.fns
-    pods = range(reward["spec"]["replicas"])
-    assert scorer.servers == [f"relayrl-reward-{i}.relayrl-reward:{port}" for i in pods]
+    advertised = arg_after(c["args"], "--advertise")  # every pod joins the controller's list when it serves
+    assert advertised == f"$(POD_NAME).relayrl-reward.$(POD_NAMESPACE).svc:{port}"
+    assert arg_after(c["args"], "--controller") == "$(RELAYRL_CONTROLLER)"
+    assert env_of(c)["RELAYRL_CONTROLLER"]["value"] == f"relayrl-controller:{CONTROLLER_PORT}"
+    namespace = reward["metadata"]["namespace"]
+    assert scorer.servers == [f"relayrl-reward-0.relayrl-reward.{namespace}.svc:{port}"]  # pod 0, as it advertises
     assert volume_for_mount(reward, "/var/lib/relayrl/runs")["persistentVolumeClaim"]["claimName"] == "relayrl-run"
     assert scorer.model.startswith("/var/lib/relayrl/runs/")
