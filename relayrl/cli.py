@@ -267,15 +267,21 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
     return run_supervised(rest)
 
 
-def cmd_train_sft(args: argparse.Namespace) -> int:
-    """``relayrl train sft CONFIG``: this process is the one rank (``trainer.nproc`` 1), or it starts the ranks
+# ``relayrl train STAGE``'s module: it has ``load_data(cfg, tokenizer)`` and ``run(cfg, resume=, data=)``
+OFFLINE_STAGES = {"sft": "relayrl.trainer.sft"}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``relayrl train STAGE CONFIG``: this process is the one rank (``trainer.nproc`` 1), or it starts the ranks
     under torchrun (each of them runs this command again, as a rank) and supervises them (relayrl/trainer/launch.py)."""
-    from relayrl.config import load_sft_config
+    import importlib
+
+    from relayrl.config import load_offline_config
     from relayrl.models.assets import prepare_model
     from relayrl.trainer.launch import run_supervised, single_rank_env
     from relayrl.trainer.loop import latest_checkpoint
 
-    cfg = load_sft_config(args.config, args.set)
+    cfg = load_offline_config(args.action, args.config, args.set)
     if "RANK" not in os.environ:  # the command a user ran, not one of its ranks
         checkpoint = latest_checkpoint(cfg.run_dir)
         if checkpoint is not None and not args.resume:
@@ -288,23 +294,22 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             check_sft_eval(cfg)
         from transformers import AutoTokenizer
 
-        from relayrl.trainer.sft import check_resume, load_data, run_sft  # the config is good: seconds of imports
+        from relayrl.trainer.offline import check_resume  # the config is good: seconds of imports
 
+        stage = importlib.import_module(OFFLINE_STAGES[args.action])
         if args.resume:
             check_resume(cfg)
 
-        data = load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.path))  # bad rows: refused before any rank
+        data = stage.load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.path))  # bad rows: refused before any rank
         if cfg.trainer.nproc > 1:
-            rank = ["-m", "relayrl.cli", "train", "sft", args.config, *(f"--set={kv}" for kv in args.set)]
+            rank = ["-m", "relayrl.cli", "train", args.action, args.config, *(f"--set={kv}" for kv in args.set)]
             return run_supervised(
                 ["--standalone", f"--nproc-per-node={cfg.trainer.nproc}", *rank, *(["--resume"] if args.resume else [])]
             )
         os.environ.update(single_rank_env())
-        return run_sft(cfg, resume=args.resume, data=data)
+        return stage.run(cfg, resume=args.resume, data=data)
     prepare_model(cfg)  # a rank: the launcher built it, this points the config at it
-    from relayrl.trainer.sft import run_sft
-
-    return run_sft(cfg, resume=args.resume)
+    return importlib.import_module(OFFLINE_STAGES[args.action]).run(cfg, resume=args.resume)
 
 
 def check_sft_eval(cfg) -> None:
@@ -492,10 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="offline training stages on the trainer").add_subparsers(
         dest="action", required=True
     )
-    p = train.add_parser("sft", help="supervised fine-tuning on TRL-format data (docs/post-training.md)")
-    _add_config(p, positional=True)
-    p.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
-    p.set_defaults(func=cmd_train_sft, fast_exit=True)
+    for name, help_text in (("sft", "supervised fine-tuning on TRL-format data (docs/post-training.md)"),):
+        p = train.add_parser(name, help=help_text)
+        _add_config(p, positional=True)
+        p.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
+        p.set_defaults(func=cmd_train, fast_exit=True)
 
     p = sub.add_parser("up", help="run controller, rollout workers and trainer as local processes")
     _add_resumable_config(p, "continue")

@@ -1170,24 +1170,19 @@ class RelayConfig(Section):
         return self.environment.max_total_tokens if self.environment is not None else self.rollout.max_tokens
 
 
-class SFTDataConfig(Section):
-    """``relayrl train sft``'s dataset, in TRL's formats (relayrl/data/trl_formats.py; docs/post-training.md)."""
+class OfflineDataConfig(Section):
+    """An offline stage's dataset, in TRL's formats (relayrl/data/trl_formats.py; docs/post-training.md)."""
 
-    # the training rows, read by relayrl's one loader (JSONL/JSON/parquet/CSV, a save_to_disk directory, a hub id):
-    # language modeling (text or messages) or prompt-completion rows, plain or conversational
+    # the training rows, read by relayrl's one loader (JSONL/JSON/parquet/CSV, a save_to_disk directory, a hub id),
+    # in the format the stage takes (train sft: language modeling or prompt-completion), plain or conversational
     path: str
     subset: str | None = None  # a hub dataset's config name
     split: str = "train"
-    # the held-out rows, for the held-out loss and token accuracy: eval_path (a file or directory as path; a hub
-    # dataset's eval_split, "train" when unset) or, without it, this path's eval_split (a hub dataset's "test").
+    # the held-out rows, for the held-out metrics: eval_path (a file or directory as path; a hub dataset's
+    # eval_split, "train" when unset) or, without it, this path's eval_split (a hub dataset's "test").
     # Both unset: no held-out evaluation. Held out by name, never carved from the training rows
     eval_path: str | None = None
     eval_split: str | None = None
-    # the loss reads the completion's tokens only (prompt-completion rows), as TRL's default
-    completion_only_loss: bool = True
-    # the loss reads assistant turns only (conversational rows). On by default, unlike TRL: training on the user's
-    # turns teaches the model to write them
-    assistant_only_loss: bool = True
     shuffle: bool = True  # each epoch's order, seeded by run.seed and the epoch (a resume replays it)
 
     @property
@@ -1198,9 +1193,20 @@ class SFTDataConfig(Section):
         return (self.path, self.eval_split) if self.eval_split is not None else None
 
 
+class SFTDataConfig(OfflineDataConfig):
+    """``relayrl train sft``'s dataset: language-modeling or prompt-completion rows."""
+
+    # the loss reads the completion's tokens only (prompt-completion rows), as TRL's default
+    completion_only_loss: bool = True
+    # the loss reads assistant turns only (conversational rows). On by default, unlike TRL: training on the user's
+    # turns teaches the model to write them
+    assistant_only_loss: bool = True
+
+
 class SFTTrainerConfig(Section):
-    """``relayrl train sft``'s trainer: the RL trainer's backend, optimizer, schedule and precision under the keys
-    that mean something offline (an RL key such as trainer.stream is refused here, not ignored)."""
+    """The offline stages' trainer (``relayrl train sft | dpo | rm``): the RL trainer's backend, optimizer, schedule
+    and precision under the keys that mean something offline (an RL key such as trainer.stream is refused here,
+    not ignored)."""
 
     # passes over the training rows; steps, when set, ends the run after that many optimizer steps instead (more
     # passes if it needs them)
@@ -1359,10 +1365,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayCo
     return parse_config(read_raw(path, overrides))
 
 
-def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTConfig:
-    """``relayrl train sft``'s config, read as ``load_config`` reads a run's. Raises ConfigError naming the key."""
+OFFLINE_CONFIGS: dict[str, type[SFTConfig]] = {"sft": SFTConfig}
+
+
+def load_offline_config(stage: str, path: str | Path, overrides: list[str] | None = None) -> SFTConfig:
+    """``relayrl train STAGE``'s config (``OFFLINE_CONFIGS``), read as ``load_config`` reads a run's. Raises
+    ConfigError naming the key."""
     try:
-        return SFTConfig.model_validate(read_raw(path, overrides))
+        return OFFLINE_CONFIGS[stage].model_validate(read_raw(path, overrides))
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
 

@@ -7,29 +7,26 @@ the step plan and the packed rows' attention under the CPU's float32 SDPA."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
+import offline_testing
 import pytest
 import torch
 import yaml
+from offline_testing import ENV, assert_same_weights, records, tiny_chat_model, write_rows
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relayrl.algorithms.sft_loss import pack_examples, pad_examples
 from relayrl.config import TrainerConfig
-from relayrl.models.tiny_chat import build_chat_tokenizer
 from relayrl.trainer.precision import FLOAT32_SDPA, Precision
 from relayrl.trainer.sft_plan import pack_rows, plan_steps
 
 # one xdist worker for the module: four tests compare against the one uninterrupted run (`finished`)
 pytestmark = pytest.mark.xdist_group("train_sft")
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 
@@ -41,52 +38,32 @@ def chat_row(a: int, b: int) -> dict:
 def workdir(tmp_path_factory) -> Path:
     """A tiny ChatML Qwen2 (hidden 32, 2 layers), 40 training rows and 10 held-out ones of a+b."""
     root = tmp_path_factory.mktemp("sft")
-    tok = build_chat_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    tiny_chat_model(root / "model")
     rng = random.Random(0)
     for name, count in (("train", 40), ("heldout", 10)):
-        rows = [chat_row(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_rows(root / f"{name}.jsonl", [chat_row(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)])
     return root
 
 
 def write_config(root: Path, name: str, **data) -> Path:
-    config = {
-        "run": {"name": name, "dir": str(root / "runs")},
-        "model": {"path": str(root / "model")},
-        "data": {"path": str(root / "train.jsonl"), "eval_path": str(root / "heldout.jsonl"), **data},
-        "trainer": {
-            "steps": STEPS, "batch_tokens": 200, "pack_tokens": 100, "lr": 3e-3, "checkpoint_every": 1,
-            "precision": "float32", "threads": 1,
-        },
-    }  # fmt: skip
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    data = {"path": str(root / "train.jsonl"), "eval_path": str(root / "heldout.jsonl"), **data}
+    return offline_testing.write_config(root, name, STEPS, data=data)
 
 
 def command(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "relayrl.cli", "train", "sft", *argv]
-
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return offline_testing.command("sft", *argv)
 
 
 def train(*argv: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(command(*argv), capture_output=True, text=True, timeout=300, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return offline_testing.train("sft", *argv)
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def refusal(*argv: str) -> str:
+    return offline_testing.refusal("sft", *argv)
+
+
+def start_until(config: Path, run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
+    return offline_testing.start_until("sft", config, run_dir, step, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -148,17 +125,6 @@ def test_lora_under_bf16_compute_trains_and_exports_the_adapter_and_the_merged_m
     assert heldout_loss(run_dir / "final" / "merged", workdir) == pytest.approx(lines[-1]["eval_loss"], abs=0.05)
 
 
-def start_until(config: Path, run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
-    """``train sft CONFIG EXTRA`` started and still running once its checkpoint of ``step`` is complete."""
-    proc = subprocess.Popen(command(str(config), *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
-    deadline = time.monotonic() + 240
-    while not (run_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, f"ended before checkpoint {step}"
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be stopped"
-    return proc
-
-
 def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weights(finished, workdir) -> None:
     """SIGTERM: the step in progress ends, is checkpointed, exit 0; then --resume, SIGKILL mid-run, --resume: the
     weights are the uninterrupted run's bit for bit, and so is every step's loss."""
@@ -180,13 +146,7 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weigh
     line = refusal(str(config), "--resume", "--set", "trainer.batch_tokens=300", "--set", "trainer.eval_every=2")
     assert "trainer.batch_tokens (200 in the run, 300 now)" in line and "eval_every" not in line.split(";")[0]
     train(str(config), "--resume")
-    whole, resumed = (
-        load_file(run_dir / "final" / "model.safetensors"),
-        load_file(killed / "final" / "model.safetensors"),
-    )
-    assert whole.keys() == resumed.keys()
-    for name in whole:
-        assert torch.equal(whole[name], resumed[name]), name
+    assert_same_weights(run_dir / "final", killed / "final")
     assert [r["loss"] for r in records(killed)[1:]] == [r["loss"] for r in records(run_dir)[1:]]
 
 
@@ -202,13 +162,6 @@ def test_two_ranks_train_to_the_one_rank_weights(finished, workdir) -> None:
     one, both = load_file(run_dir / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
     for name in one:
         torch.testing.assert_close(both[name], one[name], atol=1e-6, rtol=0)
-
-
-def refusal(*argv: str) -> str:
-    done = subprocess.run(command(*argv), capture_output=True, text=True, timeout=300, env=ENV)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
-    return lines[0]
 
 
 def test_bad_data_and_unknown_keys_are_refused_in_one_line(workdir) -> None:

@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,9 +123,18 @@ def shard(model: torch.nn.Module, policy=None) -> None:
 
 class FSDPBackend:
     def __init__(
-        self, model_cfg: ModelConfig, cfg: TrainerConfig, *, with_reference: bool, weight_dtype: str = "auto"
+        self,
+        model_cfg: ModelConfig,
+        cfg: TrainerConfig,
+        *,
+        with_reference: bool,
+        weight_dtype: str = "auto",
+        auto_class: Any = AutoModelForCausalLM,
     ) -> None:
-        """``weight_dtype``: ``rollout.weight_dtype``, the dtype ``weight_specs`` reports (trainer/precision.py)."""
+        """``weight_dtype``: ``rollout.weight_dtype``, the dtype ``weight_specs`` reports (trainer/precision.py).
+        ``auto_class``: what builds the trained model, ``from_pretrained(model.path)`` and ``from_config`` for the
+        export (a causal LM; a reward model's one-label sequence classifier, relayrl/trainer/reward_trainer.py)."""
+        self.auto_class = auto_class
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
@@ -134,6 +144,7 @@ class FSDPBackend:
         self.model = load_trained_model(
             model_cfg.path, self.precision, self.device, lora=model_cfg.lora,
             gradient_checkpointing=cfg.gradient_checkpointing, attn_implementation=model_cfg.attn_implementation,
+            loader=auto_class.from_pretrained,
         )  # fmt: skip
         self.reference = (  # with LoRA too: the reference policy is the base model
             load_frozen_model(model_cfg.path, self.precision.reference, self.device, model_cfg.attn_implementation)
@@ -341,13 +352,21 @@ class FSDPBackend:
         if self.lora is not None:
             self._export_adapter(directory, tokenizer)
             return
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            model = AutoModelForCausalLM.from_config(self.model.config, dtype=next(iter(state.values())).dtype)
-            model.load_state_dict(state)
+        model = self.full_model()
+        if model is not None:
             model.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
         dist.barrier()
+
+    def full_model(self) -> torch.nn.Module | None:
+        """Rank 0: the trained weights gathered into a plain ``auto_class`` model on the CPU; None on the other
+        ranks (collective; without LoRA)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+        model = self.auto_class.from_config(self.model.config, dtype=next(iter(state.values())).dtype)
+        model.load_state_dict(state)
+        return model
 
     def _export_adapter(self, directory: Path, tokenizer) -> None:
         """``export_hf`` with LoRA: the adapter as PEFT saves it; the merged model from it, through PEFT."""
