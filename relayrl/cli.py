@@ -268,7 +268,11 @@ def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 # ``relayrl train STAGE``'s module: it has ``load_data(cfg, tokenizer)`` and ``run(cfg, resume=, data=)``
-OFFLINE_STAGES = {"sft": "relayrl.trainer.sft"}
+OFFLINE_STAGES = {
+    "sft": "relayrl.trainer.sft",
+    "dpo": "relayrl.trainer.preference",
+    "rm": "relayrl.trainer.reward_trainer",
+}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -497,7 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="offline training stages on the trainer").add_subparsers(
         dest="action", required=True
     )
-    for name, help_text in (("sft", "supervised fine-tuning on TRL-format data (docs/post-training.md)"),):
+    for name, help_text in (
+        ("sft", "supervised fine-tuning on TRL-format data (docs/post-training.md)"),
+        ("dpo", "DPO, IPO, conservative DPO or KTO on TRL-format preference data (docs/post-training.md)"),
+        ("rm", "a reward model (Bradley-Terry) on TRL-format preference data (docs/post-training.md)"),
+    ):
         p = train.add_parser(name, help=help_text)
         _add_config(p, positional=True)
         p.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")

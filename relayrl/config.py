@@ -1174,7 +1174,8 @@ class OfflineDataConfig(Section):
     """An offline stage's dataset, in TRL's formats (relayrl/data/trl_formats.py; docs/post-training.md)."""
 
     # the training rows, read by relayrl's one loader (JSONL/JSON/parquet/CSV, a save_to_disk directory, a hub id),
-    # in the format the stage takes (train sft: language modeling or prompt-completion), plain or conversational
+    # in the format the stage takes (train sft: language modeling or prompt-completion; train dpo: preference,
+    # or unpaired preference for loss.type kto; train rm: preference), plain or conversational
     path: str
     subset: str | None = None  # a hub dataset's config name
     split: str = "train"
@@ -1281,6 +1282,55 @@ class SFTConfig(Section):
         return self.run.path
 
 
+class PreferenceLossConfig(Section):
+    """``relayrl train dpo``'s loss (relayrl/algorithms/preference_loss.py, kto_loss.py; TRL's DPOConfig and
+    KTOConfig keys)."""
+
+    # sigmoid: DPO (with label_smoothing > 0: conservative DPO); ipo: IPO on length-normalised log-ratios (both on
+    # preference rows); kto: KTO on unpaired rows (prompt, completion, label)
+    type: Literal["sigmoid", "ipo", "kto"] = "sigmoid"
+    beta: float = Field(0.1, gt=0)  # β: the implicit reward's scale (IPO: its τ); TRL's default
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # cDPO's ε, the chance a pair's label is flipped (sigmoid)
+    desirable_weight: float = Field(1.0, gt=0)  # KTO's λ_D
+    undesirable_weight: float = Field(1.0, gt=0)  # KTO's λ_U
+    # where the reference policy's log-probs come from. precomputed: once, before training, by the model at
+    # model.path (with model.lora: the adapter disabled), cached in the run directory under a key of the rendered
+    # data and the model's files; frozen: a frozen copy on the trainer scores each step (with model.lora: the
+    # base with the adapter disabled, no copy)
+    reference: Literal["precomputed", "frozen"] = "precomputed"
+
+    @model_validator(mode="after")
+    def _smoothing_is_sigmoid_only(self) -> PreferenceLossConfig:
+        if self.label_smoothing and self.type != "sigmoid":
+            raise ValueError(f"loss.label_smoothing: conservative DPO is loss.type sigmoid's (is {self.type})")
+        return self
+
+
+class DPOConfig(SFTConfig):
+    """``relayrl train dpo CONFIG``: DPO, IPO, conservative DPO and KTO on the RL trainer's backend
+    (docs/post-training.md)."""
+
+    data: OfflineDataConfig
+    loss: PreferenceLossConfig = Field(default_factory=PreferenceLossConfig)
+
+
+class RewardLossConfig(Section):
+    """``relayrl train rm``'s loss: Bradley–Terry (relayrl/algorithms/reward_loss.py; TRL's RewardConfig keys)."""
+
+    # subtract each pair's margin column from its score difference (TRL's RewardTrainer does where the column is)
+    margin: bool = True
+    # c of c · mean (r_chosen + r_rejected)²: pulls the scores towards a zero mean (TRL; None: no such term)
+    center_rewards_coefficient: float | None = Field(None, ge=0)
+
+
+class RMConfig(SFTConfig):
+    """``relayrl train rm CONFIG``: a reward model (a one-label sequence classifier on the base model) trained on
+    preference pairs (docs/post-training.md)."""
+
+    data: OfflineDataConfig
+    loss: RewardLossConfig = Field(default_factory=RewardLossConfig)
+
+
 def stream_blockers(cfg: RelayConfig) -> list[str]:
     """What keeps a streamed step from being exactly the whole-batch update (empty: nothing). Streaming trains
     each group once it is kept and steps a mini-batch once its groups are in, so: every sample must come from the
@@ -1365,7 +1415,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RelayCo
     return parse_config(read_raw(path, overrides))
 
 
-OFFLINE_CONFIGS: dict[str, type[SFTConfig]] = {"sft": SFTConfig}
+OFFLINE_CONFIGS: dict[str, type[SFTConfig]] = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
 
 
 def load_offline_config(stage: str, path: str | Path, overrides: list[str] | None = None) -> SFTConfig:

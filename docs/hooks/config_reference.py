@@ -43,8 +43,19 @@ END = "<!-- /config-reference -->"
 SFT_PAGE = ROOT / "docs" / "post-training.md"
 SFT_BEGIN = f"<!-- config-reference of SFTConfig: generated from relayrl/config.py by `{COMMAND}`; do not edit -->"
 SFT_END = "<!-- /config-reference of SFTConfig -->"
-# (begin, end, the root model's name in relayrl/config.py, its sections' heading level)
-REGIONS = ((BEGIN, END, "RelayConfig", 2), (SFT_BEGIN, SFT_END, "SFTConfig", 3))
+# `relayrl train dpo` and `train rm` take SFTConfig's sections (their data without SFT's two mask keys) and a loss
+# section each, documented on the same page
+DPO_BEGIN = f"<!-- config-reference of DPOConfig.loss: generated from relayrl/config.py by `{COMMAND}`; do not edit -->"
+DPO_END = "<!-- /config-reference of DPOConfig.loss -->"
+RM_BEGIN = f"<!-- config-reference of RMConfig.loss: generated from relayrl/config.py by `{COMMAND}`; do not edit -->"
+RM_END = "<!-- /config-reference of RMConfig.loss -->"
+# (begin, end, the model's name in relayrl/config.py, its sections' heading level, the key it sits under)
+REGIONS = (
+    (BEGIN, END, "RelayConfig", 2, ""),
+    (SFT_BEGIN, SFT_END, "SFTConfig", 3, ""),
+    (DPO_BEGIN, DPO_END, "PreferenceLossConfig", 4, "loss"),
+    (RM_BEGIN, RM_END, "RewardLossConfig", 4, "loss"),
+)
 CONSTRAINTS = {
     "gt": ">",
     "ge": "≥",
@@ -70,12 +81,12 @@ def current(text: str) -> str:
     import relayrl.config
 
     found = False
-    for begin_line, end_line, root, level in REGIONS:
+    for begin_line, end_line, root, level, prefix in REGIONS:
         head, begin, rest = text.partition(begin_line)
         _, end, tail = rest.partition(end_line)
         if begin and end:
             found = True
-            text = f"{head}{begin}\n\n{render(getattr(relayrl.config, root), level)}\n{end}{tail}"
+            text = f"{head}{begin}\n\n{render(getattr(relayrl.config, root), level, prefix)}\n{end}{tail}"
     if not found:
         raise ValueError(f"the page lacks the lines {BEGIN!r} and {END!r} between which the reference goes")
     return text
@@ -228,10 +239,10 @@ def code_cell(text: str) -> str:
     return f"<code>{html.escape(text, quote=False)}</code>".replace("|", "&#124;")
 
 
-def render(root: type[BaseModel], level: int = 2) -> str:
-    """One table per section of ``root``, each under a heading of ``level``."""
+def render(root: type[BaseModel], level: int = 2, prefix: str = "") -> str:
+    """One table per section of ``root`` (its keys under ``prefix``), each under a heading of ``level``."""
     out = []
-    for path, model, optional in sections(root):
+    for path, model, optional in sections(root, prefix):
         out.append(f"{'#' * level} {f'`{path}`' if path else 'Top level'}\n")
         doc = class_doc(model)
         if doc:

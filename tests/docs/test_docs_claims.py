@@ -137,6 +137,7 @@ EXIT_CLAIMS = {
     ("operating.md", "refused with exit code 3", "3"): "tests/integration/test_run_lock.py::second_up_is",
     ("operating.md", "`relayrl up` exits 2 naming the filesystem", "2"): "tests/unit/test_runlock.py::without_flock",
     ("post-training.md", "row and column, with exit status 2", "2"): "tests/unit/test_train_sft.py::bad_data_and",
+    ("post-training.md", "row and the column (exit 2", "2"): "tests/unit/test_train_preference.py::bad_preference",
     ("post-training.md", "checkpoints it and exits 0", "0"): "tests/unit/test_train_sft.py::stopped_by_sigterm",
     ("post-training.md", "a run stopped by SIGTERM (exit 0", "0"): "tests/unit/test_train_sft.py::stopped_by_sigterm",
     ("quickstart.md", "naming the flag, exit 2", "2"): "tests/unit/test_cli_refusals.py::every_subcommand_refuses",

@@ -173,7 +173,9 @@ class FSDPBackend:
         self.padding_free = PaddingFree(
             cfg.padding_free, cfg.pack_token_budget, available=unpackable is None, reason=unpackable or ""
         )
-        unsupported = layout_unsupported(self.model)
+        # the shared-prefix layout is probed on a causal LM's logits (a classifier's pooled output has no positions)
+        causal = self.model.get_output_embeddings() is not None
+        unsupported = layout_unsupported(self.model) if causal else "the model is not a causal LM"
         self.shared_prefix = SharedPrefix(
             cfg.shared_prefix, cfg.pack_token_budget, available=unsupported is None, reason=unsupported or ""
         )
