@@ -47,6 +47,8 @@ def load_data(cfg: RMConfig, tokenizer) -> tuple[list, list | None]:
     naming the key, the row and the column."""
     if cfg.model.lora is not None:
         raise ConfigError("model.lora: train rm trains the whole classifier (its new score head with it); unset it")
+    if cfg.eval is not None:
+        raise ConfigError("eval: the RL loop's eval sets generate with a causal LM; a reward model cannot; unset it")
 
     def render(rows, fmt) -> list[PreferenceExample]:
         if fmt.kind != PREFERENCE:
