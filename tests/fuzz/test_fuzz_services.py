@@ -1,11 +1,15 @@
-"""Property: every malformed request to ControllerService and RolloutService (real server processes) is answered
-with a precise status before its deadline, never INTERNAL / UNKNOWN, and the servers serve correct requests
-afterwards. Requests come from three sources: any message of the method's type with hostile field values,
-near-valid requests with fields off by a little, and raw bytes (sent without a serializer) that may not parse."""
+"""Property: every malformed request to ControllerService, RolloutService and ScorerService (real server
+processes) is answered with a precise status before its deadline, never INTERNAL / UNKNOWN, and the servers serve
+correct requests afterwards. Requests come from three sources: any message of the method's type with hostile field
+values, near-valid requests with fields off by a little, and raw bytes (sent without a serializer) that may not
+parse."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -16,7 +20,16 @@ from hypothesis import strategies as st
 
 from relayrl.bench.cluster import local_cluster
 from relayrl.rpc.channels import open_channel
-from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.v1 import (
+    common_pb2,
+    controller_pb2,
+    controller_pb2_grpc,
+    environment_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    scorer_pb2,
+    scorer_pb2_grpc,
+)
 
 from .strategies import FLOATS, SHORT_TEXT, TEXT, messages, raw_bytes
 
@@ -277,3 +290,75 @@ def test_rollout_worker_answers_every_malformed_request(cluster) -> None:
         prompts=[rollout_pb2.PromptInput(prompt_id="p", token_ids=[3, 4])], params=GOOD_PARAMS
     )
     assert sum(len(r.completions) for r in stub.Generate(request, timeout=30)) == GOOD_PARAMS.n
+
+
+# -- ScorerService -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scorer(tmp_path_factory):
+    """`relayrl reward serve` of a tiny reward model as its own process: its address and process."""
+    from relayrl.runtime.ports import free_port
+    from tests.unit.scorer_testing import write_tiny_reward_model
+
+    tmp = tmp_path_factory.mktemp("fuzz-scorer")
+    scorer = {"model": str(write_tiny_reward_model(tmp / "rm")), "precision": "float32", "max_items": 8}
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"path": "d"}, "scorers": {"rm": scorer}}))
+    port = free_port()
+    argv = [sys.executable, "-m", "relayrl.cli", "reward", "serve", "--config", str(path), "--name", "rm"]
+    with (tmp / "scorer.log").open("wb") as log:
+        proc = subprocess.Popen([*argv, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "scorer.log").read_text()
+            try:
+                if health(address) == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                time.sleep(0.3)
+        yield address, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def near_valid_scorer() -> st.SearchStrategy:
+    message = st.builds(
+        environment_pb2.ChatMessage,
+        role=st.sampled_from(["user", "assistant", "system", "tool", "", "robot"]),
+        content=SHORT_TEXT,
+    )
+    item = st.builds(
+        scorer_pb2.ScoreItem,
+        messages=st.lists(message, max_size=3),
+        prompt_token_ids=st.lists(st.integers(-3, 500), max_size=4),
+        response_token_ids=st.lists(st.integers(-3, 500), max_size=4),
+    )
+    return st.one_of(
+        st.tuples(st.just("Score"), st.builds(scorer_pb2.ScoreRequest, items=st.lists(item, max_size=10))),
+        st.tuples(
+            st.just("TokenLogprobs"), st.builds(scorer_pb2.TokenLogprobsRequest, items=st.lists(item, max_size=3))
+        ),
+    )
+
+
+SCORER = scorer_pb2.DESCRIPTOR.services_by_name["ScorerService"]
+
+
+def test_scorer_answers_every_malformed_request(scorer) -> None:
+    address, proc = scorer
+    channel = open_channel(address)
+
+    @FUZZ
+    @given(requests(SCORER, near_valid_scorer()))
+    def fuzz(case) -> None:
+        method, request = case
+        assert_answered(method, call(channel, SCORER, method, request))
+
+    fuzz()
+    assert proc.poll() is None, "the scorer exited"
+    turns = [("user", "2 + 3?"), ("assistant", "5")]
+    good = scorer_pb2.ScoreItem(messages=[environment_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+    answer = scorer_pb2_grpc.ScorerServiceStub(channel).Score(scorer_pb2.ScoreRequest(items=[good]), timeout=30)
+    assert len(answer.scores) == 1
