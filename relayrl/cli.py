@@ -402,6 +402,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "trainer": "relayrl.bench.trainer",
     "episodes": "relayrl.bench.episodes",
     "heldout": "relayrl.bench.heldout",
+    "preference": "relayrl.bench.preference",
 }
 
 

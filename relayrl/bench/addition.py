@@ -31,10 +31,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def heldout_accuracy(evals: list[dict]) -> dict:
-    """Greedy accuracy on the held-out set at its first eval (before training) and its last (after)."""
+def heldout_accuracy(evals: list[dict], metric: str = "mean@1") -> dict:
+    """Greedy accuracy (``metric``, else pass@1) on the held-out set at its first eval (before training) and its
+    last (after)."""
     points = sorted((r for r in evals if r["eval"] == HELDOUT), key=lambda r: r["step"])
-    curve = [{"policy_version": r["step"], "accuracy": r.get("mean@1", r.get("pass@1"))} for r in points]
+    curve = [{"policy_version": r["step"], "accuracy": r.get(metric, r.get("pass@1"))} for r in points]
     if not curve:
         return {"heldout_before": None, "heldout_after": None, "heldout_curve": []}
     return {"heldout_before": curve[0], "heldout_after": curve[-1], "heldout_curve": curve}
