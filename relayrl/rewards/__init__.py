@@ -36,4 +36,4 @@ __all__ = [
     "reward_signature",
 ]
 
-from relayrl.rewards import libraries  # noqa: F401 (registers reasoning_gym and math_verify)
+from relayrl.rewards import code, libraries  # noqa: F401 (registers code_tests, reasoning_gym and math_verify)

@@ -2,7 +2,7 @@
 
 A task row is ``{"question": "What is 317 * 29?", "answer": "9193"}`` (``arithmetic_tasks`` makes them). Each
 policy turn either calls ``run_python({"code": ...})`` — the code runs in a separate process under the limits
-of relayrl/env/sandbox.py (CPU time, memory, wall time, no network), and its exit code, stdout and stderr come
+of relayrl/runtime/sandbox.py (CPU time, memory, wall time, no network), and its exit code, stdout and stderr come
 back as the tool result, truncated — or answers in plain text, which ends the episode: reward 1.0 when the
 text contains the answer as a number of its own (``"9193"`` counts in "it is 9193.", not in "19193"), else 0.0.
 ``max_turns`` turns of tool calls truncate the episode with reward 0.0; ``close`` answers 0.0.
@@ -14,9 +14,9 @@ import random
 import re
 
 from relayrl.env.base import Environment
-from relayrl.env.sandbox import Limits, run_python
 from relayrl.env.types import Reset, Step
 from relayrl.errors import InvalidArgument
+from relayrl.runtime.sandbox import Limits, run_python
 
 SYSTEM = "Answer the question. You may run Python with run_python; print what you need. Then state the answer."
 RUN_PYTHON = {
