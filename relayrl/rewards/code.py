@@ -16,6 +16,7 @@ group only, never the controller's other work.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ CODE_TESTS_LIMITS = Limits(cpu_s=4, memory_mb=1024, wall_s=4.0, output_chars=400
 # Sandboxes at once: each is a CPU-bound interpreter on the controller's machine
 CODE_TESTS_WORKERS = min(4, os.cpu_count() or 1)
 
+log = logging.getLogger(__name__)
 FENCED = re.compile(r"```[^\n`]*\n(.*?)(?:```|$)", re.DOTALL)
 
 
@@ -77,6 +79,7 @@ class CodeTests:
         problem = problem_of(row)
         loop = asyncio.get_running_loop()
         verdict = await loop.run_in_executor(self.pool, self.check, problem, completion_of(response))
+        log.debug("code_tests %s: %s", problem.get("task_id", "?"), verdict.reason)
         return float(verdict.passed)
 
 
