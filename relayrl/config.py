@@ -687,6 +687,11 @@ class AlgorithmConfig(Section):
     # behaviour policy, stale or not (verl's rollout-correction bypass mode), and no forward is spent. With
     # policy_loss gspo, auto takes the trainer's and rollout is refused (TRAINER_ANCHORED_LOSSES: why)
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    # mixture-of-experts routing replay: the hf engine records the experts its routers chose for every token and the
+    # trainer's forward replays them (router logits still computed, for their gradient), so a top-k that flips
+    # between the engine's and the trainer's numerics does not route a token to other experts. Off by default: it
+    # costs [tokens, layers, k] bytes per sample on the wire and turns the engine's prefix cache off; MoE models only
+    routing_replay: bool = False
 
     @model_validator(mode="after")
     def _one_correction(self) -> AlgorithmConfig:
@@ -1041,6 +1046,16 @@ class SamplesConfig(Section):
     max_chars: int = Field(2000, ge=1)  # a longer prompt or response is cut to its last this many characters
 
 
+def routing_replay_blocker(cfg: RelayConfig) -> str | None:
+    """Why ``algorithm.routing_replay`` cannot run with the rest of ``cfg`` (the model itself: ``relayrl check``);
+    None: it can."""
+    if cfg.trainer.backend != "fsdp":
+        return f"the replayed forward is trainer.backend fsdp's, not {cfg.trainer.backend}"
+    if cfg.environment is not None:
+        return "episodes (an environment section) do not carry routed experts across turns yet"
+    return None
+
+
 class RelayConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
@@ -1139,6 +1154,8 @@ class RelayConfig(Section):
             raise ValueError(
                 f"controller.reward.fns: scorer {teachers[0]} is a teacher: it gives log-probs, not scores"
             )
+        if self.algorithm.routing_replay and (blocker := routing_replay_blocker(self)):
+            raise ValueError(f"algorithm.routing_replay: {blocker}")
         if self.trainer.stream == "on" and (blockers := stream_blockers(self)):
             raise ValueError(f"trainer.stream: 'on' needs {'; '.join(blockers)} (or trainer.stream: auto)")
         return self

@@ -593,6 +593,8 @@ class Controller:
                 loss_mask=c.loss_mask,
                 token_versions=c.token_versions,
             )
+            if c.HasField("routed_experts"):  # routing replay: the engine's experts, for the trainer to replay
+                sample.routed_experts.CopyFrom(c.routed_experts)
             sample.MergeFrom(shared)
             samples.append(sample)
         return samples

@@ -72,6 +72,10 @@ FAMILIES: dict[str, Family] = {
         f"Qwen2, sliding window {WINDOW} on layer 2", "Qwen2Config", "Qwen2ForCausalLM",
         {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
+    "qwen2-moe": Family(
+        "Qwen2-MoE (4 experts top 2, a shared expert)", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        MOE | {"shared_expert_intermediate_size": 32},
+    ),
     "qwen3": Family("Qwen3 (q/k norms)", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": HEAD_DIM}),
     "qwen3-moe": Family(
         "Qwen3-MoE (4 experts, top 2)", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": HEAD_DIM} | MOE
@@ -131,6 +135,27 @@ def write_family_model(family: str, path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
+def write_near_tied_moe(path: str | Path, *, seed: int = 0, spread: float = 1e-5, expert_scale: float = 30.0) -> Path:
+    """The qwen2-moe tiny model with near-tied routers, saved as a model directory (the routing replay demo): every
+    expert's router row is the first expert's plus ``spread`` x the rows' std of seeded noise, so a token's router
+    logits differ far below a bf16 ulp (bf16 rounds them into ties, float32 keeps them apart: an engine in bf16 and
+    a trainer in float32 pick other experts for most tokens), and the experts' down projections are scaled by
+    ``expert_scale`` so that the experts a token takes move its logprobs."""
+    tokenizer = build_tokenizer()
+    model = build_family_model("qwen2-moe", seed=seed, tokenizer=tokenizer)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate.copy_(
+                gate[:1] + spread * gate.std() * torch.randn(gate.shape, generator=torch.Generator().manual_seed(seed))
+            )
+            layer.mlp.experts.down_proj.mul_(expert_scale)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @dataclass(frozen=True)
 class Claim:
     """What a fast path does on a family: ``status`` one of ``STATUSES``; ``reason`` (not exact): the words of the
@@ -169,7 +194,7 @@ FAST_DECODER_FALLBACKS = {
     **{
         family: f"model_type {model_type!r} is not one of llama, mistral, qwen2, qwen3"
         for family, model_type in (
-            ("qwen3-moe", "qwen3_moe"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text"),
+            ("qwen2-moe", "qwen2_moe"), ("qwen3-moe", "qwen3_moe"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text"),
             ("phi3", "phi3"), ("olmo2", "olmo2"), ("granite", "granite"), ("gpt-oss", "gpt_oss"),
         )
     },

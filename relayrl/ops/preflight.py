@@ -185,6 +185,30 @@ def check_attention(cfg: RelayConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
+def check_routing_replay(cfg: RelayConfig) -> None:
+    """``algorithm.routing_replay`` asks for a model with replayable mixture-of-experts routers
+    (``relayrl.algorithms.routing_replay``): a local model is built on the meta device to find them; the built-in
+    models are dense."""
+    path = cfg.model.path
+    if not cfg.algorithm.routing_replay:
+        return
+    if path in BUILTIN_MODELS:
+        raise ConfigError(
+            f"algorithm.routing_replay: model.path {path} is a dense model (no mixture-of-experts router)"
+        )
+    if not Path(path).is_dir():
+        return  # a hub id: the roles find out once they have downloaded it
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relayrl.algorithms.routing_replay import unsupported_reason
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    if reason := unsupported_reason(model):
+        raise ConfigError(f"algorithm.routing_replay: {reason} (model.path {path})")
+
+
 def check_data(cfg: RelayConfig) -> None:
     """``data`` (as every eval set, ``check_data_section``); a reasoning-gym task's eval set of the same task and
     seed would be its training rows; ``controller.reward.fn: reasoning_gym`` scores reasoning-gym rows only."""
@@ -432,4 +456,4 @@ CHECKS = (
     check_port,
     check_tls,
 )
-HEAVY_CHECKS = (check_registry_names, check_tokenizer, check_attention)
+HEAVY_CHECKS = (check_registry_names, check_tokenizer, check_attention, check_routing_replay)

@@ -25,6 +25,11 @@ prefills every running row's prompt and tokens so far on the new weights (new KV
 with the version of the weights that computed the logits it was drawn from (``version``: 0 until the first
 resume, as a worker's), so after a keep-KV resume a row's next token still carries the old version. The rows of
 every request alive at a resume report these per-token versions (``EngineCompletion.token_versions``).
+
+Routing replay (``routing``: a ``RoutingRecorder`` on the model's routers): after each prefill and decode step the
+experts each row's tokens were routed to are appended to the row (a recompute resume replaces them with its
+prefill's), and a finished row reports them (``EngineCompletion.routed_experts``). It needs every prompt prefilled
+in full: no prefix cache.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Protocol
 
 import torch
 
+from relayrl.algorithms.routing_replay import RoutingRecorder
 from relayrl.rollout.engine import EngineCompletion, FinishReason
 from relayrl.rollout.intra_op import start_intra_op_owner
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
@@ -106,11 +112,15 @@ class _Row:
     logits_version: int = 0  # the version of the weights that computed the row's next logits
     kv_epoch: int = -1  # the prefix cache's epoch when the row's KV was computed (-1: none, never stored)
     prefix: tuple[int, ...] | None = None  # the cached prefix the row was prefilled on (demoted when it is stored)
+    routing: list[torch.Tensor] = field(default_factory=list)  # routing replay: [positions, layers, k] per forward
 
     def finish(self, reason: FinishReason) -> None:
         versions = self.versions if self.request.updated else None
+        routed = torch.cat(self.routing) if self.routing else None
         self.request.emit(
-            EngineCompletion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason, versions)
+            EngineCompletion(
+                self.prompt_index, self.sample_index, self.token_ids, self.logprobs, reason, versions, routed
+            )
         )
 
 
@@ -213,12 +223,17 @@ class ContinuousBatcher:
         generator: torch.Generator,
         threads: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        routing: RoutingRecorder | None = None,
     ) -> None:
         """``threads``: the scheduler thread's torch intra-op threads, every other thread of the process then
         running its torch ops on one (``relayrl.rollout.intra_op``); None leaves torch's counts alone.
-        ``prefix_cache``: where finished rows' KV is kept and joining prompts find their prefix's (None: off)."""
+        ``prefix_cache``: where finished rows' KV is kept and joining prompts find their prefix's (None: off).
+        ``routing``: records each row's routed experts (module docstring; refused with a prefix cache)."""
         self.runner, self.max_rows, self.generator, self.threads = runner, max_rows, generator, threads
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        if routing is not None and self.prefix_cache is not None:
+            raise ValueError("routing replay needs every prompt prefilled in full: turn the prefix cache off")
+        self.routing = routing
         self.prefill_tokens = 0  # prompt tokens forwarded by prefills (observability: the prefix cache's savings)
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
         self._cond = threading.Condition()
@@ -332,6 +347,10 @@ class ContinuousBatcher:
         prompts = [[*row.request.prompts[row.prompt_index], *row.token_ids] for row in rows]
         epoch = self._epoch()
         logits, state = self.runner.prefill(prompts, torch.arange(len(rows), device=self.runner.device))
+        if self.routing is not None:
+            routed = self.routing.take(len(prompts))
+            for row, prompt, routing in zip(rows, prompts, routed, strict=True):
+                row.routing = [routing[routing.shape[0] - len(prompt) :]]
         self.prefill_tokens += sum(len(p) for p in prompts)
         for row in rows:
             row.logits_version, row.kv_epoch = self.version, epoch
@@ -381,8 +400,11 @@ class ContinuousBatcher:
         if not rows:
             return [], None, None
         logits = self.runner.decode(state, tokens[keep] if len(keep) < len(tokens) else tokens)
-        for row in rows:
+        routed = self.routing.take(len(rows)) if self.routing is not None else None
+        for i, row in enumerate(rows):
             row.logits_version = self.version
+            if routed is not None:
+                row.routing.append(routed[i])
         return rows, logits, state
 
     def _admit(self, requests: list[_Request], running: int) -> list[_Row]:
@@ -413,7 +435,12 @@ class ContinuousBatcher:
         self.prefill_tokens += sum(len(prompts[i]) for i in plain)
         if len(plain) == len(prompts):
             expand = [slots[key] for key in keys]
-            return self.runner.prefill(prompts, torch.tensor(expand, device=self.runner.device))
+            logits, state = self.runner.prefill(prompts, torch.tensor(expand, device=self.runner.device))
+            if self.routing is not None:
+                routed = self.routing.take(len(prompts))
+                for row, key in zip(joining, keys, strict=True):
+                    row.routing = [routed[slots[key], routed.shape[1] - len(key) :]]
+            return logits, state
         cached = [i for i, hit in enumerate(hits) if hit is not None]
         suffixes = [prompts[i][len(hits[i].tokens) :] for i in cached]
         self.prefill_tokens += sum(map(len, suffixes))

@@ -32,6 +32,9 @@ class EngineCompletion:
     or "abort" (``should_abort`` turned true; ``token_ids`` holds what was generated so far).
     token_versions: the policy version that sampled each token, for a row that lived through a weight update;
     None: every token was sampled by the version the worker reports for the call.
+    routed_experts: with routing replay (``algorithm.routing_replay``), the experts the engine's routers chose for
+    every token it forwarded (the prompt's, then every sampled token but the last) as [tokens, layers, k] indices
+    (``relayrl.algorithms.routing_replay``); None: not recorded.
     """
 
     prompt_index: int
@@ -40,6 +43,7 @@ class EngineCompletion:
     logprobs: list[float]
     finish_reason: FinishReason
     token_versions: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class InferenceEngine(ABC):
     """
 
     name: ClassVar[str]
+    # routing replay: bytes of routed experts per forwarded token (layers x k x index bytes); 0: none recorded
+    routed_bytes_per_token: int = 0
     vocab_size: int
     max_model_len: int
     eos_token_ids: frozenset[int]

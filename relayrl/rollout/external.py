@@ -20,11 +20,14 @@ from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from relayrl.algorithms.routing_replay import index_dtype, routing_shape
+from relayrl.algorithms.routing_replay import unsupported_reason as routing_unsupported
 from relayrl.errors import FailedPrecondition, InvalidArgument
 from relayrl.rollout.hf import DTYPES, eos_token_ids
 from relayrl.weightsync.checksum import ChecksumParts, manifest_checksum
@@ -138,6 +141,36 @@ class HFModelInfo:
     eos_token_ids: frozenset[int]
     vocab_size: int
     specs: list[tuple[str, tuple[int, ...], torch.dtype]]  # the trainer's (name, shape, dtype), tied weights once
+    routing: RoutingLayout | None  # its mixture-of-experts routing as routing replay records it; None: cannot
+    routing_unsupported: str | None  # why ``routing`` is None
+
+    def routing_layout(self, engine: str) -> RoutingLayout:
+        """``routing``, or a ValueError naming ``algorithm.routing_replay``, ``engine`` and the reason."""
+        if self.routing is None:
+            raise ValueError(f"routing_replay (algorithm.routing_replay): {engine} engine: {self.routing_unsupported}")
+        return self.routing
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """How an external engine's routed experts (vLLM's ``CompletionOutput.routed_experts``, SGLang's
+    ``meta_info["routed_experts"]``: every token of the sequence but the last, [tokens, layers, top_k]) become
+    ``EngineCompletion.routed_experts``: ``layers`` MoE layers, ``top_k`` experts a token, indices of ``experts``."""
+
+    layers: int
+    top_k: int
+    experts: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.top_k * index_dtype(self.experts).itemsize
+
+    def rows(self, indices: Any) -> torch.Tensor:
+        """``indices`` (an integer array of any dtype, flat or [tokens, layers, top_k]) as [tokens, layers, top_k]
+        in the wire dtype (``routing_replay.index_dtype``)."""
+        wide = index_dtype(self.experts) == torch.int16
+        flat = np.asarray(indices).astype(np.int16 if wide else np.uint8).reshape(-1, self.layers, self.top_k)
+        return torch.from_numpy(flat)
 
 
 def hf_model_info(model_path: str, dtype: str) -> HFModelInfo:
@@ -156,11 +189,14 @@ def hf_model_info(model_path: str, dtype: str) -> HFModelInfo:
         generation_config = GenerationConfig.from_pretrained(model_path)
     except OSError:  # the checkpoint has no generation_config.json
         generation_config = None
+    unsupported = routing_unsupported(skeleton)
     return HFModelInfo(
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(tokenizer, generation_config),
         vocab_size=config.vocab_size,
         specs=[(name, tuple(p.shape), p.dtype) for name, p in skeleton.named_parameters()],
+        routing=None if unsupported else RoutingLayout(*routing_shape(skeleton)),
+        routing_unsupported=unsupported,
     )
 
 

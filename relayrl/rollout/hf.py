@@ -37,6 +37,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, DynamicCach
 from transformers.cache_utils import DynamicLayer
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
+from relayrl.algorithms.routing_replay import RoutingRecorder
+from relayrl.algorithms.routing_replay import unsupported_reason as routing_unsupported
 from relayrl.rollout.batcher import ContinuousBatcher
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine, PrefillCounts
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
@@ -63,7 +65,10 @@ class HFEngine(InferenceEngine):
     intra-op threads of the decoding (scheduler) thread; the process's other threads then use one
     (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are. ``prefix_cache_tokens``:
     the prefix cache's budget in tokens (0: off). ``attn_implementation``: ``model.attn_implementation``, the
-    trainer's too (``relayrl.runtime.attention``; "auto": the model's default).
+    trainer's too (``relayrl.runtime.attention``; "auto": the model's default). ``routing_replay``
+    (``algorithm.routing_replay``): every completion reports the experts its tokens were routed to
+    (``EngineCompletion.routed_experts``; refused on a model without replayable routers); the prefix cache is then
+    off (``relayrl.rollout.batcher``: why).
     """
 
     name = "hf"
@@ -83,6 +88,7 @@ class HFEngine(InferenceEngine):
         threads: int | None = None,
         partial: str = "off",
         prefix_cache_tokens: int = 32768,
+        routing_replay: bool = False,
     ) -> None:
         if partial not in PARTIAL:
             raise ValueError(f"partial (rollout.partial): expected one of {', '.join(PARTIAL)}, got {partial!r}")
@@ -113,11 +119,24 @@ class HFEngine(InferenceEngine):
         self._adapter = AdapterSlots(self.model)
         runner = self._runner(decode)
         self.decoder = "fast" if isinstance(runner, LlamaDecodeRunner) else "transformers"  # the one chosen
-        self._prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.routing = self._routing_recorder() if routing_replay else None
+        if self.routing is not None:
+            self.routed_bytes_per_token = self.routing.layers * self.routing.top_k * self.routing.dtype.itemsize
+        self._prefix_cache = PrefixCache(0 if routing_replay else prefix_cache_tokens)
         self._logged_counts = PrefillCounts(0, 0)
         self._batcher = ContinuousBatcher(
-            runner, max_rows=max_batch_size, generator=self._generator, threads=threads, prefix_cache=self._prefix_cache
-        )
+            runner, max_rows=max_batch_size, generator=self._generator, threads=threads,
+            prefix_cache=self._prefix_cache, routing=self.routing,
+        )  # fmt: skip
+
+    def _routing_recorder(self) -> RoutingRecorder:
+        """The recorder of the routers' choices (routing replay), or a ValueError naming the key and the reason."""
+        reason = routing_unsupported(self.model)
+        if reason is not None:
+            raise ValueError(f"routing_replay (algorithm.routing_replay): {reason}")
+        log.info("hf engine: recording routed experts for routing replay; the prefix cache is off (every prompt "
+                 "is prefilled in full, so each token's experts are recorded)")  # fmt: skip
+        return RoutingRecorder(self.model)
 
     def _runner(self, decode: str) -> _HFRunner | LlamaDecodeRunner:
         """The runner ``decode`` asks for (class docstring); logs the choice and, for "auto", why."""

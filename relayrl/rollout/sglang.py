@@ -23,6 +23,7 @@ caller). The call runs inside SGLang's weight-update session: ``begin_weight_upd
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import itertools
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from relayrl.rollout.engine import EngineCompletion, FinishReason, InferenceEngine
@@ -46,6 +48,7 @@ from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
     GroupArgs,
+    RoutingLayout,
     adapter_module_count,
     check_weights,
     collect_receipts,
@@ -148,8 +151,12 @@ class SGLangEngine(InferenceEngine):
         dtype: str = "bfloat16",
         max_batch_size: int = 256,
         seed: int = 0,
+        routing_replay: bool = False,
         **options: Any,
     ) -> None:
+        """``routing_replay`` (``algorithm.routing_replay``): ``Engine(enable_return_routed_experts=True)`` and
+        ``return_routed_experts`` on every request (SGLang >= 0.5.23); each completion's
+        ``meta_info["routed_experts"]`` as its ``routed_experts``."""
         reject_reserved_options(options, _RESERVED, "sglang")
         if options.get("speculative_algorithm") is not None:
             raise ValueError(
@@ -162,6 +169,10 @@ class SGLangEngine(InferenceEngine):
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = info.vocab_size
         self._specs = info.specs
+        self._routing = info.routing_layout("sglang") if routing_replay else None
+        if self._routing is not None:
+            self.routed_bytes_per_token = self._routing.bytes_per_token
+            options = {**options, "enable_return_routed_experts": True}
         self.engine = sglang.Engine(
             model_path=model_path,
             dtype=dtype,
@@ -210,6 +221,8 @@ class SGLangEngine(InferenceEngine):
         }
         if self._adapters:
             request["lora_path"] = [self._adapters[-1]] * len(items)
+        if self._routing is not None:
+            request["return_routed_experts"] = True
         with self._runner.streaming():
             chunks = self._runner.stream(self.engine.async_generate, request)
             aborting = False
@@ -219,7 +232,7 @@ class SGLangEngine(InferenceEngine):
                         meta = chunk["meta_info"]
                         if meta["finish_reason"] is not None and meta["id"] in pending:
                             p, s = pending.pop(meta["id"])
-                            yield _completion(p, s, chunk, version)
+                            yield _completion(p, s, chunk, version, self._routing)
                     if pending and not aborting and should_abort is not None and should_abort():
                         aborting = True
                         self._runner.abort(self.engine.tokenizer_manager, list(pending))
@@ -515,9 +528,15 @@ def _salt(version: int) -> str:
     return f"relayrl-v{version}"
 
 
-def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any], version: int) -> EngineCompletion:
+def _completion(
+    prompt_index: int, sample_index: int, chunk: dict[str, Any], version: int, routing: RoutingLayout | None = None
+) -> EngineCompletion:
     """An item's final chunk as an EngineCompletion; ``token_versions`` from ``meta_info["weight_versions"]`` when
-    any token was sampled by another version than ``version``."""
+    any token was sampled by another version than ``version``; ``routed_experts`` from
+    ``meta_info["routed_experts"]`` when ``routing`` is given: base64 of int32 [tokens, layers, top_k], every token
+    of the sequence but the last (``sglang/srt/managers/tokenizer_manager.py``, ``io_struct.py``
+    ``routed_experts_start_len``; ``extract_routed_experts_from_meta_info`` in
+    ``sglang/srt/state_capturer/routed_experts.py`` decodes it so)."""
     meta = chunk["meta_info"]
     token_ids = list(chunk["output_ids"])
     logprobs = [float(logprob) for logprob, _, _ in meta["output_token_logprobs"]]
@@ -533,4 +552,8 @@ def _completion(prompt_index: int, sample_index: int, chunk: dict[str, Any], ver
     spans = meta.get("weight_versions") or ()
     versions = [int(span["version"]) for span in spans for _ in range(span["start"], span["end"])][: len(token_ids)]
     mixed = len(versions) == len(token_ids) and any(v != version for v in versions)
-    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None)
+    encoded = meta.get("routed_experts") if routing is not None else None
+    routed = None if encoded is None else routing.rows(np.frombuffer(base64.b64decode(encoded), dtype=np.int32))
+    return EngineCompletion(
+        prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None, routed
+    )

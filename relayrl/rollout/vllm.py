@@ -35,6 +35,7 @@ from relayrl.rollout.external import (
     EngineGroup,
     EngineReceiver,
     GroupArgs,
+    RoutingLayout,
     adapter_module_count,
     check_weights,
     collect_receipts,
@@ -157,8 +158,11 @@ class VLLMEngine(InferenceEngine):
         dtype: str = "bfloat16",
         max_batch_size: int = 256,
         seed: int = 0,
+        routing_replay: bool = False,
         **options: Any,
     ) -> None:
+        """``routing_replay`` (``algorithm.routing_replay``): ``LLM(enable_return_routed_experts=True)`` (vLLM
+        >= 0.34) and each completion's ``CompletionOutput.routed_experts`` as its ``routed_experts``."""
         reject_reserved_options(options, _RESERVED, "vllm")
         vllm = import_engine("vllm")
         from vllm.sampling_params import RequestOutputKind
@@ -170,6 +174,10 @@ class VLLMEngine(InferenceEngine):
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = info.vocab_size
         self._specs = info.specs
+        self._routing = info.routing_layout("vllm") if routing_replay else None
+        if self._routing is not None:
+            self.routed_bytes_per_token = self._routing.bytes_per_token
+            options = {**options, "enable_return_routed_experts": True}
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -220,12 +228,14 @@ class VLLMEngine(InferenceEngine):
         try:
             while pending:
                 if should_abort is not None and should_abort():
-                    yield from _finished(outbox, pending, version, block=False)  # what is done already is not lost
+                    yield from _finished(
+                        outbox, pending, version, self._routing, block=False
+                    )  # what is done already is not lost
                     aborted, pending = pending, {}
                     self._stepper.abort(list(aborted))
                     yield from (EngineCompletion(p, s, [], [], "abort") for p, s in aborted.values())
                     return
-                yield from _finished(outbox, pending, version, block=True)
+                yield from _finished(outbox, pending, version, self._routing, block=True)
         finally:
             if pending:  # the consumer stopped early (or failed): leave nothing running in the engine
                 self._stepper.abort(list(pending))
@@ -504,11 +514,17 @@ def _salt(version: int) -> str:
 
 
 def _finished(
-    outbox: queue.SimpleQueue, pending: dict[str, tuple[int, int]], version: int, *, block: bool
+    outbox: queue.SimpleQueue,
+    pending: dict[str, tuple[int, int]],
+    version: int,
+    routing: RoutingLayout | None,
+    *,
+    block: bool,
 ) -> Iterator[EngineCompletion]:
     """The completions waiting in ``outbox`` (removed from ``pending``): one waited for up to POLL_S when
-    ``block``, else all there are now; ``version``: the one the call's requests were added under. Raises the
-    engine's error for a request that failed."""
+    ``block``, else all there are now; ``version``: the one the call's requests were added under; ``routing``: how
+    their routed experts read (routing replay; None: not asked for). Raises the engine's error for a request that
+    failed."""
     while pending:
         try:
             request_id, output = outbox.get(timeout=POLL_S) if block else outbox.get_nowait()
@@ -518,14 +534,18 @@ def _finished(
             raise RuntimeError(f"vllm engine: {output}") from output
         if request_id in pending:
             p, s = pending.pop(request_id)
-            yield _completion(p, s, output.outputs[0], version)
+            yield _completion(p, s, output.outputs[0], version, routing)
         if block:
             return
 
 
-def _completion(prompt_index: int, sample_index: int, output: Any, version: int) -> EngineCompletion:
+def _completion(
+    prompt_index: int, sample_index: int, output: Any, version: int, routing: RoutingLayout | None = None
+) -> EngineCompletion:
     """A finished ``CompletionOutput`` as an EngineCompletion (logprob of each sampled token); ``token_versions``
-    from its ``weight_versions`` spans when any token was sampled by another version than ``version``."""
+    from its ``weight_versions`` spans when any token was sampled by another version than ``version``;
+    ``routed_experts`` from its ``routed_experts`` ([tokens, layers, top_k], every token but the last:
+    ``vllm/distributed/aux_output_connector/connector.py`` ``take_output``) when ``routing`` is given."""
     token_ids = list(output.token_ids)
     logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs, strict=True)]
     reason = FINISH_REASONS.get(output.finish_reason)
@@ -534,4 +554,7 @@ def _completion(prompt_index: int, sample_index: int, output: Any, version: int)
         reason = "abort"
     versions = [int(span.version) for span in output.weight_versions or () for _ in range(span.start, span.end)]
     mixed = len(versions) == len(token_ids) and any(v != version for v in versions)
-    return EngineCompletion(prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None)
+    routed = None if routing is None or output.routed_experts is None else routing.rows(output.routed_experts)
+    return EngineCompletion(
+        prompt_index, sample_index, token_ids, logprobs, reason, versions if mixed else None, routed
+    )

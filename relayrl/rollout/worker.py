@@ -39,7 +39,8 @@ from dataclasses import replace
 
 import torch
 
-from relayrl.errors import FailedPrecondition, InvalidArgument, Unavailable
+from relayrl.algorithms.routing_replay import to_message
+from relayrl.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine
 from relayrl.rollout.lora import adapted_modules
 from relayrl.runtime import faults
@@ -160,6 +161,14 @@ class RolloutWorker:
         return TORN_VERSION if self.state == "torn" else self.version
 
     # -- generation --------------------------------------------------------------------------------
+    def _check_routing_size(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """With routing replay, a group's routed experts (n completions of the longest prompt at ``max_tokens``,
+        travelling in one message) must fit a response message: RESOURCE_EXHAUSTED ``routed_experts`` otherwise."""
+        per_token = self.engine.routed_bytes_per_token
+        size = params.n * (max(map(len, prompts)) + params.max_tokens - 1) * per_token
+        if size > self.limits.max_message_bytes:
+            raise ResourceExhausted("routed_experts", self.limits.max_message_bytes, size)
+
     def generate(self, request: rollout_pb2.GenerateRequest, is_active) -> iter:
         prompts = [list(p.token_ids) for p in request.prompts]
         params = SamplingParams.from_proto(request.params)
@@ -170,6 +179,7 @@ class RolloutWorker:
             max_model_len=self.engine.max_model_len,
             limits=self.limits,
         )
+        self._check_routing_size(prompts, params)
         with self._cond:
             if self._paused or self.state in ("draining", "torn"):
                 raise Unavailable(f"worker {self.worker_id} is {self.state if not self._paused else 'paused'}")
@@ -197,6 +207,7 @@ class RolloutWorker:
                             policy_version=min(c.token_versions) if c.token_versions else version,
                             token_versions=c.token_versions or (),
                             worker_id=self.worker_id,
+                            routed_experts=None if c.routed_experts is None else to_message(c.routed_experts),
                         )
                         for c in batch
                     ]

@@ -166,12 +166,14 @@ def serve_rollout(
             if cfg.rollout.engine == "hf"
             else {}
         ),
+        routing_replay=cfg.algorithm.routing_replay,
         **cfg.rollout.engine_options,
     )
     limits = GenerationLimits(
         max_prompts=cfg.rollout.limits.max_prompts,
         max_n=cfg.rollout.limits.max_n,
         max_tokens=cfg.rollout.limits.max_tokens,
+        max_message_bytes=cfg.rollout.limits.max_message_mib << 20,
     )
     configure_client(cfg.security)  # the heartbeat calls the controller
     metrics = MetricsEndpoint(metrics_port)

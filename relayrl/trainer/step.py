@@ -82,6 +82,12 @@ def minibatch_counts(row_tokens: torch.Tensor, alg: AlgorithmConfig, norm_len: i
     }
 
 
+def replayed(batch: TrainBatch, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``routing`` argument of the policy's forward of ``rows`` where the batch carries the engine's routed
+    experts (routing replay); nothing otherwise."""
+    return {} if batch.routed_experts is None else {"routing": batch.routed_experts[rows]}
+
+
 def backward_rows(
     backend,
     batch: TrainBatch,
@@ -106,7 +112,7 @@ def backward_rows(
     m = mask[shard].to(backend.device)
     logprob, entropy = backend.logprobs(
         batch.input_ids[shard], batch.attention_mask[shard], temperature, scored=mask[shard],
-        groups=batch.group_ids[shard],
+        groups=batch.group_ids[shard], **replayed(batch, shard),
     )  # fmt: skip
     adv = advantages[shard].to(backend.device)
     adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand_as(logprob)  # [B] per response, or GAE's per token
@@ -264,8 +270,9 @@ def train_on_batch(
                 old.append(None)  # its own training forward, the first at the starting weights
             else:
                 forward = backend.logprobs(
-                    batch.input_ids[s], batch.attention_mask[s], temperature, scored=mask[s], groups=batch.group_ids[s]
-                )
+                    batch.input_ids[s], batch.attention_mask[s], temperature, scored=mask[s],
+                    groups=batch.group_ids[s], **replayed(batch, s),
+                )  # fmt: skip
                 old.append(forward[0])
         ref = (
             [

@@ -43,7 +43,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_id", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "text", "loss_mask", "token_versions")
+    __slots__ = ("prompt_id", "sample_index", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "text", "loss_mask", "token_versions", "routed_experts")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Completion(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -64,7 +65,20 @@ class Completion(_message.Message):
     text: str
     loss_mask: bytes
     token_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, prompt_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("indices", "layers", "top_k", "index_bytes")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    indices: bytes
+    layers: int
+    top_k: int
+    index_bytes: int
+    def __init__(self, indices: _Optional[bytes] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ..., index_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "bucket", "offset", "nbytes")

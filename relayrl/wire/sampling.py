@@ -115,6 +115,7 @@ class GenerationLimits:
     max_prompts: int = 1024
     max_n: int = 64
     max_tokens: int = 4096
+    max_message_bytes: int = 64 << 20  # a response message (routing replay's routed experts count against it)
 
 
 def validate_request(

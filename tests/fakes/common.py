@@ -10,6 +10,22 @@ from typing import Any, ClassVar
 import torch
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
+from relayrl.algorithms.routing_replay import RoutingRecorder
+
+
+class RoutedExpertsCapture:
+    """The routed experts both engines return with ``enable_return_routed_experts`` (vLLM's
+    ``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py``, SGLang's
+    ``sglang/srt/state_capturer/routed_experts.py``): every token of the sequence but the last, [tokens, layers,
+    top_k]. The fakes forward the whole sequence at every step, so the routers' choices in the step that sampled
+    the last token are those rows."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.recorder = RoutingRecorder(model)
+
+    def take(self) -> torch.Tensor:
+        """[tokens, layers, top_k] of the one-row forward just run."""
+        return self.recorder.take(1)[0]
 
 
 class FakeEngineModel:

@@ -29,15 +29,17 @@ names). Tests read ``Engine.server_args``, ``generate_calls``, ``steps``, ``toke
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from fakes.common import FakeEngineModel, PrefixCache, run_on_ranks, token_logprobs
+from fakes.common import FakeEngineModel, PrefixCache, RoutedExpertsCapture, run_on_ranks, token_logprobs
 from relayrl.rollout.hf import HFEngine, sample_step, stop_token_set
 from relayrl.wire.sampling import SamplingParams as RelaySamplingParams
 
@@ -70,6 +72,7 @@ SERVER_ARGS = frozenset(  # the ServerArgs fields this fake understands (sglang/
         "enable_deterministic_inference",
         "mem_fraction_static",
         "speculative_algorithm",
+        "enable_return_routed_experts",
         "log_level",
         "weight_version",
         "enable_lora",
@@ -215,6 +218,8 @@ class _Item:
     versions: list[str] = field(default_factory=list)  # the weight version that sampled each token
     kv_epochs: list[Any] = field(default_factory=list)  # the weights each KV position was computed under
     cached: int = 0  # prompt tokens served by the radix cache
+    return_routed: bool = False
+    routed: torch.Tensor | None = None  # return_routed_experts: the last step's routed experts
 
     def cache_key(self) -> Any:
         """``RadixKey``'s namespace: ``extra_key`` (+ LoRA id) and ``cache_salt`` (schedule_batch.py)."""
@@ -258,6 +263,8 @@ class Engine:
         self._session = False
         self.paused = False
         self.weight_version = kwargs.get("weight_version", "default")
+        # sglang/srt/arg_groups/fields/exec_.py: enable_return_routed_experts
+        self.routing = RoutedExpertsCapture(self.hf.model) if kwargs.get("enable_return_routed_experts") else None
         self.cache = PrefixCache(kwargs.get("page_size") or 1)  # the radix cache (page size 1)
         self.prefix_caching = not kwargs.get("disable_radix_cache", False)
         self.epoch = 0  # bumped by every weight load: which weights computed a KV position
@@ -279,6 +286,7 @@ class Engine:
         logprob_start_len: list[int] | int | None = None,
         top_logprobs_num: list[int] | int | None = None,
         lora_path: list[str | None] | None = None,
+        return_routed_experts: bool = False,
         stream: bool = False,
         rid: list[str] | str | None = None,
         *,
@@ -312,6 +320,7 @@ class Engine:
         logprob_start_len: list[int] | int | None = None,
         top_logprobs_num: list[int] | int | None = None,
         lora_path: list[str | None] | None = None,
+        return_routed_experts: bool = False,
         stream: bool = False,
         rid: list[str] | str | None = None,
         *,
@@ -343,6 +352,8 @@ class Engine:
                 "lora_path": adapters,
             }
         )
+        if return_routed_experts and self.routing is None:  # scheduler.py refuses it so
+            raise ValueError("return_routed_experts needs the server started with --enable-return-routed-experts")
         self._ensure_scheduler()
         outbox: asyncio.Queue = asyncio.Queue()
         for index, (ids, item, request_id, salt) in enumerate(zip(input_ids, params, rids, salts, strict=True)):
@@ -350,6 +361,7 @@ class Engine:
             generator = self._seed(item)
             new = _Item(index, request_id, list(ids), item, logprob, outbox, generator, salt)
             new.lora_id = self.loras[adapters[index]][0] if adapters[index] is not None else None
+            new.return_routed = return_routed_experts
             self.waiting.append(new)
         self._wake.set()
         chunks = self._stream(outbox, count)
@@ -449,6 +461,9 @@ class Engine:
         else:
             out = torch.func.functional_call(self.hf.model, adapted, (), {"input_ids": ids}, strict=False)
             logits = out.logits[:, -1]
+        if self.routing is not None:
+            routed = self.routing.take()
+            item.routed = routed if item.return_routed else None
         banned = None
         if len(item.tokens) < relay.min_tokens:
             banned = torch.tensor(sorted(self.hf.eos_token_ids | set(relay.stop_token_ids)))
@@ -514,6 +529,8 @@ class Engine:
         }
         if spans:
             meta.update(weight_versions=spans, weight_version=spans[-1]["version"])
+        if finish is not None and item.routed is not None:  # tokenizer_manager.py: base64 of the int32 rows
+            meta["routed_experts"] = base64.b64encode(item.routed.numpy().astype(np.int32).tobytes()).decode()
         return {"text": "", "output_ids": list(tokens), "meta_info": meta, "index": item.index}
 
     def load_lora_adapter_from_tensors(

@@ -35,11 +35,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typing_extensions import NotRequired
 
-from fakes.common import FusedShardModel, PrefixCache, run_on_ranks, vllm_top_p_mask
+from fakes.common import FusedShardModel, PrefixCache, RoutedExpertsCapture, run_on_ranks, vllm_top_p_mask
+from relayrl.algorithms.routing_replay import routing_shape
 from relayrl.rollout.hf import DTYPES, eos_token_ids, sample_step, stop_token_set
 from relayrl.wire.sampling import SamplingParams as RelaySamplingParams
 from relayrl.wire.sampling import first_stop, stop_text
@@ -64,6 +66,7 @@ ENGINE_ARGS = frozenset(  # the EngineArgs fields this fake understands (vllm/en
         "max_lora_rank",
         "max_loras",
         "max_cpu_loras",
+        "enable_return_routed_experts",
     }
 )
 
@@ -202,6 +205,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list[WeightVersionSpan] | None = None
+    routed_experts: np.ndarray | None = None  # [seq_len - 1, layers, top_k] with enable_return_routed_experts
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -449,6 +453,7 @@ class _Request:
     logprob_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each token's, when sampled
     kv_epochs: list[Any] = dataclasses.field(default_factory=list)  # the weights each KV position was computed under
     cached: int = 0  # prompt tokens served by the prefix cache
+    routed: torch.Tensor | None = None  # enable_return_routed_experts: the last step's routed experts
 
     def cache_key(self) -> Any:
         """What a block hash mixes in beside the tokens (``generate_block_hash_extra_keys``)."""
@@ -495,6 +500,8 @@ class EngineCore:
         self.paused = False  # PauseState.PAUSED_ALL
         self.weight_version = "default"  # EngineCore._weight_version
         self.admissions: dict[str, tuple[int, int, bool]] = {}  # request id -> (prompt, cached, stale KV reused)
+        # vllm/config/aux_output.py: enable_return_routed_experts
+        self.routing = RoutedExpertsCapture(self.hf) if kwargs.get("enable_return_routed_experts") else None
 
     # utility methods (reached through call_utility)
     def collective_rpc(self, method: str, timeout: float | None, args: list, kwargs: dict) -> list[Any]:
@@ -658,6 +665,8 @@ class EngineCore:
             else:
                 out = torch.func.functional_call(self.hf, adapted, (), {"input_ids": ids}, strict=False)
                 logits = out.logits[:, -1]
+            if self.routing is not None:
+                r.routed = self.routing.take()
             banned = None
             if len(r.output) < relay.min_tokens:
                 banned = torch.tensor(sorted(self.eos | set(relay.stop_token_ids)))
@@ -726,6 +735,7 @@ class EngineCore:
             finish_reason=reason,
             stop_reason=stop_reason,
             weight_versions=_spans(r.versions),
+            routed_experts=None if r.routed is None else _routed_array(r.routed, self.hf),
         )
         return RequestOutput(r.request_id, None, r.prompt, None, [completion], True, num_cached_tokens=r.cached)
 
@@ -742,6 +752,13 @@ class EngineCore:
             if params.temperature >= SAMPLING_EPS:
                 logits = vllm_top_p_mask(logits / params.temperature, params.top_p)
         return logits.log_softmax(dim=-1)
+
+
+def _routed_array(routed: torch.Tensor, model: torch.nn.Module) -> np.ndarray:
+    """``CompletionOutput.routed_experts`` as vLLM returns it: uint8 up to 256 experts, else uint16
+    (routed_experts_capturer.py: ``output_dtype_name``)."""
+    experts = routing_shape(model)[2]
+    return routed.numpy().astype(np.uint8 if experts <= 256 else np.uint16)
 
 
 def _spans(versions: list[str]) -> list[WeightVersionSpan]:

@@ -463,6 +463,11 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
             [f"model.path={gemma2}", "model.attn_implementation=sdpa"],
             "model.attn_implementation=sdpa: Gemma2ForCausalLM does not support an attention implementation through",
         ),
+        (
+            "check_routing_replay",
+            ["algorithm.routing_replay=true"],
+            "algorithm.routing_replay: model_type 'qwen2' has no mixture-of-experts router (a dense model)",
+        ),
     ]
     assert {case[0] for case in cases} == {check.__name__ for check in (*CHECKS, *HEAVY_CHECKS)}
     runs = tmp_path / "runs"
@@ -521,6 +526,7 @@ REFUSED_COMBINATIONS = [
     (["algorithm.advantage=gae", "model.lora.rank=4"], "model.lora", "algorithm.advantage"),
     (["algorithm.advantage=gae", "trainer.backend=megatron"], "trainer.backend", "algorithm.advantage"),
     (["critic.warmup_steps=1"], "critic.warmup_steps", "algorithm.advantage"),
+    (["algorithm.routing_replay=true", "trainer.backend=megatron"], "algorithm.routing_replay", "trainer.backend"),
 ]
 
 

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.routing_replay import replaying
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
 from relayrl.runtime.attention import AUTO, load_with_attention, resolved
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
@@ -195,6 +196,7 @@ class FSDPBackend:
         reference: bool = False,
         scored: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position (logprob of the next token, entropy), both [B, L-1], at ``temperature``; only the positions
         ``scored`` [B, L-1] (the loss's; None: every valid one) go through the output head, the others are 0
@@ -208,12 +210,21 @@ class FSDPBackend:
         and SDPA takes its causal kernel instead of a materialised mask (~9 % off a forward/backward).
         With several ranks, each rank's decision and count of packed forwards are agreed over all of them
         (FSDP's gathers run once per forward on every rank). Compute in ``precision.compute``; the results in
-        float32."""
+        float32.
+
+        ``routing`` [B, L, layers, k] (routing replay, ``TrainBatch.routed_experts``): the policy's routers take
+        these experts (``relayrl.algorithms.routing_replay.replaying``) in one padded forward of the rows, neither
+        shared-prefix nor packed (their layouts would need the routing laid out alike); the reference model routes
+        by itself."""
         valid = attention_mask[:, 1:].bool()
         scored = valid if scored is None else valid & scored.bool()
         model = self.reference if reference else self.model
         dtype = self.precision.reference if reference else self.precision.compute
         with self.precision.autocast(self.device):
+            if routing is not None and not reference:
+                self.padding_free.record(int(attention_mask.sum()), attention_mask.numel(), packed=False)
+                with replaying(model, routing.flatten(0, 1)):
+                    return self._padded_logprobs(model, input_ids, attention_mask, scored, temperature, dtype)
             return self._logprobs(model, input_ids, attention_mask, scored, temperature, dtype, groups)
 
     def _logprobs(
@@ -252,7 +263,19 @@ class FSDPBackend:
                 token_budget=budget, min_forwards=forwards,
             )  # fmt: skip
         self.padding_free.record(tokens, positions, packed=False)
-        mask = None if is_right_padded else attention_mask.to(self.device)
+        return self._padded_logprobs(model, input_ids, attention_mask, scored, temperature, dtype)
+
+    def _padded_logprobs(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        scored: torch.Tensor,
+        temperature: float,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the padded rows (a right-padded batch without its mask: ``logprobs``)."""
+        mask = None if right_padded(attention_mask) else attention_mask.to(self.device)
         rows, cols = scored.to(self.device).nonzero(as_tuple=True)
         picked = scored_logprobs(model, input_ids.to(self.device), mask, rows, cols, temperature, dtype)
         return tuple(scatter(values, (rows, cols), scored.shape) for values in picked)
