@@ -656,8 +656,12 @@ class RolloutCorrectionConfig(Section):
 class AlgorithmConfig(Section):
     """The loss: advantages, PPO clip, aggregation, KL, entropy, old logprobs (docs/algorithms.md)."""
 
-    # grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae: PPO with a learned critic (the critic section)
+    # grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae: PPO with a learned critic (the critic section); distill:
+    # on-policy distillation, each sampled token's advantage -distill_coef x (log pi_rollout - log pi_teacher) from
+    # the scorer `teacher` (docs/reward-models.md)
     advantage: str = "grpo"
+    teacher: str | None = None  # distill: the scorer (scorers.<name>, kind teacher) whose log-probs the tokens get
+    distill_coef: float = Field(1.0, gt=0)  # distill: the reverse KL's weight in the advantage
     norm_by_std: bool = True  # False: Dr.GRPO
     # GAE's discount and trace decay (gae only). 1 and 1, as verl: with one reward at the end, A_t = R - V(s_t)
     # (Monte-Carlo, no bootstrap from an untrained critic); lam < 1 trades variance for the critic's bias
@@ -1150,6 +1154,14 @@ class RelayConfig(Section):
                 f"controller.reward.fn: a served reward goes in controller.reward.fns "
                 f"({{'{self.controller.reward.fn}': 1.0}})"
             )
+        alg = self.algorithm
+        if (alg.advantage == "distill") != (alg.teacher is not None):
+            raise ValueError("algorithm.teacher: set exactly when algorithm.advantage is distill (whose teacher it is)")
+        known = [name for name, scorer in self.scorers.items() if scorer.kind == "teacher"]
+        if alg.teacher is not None and alg.teacher not in known:
+            raise ValueError(f"algorithm.teacher: {alg.teacher!r} is no scorer of kind teacher ({known or 'none'})")
+        if alg.teacher is not None and self.environment is not None:
+            raise ValueError("algorithm.advantage: distill reads single-turn samples, not an environment's episodes")
         if teachers := [name for name in served if self.scorers[name].kind == "teacher"]:
             raise ValueError(
                 f"controller.reward.fns: scorer {teachers[0]} is a teacher: it gives log-probs, not scores"

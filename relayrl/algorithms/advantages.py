@@ -9,7 +9,8 @@ result is one advantage per response; the trainer broadcasts it over that respon
 are computed in float64 and the result has the dtype of ``rewards`` (float32 for integer rewards).
 
 ``gae`` (relayrl/algorithms/gae.py) is registered here too, with its own signature: it takes token rewards
-and the critic's values, and the trainer calls it with them (``compute_advantages`` refuses it).
+and the critic's values, and the trainer calls it with them (``compute_advantages`` refuses it); so is ``distill``
+(relayrl/algorithms/distill.py: the teacher's log-probs of the sampled tokens).
 
 A group of two or more responses whose rewards are all equal carries no signal: ``grpo``, ``rloo`` and
 ``reinforce_pp_baseline`` give it exactly 0 (not a rounding residue).
@@ -183,4 +184,6 @@ def compute_advantages(
     """Look up the estimator ``name`` in ADVANTAGE_ESTIMATORS and apply it (an outcome-reward estimator: not gae)."""
     if name == "gae":
         raise ValueError("advantage: gae needs the critic's values: call gae.gae_advantages, not compute_advantages")
+    if name == "distill":
+        raise ValueError("advantage: distill needs the teacher's log-probs: call distill.distill_advantage")
     return ADVANTAGE_ESTIMATORS.get(name)(rewards, group_ids, eps=eps, norm_by_std=norm_by_std)

@@ -1,14 +1,17 @@
 """On-policy distillation's per-token advantage (Agarwal et al. 2024, GKD; Thinking Machines' "On-Policy
 Distillation", 2025): the student samples, a teacher scores the sampled tokens, and the per-token reverse KL is the
-(negated) advantage."""
+(negated) advantage. Registered as the estimator ``distill`` with its own signature (the trainer calls it with the
+teacher's log-probs; ``compute_advantages`` refuses it), as ``gae`` is."""
 
 from __future__ import annotations
 
 import torch
 
+from relayrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from relayrl.algorithms.aggregation import masked_fill_zero
 
 
+@ADVANTAGE_ESTIMATORS.register("distill")
 def distill_advantage(
     student_logprob: torch.Tensor, teacher_logprob: torch.Tensor, mask: torch.Tensor, *, coef: float = 1.0
 ) -> torch.Tensor:

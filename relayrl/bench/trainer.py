@@ -122,6 +122,7 @@ def make_batch(vocab: int, args: argparse.Namespace) -> TrainBatch:
         attention_mask=attention_mask,
         response_mask=response_mask,
         rollout_logprobs=torch.zeros(count, width - 1),
+        teacher_logprobs=torch.zeros(count, width - 1),
         token_versions=torch.where(response_mask.bool(), 0, -1),
         rewards=torch.rand(count, generator=g),
         scores=torch.zeros(count),

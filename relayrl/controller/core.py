@@ -139,6 +139,7 @@ class Controller:
         self.scorer = Scorer(
             ccfg.reward, self.tokenizer, cfg.max_response_tokens, self.dataset.row,
             stop=cfg.rollout.stop, include_stop=cfg.rollout.include_stop_str_in_output, scorers=cfg.scorers,
+            teacher=cfg.algorithm.teacher,
         )  # fmt: skip
         self.params = cfg.rollout.sampling()
         # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
@@ -581,7 +582,8 @@ class Controller:
         shared = controller_pb2.Sample(prompt_id=group.record.prompt_id, group=index)
         shared.prompt_token_ids.extend(group.record.token_ids)
         samples = []
-        for c, reward, score in zip(group.completions, group.rewards, group.scores):
+        teacher = group.teacher_logprobs or [[] for _ in group.completions]
+        for c, reward, score, teacher_logprobs in zip(group.completions, group.rewards, group.scores, teacher):
             sample = controller_pb2.Sample(
                 response_token_ids=c.token_ids,
                 rollout_logprobs=c.logprobs,
@@ -592,6 +594,7 @@ class Controller:
                 worker_id=c.worker_id,
                 loss_mask=c.loss_mask,
                 token_versions=c.token_versions,
+                teacher_logprobs=teacher_logprobs,
             )
             if c.HasField("routed_experts"):  # routing replay: the engine's experts, for the trainer to replay
                 sample.routed_experts.CopyFrom(c.routed_experts)
@@ -623,7 +626,7 @@ class Controller:
         )
         fill_episode_stats(stats, build.episodes)
         stats.reward_means.update(reward_means(build.all_groups))
-        for name, client in self.scorer.rewards.served.items():  # the served rewards' calls for this batch
+        for name, client in self.scorer.clients.items():  # the served rewards' and the teacher's calls
             stats.scorer_metrics.update({f"{name}/{k}": v for k, v in client.step_metrics().items()})
         target = filler.target_groups if build.streamed else None
         return controller_pb2.Batch(
@@ -915,9 +918,9 @@ class Controller:
     def _served(self, name: str) -> list:
         """The ScorerClients of served reward ``name`` (training's and the evals'); NotFound naming it when none."""
         owners = [self.scorer, *([self.evaluator.scoring.scorer] if self.evaluator is not None else [])]
-        clients = [owner.rewards.served[name] for owner in owners if name in owner.rewards.served]
+        clients = [owner.clients[name] for owner in owners if name in owner.clients]
         if not clients:
-            raise NotFound(f"name: {name!r} is no served reward of this run ({', '.join(self.scorer.rewards.served)})")
+            raise NotFound(f"name: {name!r} is no scorer this run calls ({', '.join(self.scorer.clients)})")
         return clients
 
     def scale_scorer(self, name: str, replicas: int) -> controller_pb2.ScaleScorerResponse:

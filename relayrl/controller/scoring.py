@@ -18,6 +18,7 @@ from relayrl.config import RewardConfig, ScorerConfig
 from relayrl.data.dataset import PromptRecord
 from relayrl.data.fast_tokens import decode_sequences
 from relayrl.rewards import GroupInputs, RewardCaller, RewardRaised, check_reward
+from relayrl.rewards.served import ScorerClient, ScorerFailed
 from relayrl.rewards.weighted import weighted_rewards
 from relayrl.v1 import common_pb2
 from relayrl.wire.sampling import stop_text
@@ -33,6 +34,7 @@ class ScoredGroup:
     scores: list[float]  # task reward
     rewards: list[float]  # score + overlong penalty: what advantages are computed from
     parts: dict[str, list[float]] = field(default_factory=dict)  # each reward function's values (unweighted), by name
+    teacher_logprobs: list[list[float]] = field(default_factory=list)  # distill: each response token's, by sample
     episodes: list = field(default_factory=list)  # agentic runs: the group's Episodes (relayrl/episodes/loop.py)
     response_tokens: int = field(init=False)  # sum of the responses' lengths (the batch's statistics)
 
@@ -85,15 +87,23 @@ class Scorer:
         stop: Sequence[str] = (),
         include_stop: bool = False,
         scorers: Mapping[str, ScorerConfig] | None = None,
+        teacher: str | None = None,
     ) -> None:
-        """``scorers``: the run's (``scorers``), for the served rewards of ``cfg.fns``."""
+        """``scorers``: the run's (``scorers``), for the served rewards of ``cfg.fns``; ``teacher``: the scorer whose
+        log-probs of each response's tokens a group gets (``algorithm.advantage: distill``)."""
         self.cfg = cfg
         self.stop, self.include_stop = tuple(stop), include_stop
         self.reward: RewardCaller = check_reward(cfg)  # fn's caller (a client's SubmitPrompts may name it)
         self.rewards = weighted_rewards(cfg, scorers or {})  # what scores a group: fns weighted, else fn
+        self.teacher = ScorerClient(teacher, (scorers or {})[teacher]) if teacher else None
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.row_of = row_of
+
+    @property
+    def clients(self) -> dict[str, ScorerClient]:
+        """Every scorer this scorer calls, by name: the served rewards' and the teacher's."""
+        return {**self.rewards.served, **({self.teacher.name: self.teacher} if self.teacher is not None else {})}
 
     def named(self, name: str) -> Callable[[GroupInputs], list[float]] | None:
         """The config's reward as a client names it (``SubmitPrompts.reward_fn``): ``CONFIG_REWARD`` is the task
@@ -159,4 +169,13 @@ class Scorer:
         inputs = group_inputs(record.text, record.answer, row, texts, episodes)
         scores, parts = self.task_scores(inputs, episodes=episodes is not None)
         rewards = [self.shaped(s, len(c.token_ids)) for s, c in zip(scores, completions)]
-        return ScoredGroup(record, completions, scores, rewards, parts)
+        teacher = self.teacher_logprobs(record, completions) if self.teacher is not None and episodes is None else []
+        return ScoredGroup(record, completions, scores, rewards, parts, teacher)
+
+    def teacher_logprobs(self, record: PromptRecord, completions: list[common_pb2.Completion]) -> list[list[float]]:
+        """The teacher's log-prob of each response token of the group (one TokenLogprobs call, as the group
+        completes); RewardRaised with the scorer's message when it cannot answer (the group fails)."""
+        try:
+            return self.teacher.token_logprobs([(record.token_ids, list(c.token_ids)) for c in completions])
+        except ScorerFailed as err:
+            raise RewardRaised(str(err)) from err

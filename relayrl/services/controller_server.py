@@ -110,7 +110,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def Status(self, request, context):
         status = self.controller.status()
         status.restarts.update(read_restarts(self.controller.cfg.run_dir))  # written by the supervisor, if any
-        for name, client in self.controller.scorer.rewards.served.items():
+        for name, client in self.controller.scorer.clients.items():
             for address, answer in client.describe_servers():
                 if isinstance(answer, str):
                     status.scorers.add(name=name, address=address, error=answer)

@@ -23,6 +23,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, L] int64
     response_mask: torch.Tensor  # [B, L-1] float32: 1 where token t+1 was sampled by the policy (the loss mask)
     rollout_logprobs: torch.Tensor  # [B, L-1] float32: the engine's logprob of token t+1 (0 where unmasked)
+    teacher_logprobs: torch.Tensor  # [B, L-1] float32: the teacher's (algorithm.advantage distill; else 0)
     token_versions: torch.Tensor  # [B, L-1] int64: the version that sampled token t+1 (-1 where unmasked)
     rewards: torch.Tensor  # [B] float32
     scores: torch.Tensor  # [B] float32
@@ -64,6 +65,7 @@ def to_train_batch(
     attention_mask = torch.zeros((n, length), dtype=torch.long)
     response_mask = torch.zeros((n, length - 1), dtype=torch.float32)
     rollout_logprobs = torch.zeros((n, length - 1), dtype=torch.float32)
+    teacher_logprobs = torch.zeros((n, length - 1), dtype=torch.float32)
     token_versions = torch.full((n, length - 1), -1, dtype=torch.long)
     for i, (s, row) in enumerate(zip(samples, rows)):
         input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -72,6 +74,8 @@ def to_train_batch(
         mask = sample_loss_mask(s)
         response_mask[i, span] = mask
         rollout_logprobs[i, span] = torch.tensor(list(s.rollout_logprobs), dtype=torch.float32) * mask
+        if s.teacher_logprobs:
+            teacher_logprobs[i, span] = torch.tensor(list(s.teacher_logprobs), dtype=torch.float32) * mask
         versions = torch.tensor(list(s.token_versions)) if s.token_versions else torch.tensor(s.policy_version)
         token_versions[i, span] = torch.where(mask.bool(), versions, -1)
     return TrainBatch(
@@ -79,6 +83,7 @@ def to_train_batch(
         attention_mask=attention_mask,
         response_mask=response_mask,
         rollout_logprobs=rollout_logprobs,
+        teacher_logprobs=teacher_logprobs,
         token_versions=token_versions,
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         scores=torch.tensor([s.score for s in samples], dtype=torch.float32),

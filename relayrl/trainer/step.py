@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from relayrl.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_penalty
+from relayrl.algorithms import agg_loss, compute_advantages, compute_policy_loss, distill_advantage, kl_penalty
 from relayrl.algorithms.partition import split_sizes
 from relayrl.config import TRAINER_ANCHORED_LOSSES, AlgorithmConfig, CriticConfig, TrainerConfig
 from relayrl.trainer.batch import TrainBatch
@@ -249,6 +249,8 @@ def train_on_batch(
         targets = gae_targets(backend, batch, shards, mask, alg)
         critic = CriticUpdate(backend, batch, mask, targets, critic_cfg, time.perf_counter() - began)
         advantages = targets[0]
+    elif alg.advantage == "distill":  # per token: -coef x (rollout logprob - teacher logprob), 0 off the loss mask
+        advantages = distill_advantage(batch.rollout_logprobs, batch.teacher_logprobs, mask, coef=alg.distill_coef)
     else:
         advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     if on_advantages is not None:

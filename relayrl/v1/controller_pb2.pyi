@@ -85,7 +85,7 @@ class PullBatchRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version", "worker_id", "loss_mask", "token_versions", "routed_experts")
+    __slots__ = ("prompt_id", "group", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "score", "finish_reason", "policy_version", "worker_id", "loss_mask", "token_versions", "routed_experts", "teacher_logprobs")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Sample(_message.Message):
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     group: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,7 +113,8 @@ class Sample(_message.Message):
     loss_mask: bytes
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     routed_experts: _common_pb2.RoutedExperts
-    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ...) -> None: ...
+    teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_id: _Optional[str] = ..., group: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[_common_pb2.RoutedExperts, _Mapping]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BatchStats(_message.Message):
     __slots__ = ("groups_kept", "groups_filtered", "gen_batches", "rollout_version_min", "rollout_version_max", "generation_seconds", "reward_mean", "score_mean", "samples_generated", "response_len_mean", "groups_stale", "groups_failed", "cursor_start", "cursor_end", "episodes", "turns_mean", "turns_median", "env_seconds_mean", "tool_parse_errors", "episode_ends", "env_metrics", "observation_tokens_mean", "samples_aborted", "reward_means", "prompts_too_long", "prompts_truncated", "scorer_metrics")

@@ -48,6 +48,7 @@ def make_batch(vocab: int, groups: int = 4, n: int = 4, length: int = 9) -> Trai
         response_mask=response_mask,
         token_versions=torch.where(response_mask.bool(), 0, -1),
         rollout_logprobs=-torch.rand(rows, length - 1, generator=g) * response_mask,
+        teacher_logprobs=torch.zeros(rows, length - 1),
         rewards=torch.randint(0, 2, (rows,), generator=g).float(),
         scores=torch.zeros(rows),
         group_ids=torch.arange(groups).repeat_interleave(n),

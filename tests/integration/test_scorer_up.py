@@ -8,6 +8,7 @@ adds a scorer mid-run that serves beside the first, and removes it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,3 +122,32 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
     fates = ledger_fates(cfg)
     assert not [pid for pid, f in fates.items() if "failed" in f or f.count("trained") > 1]
     assert sum(f.count("trained") for f in fates.values()) == steps * SHAPE["train_batch_groups"]
+
+
+@pytest.mark.timeout(900)
+def test_on_policy_distillation_reads_the_teachers_log_probs_of_the_sampled_tokens(make_config, tiny_model_dir):
+    """algorithm.advantage: distill with the served teacher `teacher` (item 6): the controller fetches the teacher's
+    log-probs of every sampled token as each group completes, the trainer's per-token advantage is
+    -(rollout logprob - teacher logprob). The teacher here is the policy's own starting weights, so step 1's
+    advantages (every sample's token mean, in samples.jsonl) are float rounding: the two log-probs of each token
+    agree, aligned; the student then moves away from the teacher and the advantages are no longer zero."""
+    steps = 3
+    config = make_config(
+        "distilled",
+        scorers={"teacher": {"kind": "teacher", "model": str(tiny_model_dir), "precision": "float32"}},
+        algorithm={"advantage": "distill", "teacher": "teacher"},
+        controller=SHAPE,
+        trainer={"steps": steps, "lr": 0.05},
+        rollout={"workers": 1},
+        samples={"every": 1, "prompts": 4},
+    )
+    code, err = finish(start_up(config))
+    cfg = load_config(config)
+    assert code == 0, err
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["scorer/teacher/calls"] >= SHAPE["prompts_per_gen_batch"] for r in records)
+    lines = [json.loads(line) for line in (cfg.run_dir / "samples.jsonl").read_text().splitlines()]
+    by_step = {s: [x["advantage"] for r in lines if r["step"] == s for x in r["samples"]] for s in (1, steps)}
+    assert len(by_step[1]) == 16 and max(map(abs, by_step[1])) < 1e-4, by_step[1]
+    assert max(map(abs, by_step[steps])) > 1e-3, by_step[steps]

@@ -69,7 +69,7 @@ def test_registry_duplicate_name_rejected() -> None:
 
 
 def test_builtin_registries_names() -> None:
-    assert ADVANTAGE_ESTIMATORS.names() == ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert ADVANTAGE_ESTIMATORS.names() == ["distill", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
     assert POLICY_LOSSES.names() == ["gspo", "ppo_clip"]
     assert set(LOSS_AGGREGATIONS.names()) == {
         "token-mean",
@@ -176,10 +176,12 @@ def test_advantage_input_validation() -> None:
         compute_advantages("vtrace", t([1.0]), t([0], dtype=torch.int64))
     with pytest.raises(ValueError, match="gae needs the critic's values"):
         compute_advantages("gae", t([1.0]), t([0], dtype=torch.int64))
+    with pytest.raises(ValueError, match="distill needs the teacher's log-probs"):
+        compute_advantages("distill", t([1.0]), t([0], dtype=torch.int64))
 
 
 def test_advantage_empty_batch() -> None:
-    for name in set(ADVANTAGE_ESTIMATORS.names()) - {"gae"}:  # gae takes token rewards and values (test_ppo_algorithms)
+    for name in set(ADVANTAGE_ESTIMATORS.names()) - {"gae", "distill"}:  # token advantages, their own inputs
         out = compute_advantages(name, torch.zeros(0), torch.zeros(0, dtype=torch.int64))
         assert out.shape == (0,)
 

@@ -33,7 +33,8 @@ from relayrl.trainer.loop import run_backend, train_streamed, train_whole
 from relayrl.trainer.samples import step_samples
 
 N, GROUPS, PAD = 4, 4, 0
-ADVANTAGES = ADVANTAGE_ESTIMATORS.names()
+# distill reads a served teacher's log-probs (a scorer process): tests/integration/test_scorer_up.py trains it
+ADVANTAGES = [name for name in ADVANTAGE_ESTIMATORS.names() if name != "distill"]
 LOSSES = POLICY_LOSSES.names()
 # feature -> (the config sections it sets, the key a refusal of it names); Megatron last: it sets up model parallelism
 # (the critic is gae's: a refusal of a pair with it may name algorithm.advantage instead)

@@ -32,6 +32,12 @@ def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
         (config({"scorer:rm": 1.0}, servers=["nohost"]), "scorers.rm.servers"),
         (config({"scorer:rm": 1.0}, kind="judge", rubric="rate {response}"), "rubric: a judge's rubric holds"),
         (config({"scorer:rm": 1.0}, max_wait_ms=-1), "scorers.rm.max_wait_ms"),
+        ({**config({}), "algorithm": {"advantage": "distill"}}, "algorithm.teacher: set exactly when"),
+        ({**config({}), "algorithm": {"teacher": "rm"}}, "algorithm.teacher: set exactly when"),
+        (
+            {**config({}), "algorithm": {"advantage": "distill", "teacher": "rm"}},
+            "algorithm.teacher: 'rm' is no scorer of kind teacher (none)",
+        ),
     ],
 )
 def test_a_scorer_a_run_cannot_use_is_refused_naming_the_key(raw: dict, message: str) -> None:

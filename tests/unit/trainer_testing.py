@@ -56,6 +56,7 @@ def rollout_batch(backend, groups: int = 4, n: int = 4, seed: int = 0) -> TrainB
         response_mask=response_mask,
         token_versions=torch.where(response_mask.bool(), 0, -1),
         rollout_logprobs=rollout,
+        teacher_logprobs=torch.zeros_like(rollout),
         rewards=torch.rand(rows, generator=g),
         scores=torch.zeros(rows),
         group_ids=torch.arange(groups).repeat_interleave(n),
