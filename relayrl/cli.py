@@ -404,6 +404,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "heldout": "relayrl.bench.heldout",
     "preference": "relayrl.bench.preference",
     "humaneval": "relayrl.bench.humaneval",
+    "pipeline": "relayrl.bench.pipeline",
 }
 
 
