@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from relayrl.bench.pipeline import ROOT, WORKED, worked_solutions
-from relayrl.config import load_config, load_sft_config
+from relayrl.config import load_config, load_offline_config
 from relayrl.rewards.builtin import last_number
 
 TRAIN = ROOT / "examples" / "addition-train.jsonl"
@@ -24,7 +24,7 @@ def test_the_committed_worked_solutions_are_the_programs_and_each_earns_the_rl_r
 
 
 def test_the_sft_stage_scores_with_the_rl_stages_eval_and_the_rl_stage_starts_from_its_export() -> None:
-    sft = load_sft_config(ROOT / "examples" / "pipeline-sft-grpo" / "sft.yaml")
+    sft = load_offline_config("sft", ROOT / "examples" / "pipeline-sft-grpo" / "sft.yaml")
     rl = load_config(sft.eval.config)
     assert rl.eval is not None and rl.controller.reward.fn == "last_number"
     assert rl.model.path == str(sft.run_dir / "final") and rl.data.path == str(TRAIN.relative_to(ROOT))
