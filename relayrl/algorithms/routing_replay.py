@@ -136,3 +136,17 @@ def from_message(message: common_pb2.RoutedExperts) -> torch.Tensor:
         )
     dtype = torch.uint8 if message.index_bytes == 1 else torch.int16
     return torch.frombuffer(bytearray(message.indices), dtype=dtype).reshape(-1, message.layers, message.top_k).long()
+
+
+def routed_experts_problem(message: common_pb2.RoutedExperts, tokens: int) -> str | None:
+    """Why ``message`` cannot be replayed on a sequence whose forward reads ``tokens`` routed tokens (the prompt and
+    the response but its last token); None: it can."""
+    try:
+        routing = from_message(message)
+    except ValueError as err:
+        return str(err)
+    if routing.shape[0] != tokens:
+        return (
+            f"routed_experts: {routing.shape[0]} tokens, expected {tokens} (the prompt and the response but its last)"
+        )
+    return None

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from relayrl.algorithms.dynamic_sampling import DynamicSamplingExhausted, GroupFiller
 from relayrl.algorithms.partition import minibatch_groups
+from relayrl.algorithms.routing_replay import routed_experts_problem
 from relayrl.algorithms.version_mix import sampled_versions
 from relayrl.client.workers import DRAINING, WorkerRegistry
 from relayrl.config import RelayConfig
@@ -55,7 +56,7 @@ from relayrl.errors import (
 from relayrl.rewards import RewardFailures, RewardRaised, RewardShapeError
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
-from relayrl.v1 import controller_pb2, rollout_pb2
+from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
 STATS_PER_ROUND = 128  # Stats calls per poll (a call to an idle channel costs controller CPU): larger fleets in turns
@@ -116,6 +117,19 @@ class _Build:
     episodes: list = field(default_factory=list)  # agentic runs: every episode that ended (BatchStats 35-42)
     too_long: int = 0  # prompts drawn and filtered as longer than data.max_prompt_tokens
     truncated: int = 0  # prompts drawn and cut to data.max_prompt_tokens
+
+
+def unreplayable(record: PromptRecord, completions: list[common_pb2.Completion]) -> str | None:
+    """Why a group's routed experts cannot be replayed by the trainer (routing replay: every completion carries
+    its prompt's and response's, the last token's aside); None: they can. The group then fails with this reason
+    in the ledger, where a batch holding it would stop the trainer."""
+    for c in completions:
+        if not c.HasField("routed_experts"):
+            return f"completion {c.sample_index}: no routed_experts (algorithm.routing_replay)"
+        tokens = len(record.token_ids) + len(c.token_ids) - 1
+        if problem := routed_experts_problem(c.routed_experts, tokens):
+            return f"completion {c.sample_index}: {problem}"
+    return None
 
 
 class Controller:
@@ -491,6 +505,12 @@ class Controller:
         """The scored group (an agentic run's ``completions`` are its Episodes: ``Scorer.episode_group``), or None: its
         reward function raised (the prompt fails with the reason) or returned a
         wrong shape (kept in ``build.reward_error``: the round stops and the run fails with it)."""
+        if self.cfg.algorithm.routing_replay and (problem := unreplayable(record, completions)):
+            log.warning("prompt %s failed: %s", record.prompt_id, problem)
+            self.ledger.mark([record.prompt_id], FAILED, problem, build.step)
+            with self._cond:
+                build.failed += 1
+            return None
         with self._cond:  # streamed groups are scored on dispatch threads
             build.scored += 1
         try:

@@ -11,10 +11,13 @@ import json
 import time
 
 import pytest
+import torch
 
+from relayrl.algorithms.routing_replay import to_message
 from relayrl.config import load_config
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import DispatchResult
+from relayrl.controller.ledger import FAILED
 from relayrl.errors import InvalidArgument
 from relayrl.v1 import common_pb2, controller_pb2
 
@@ -180,3 +183,34 @@ def test_a_converged_run_warns_once_every_10_steps_and_status_shows_its_pace(mak
     assert status.samples_per_second == pytest.approx(sum(s.samples_generated for s in recent) / seconds)
     assert status.eta_seconds == pytest.approx((30 - 12) * seconds / 10)
     assert dict(status.step_metrics) == {"rollout_corr/kl_k1": pytest.approx(0.012), "rollout_corr/ess": 1.0}
+
+
+class RoutedDispatcher(ScriptedDispatcher):
+    """Completions with routed experts (routing replay): the right count of tokens (prompt + response - 1), except
+    in the groups of every other prompt drawn, whose second sample carries one token too few (a worker's bug)."""
+
+    def run(self, prompts, params, *, min_version, on_group=None, **_):
+        result = super().run(prompts, params, min_version=min_version)
+        for number, job in enumerate(prompts):
+            for c in result.groups[job.prompt_id]:
+                tokens = len(job.token_ids) + len(c.token_ids) - 1 - (number % 2 and c.sample_index == 1)
+                c.routed_experts.CopyFrom(to_message(torch.zeros(tokens, 2, 2, dtype=torch.uint8)))
+        return result
+
+
+def test_a_group_whose_routed_experts_do_not_fit_its_tokens_fails_in_the_ledger_naming_them(
+    make_config, tmp_path
+) -> None:
+    """Routing replay: a group the trainer could not replay fails with the reason in the ledger (a batch holding it
+    would stop the trainer, again at each restart); the other groups make the batch, their routing in it."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, algorithm={"routing_replay": True}))
+    ctl = started(cfg, tmp_path, RoutedDispatcher(cfg.rollout.n))
+    try:
+        wait_for(lambda: ctl.batches_ready >= 1)
+        reasons = ctl.ledger.reasons(FAILED)
+        assert reasons and all(r.startswith("completion 1: routed_experts: ") for r in reasons), reasons
+        assert "tokens, expected" in next(iter(reasons))
+        batch = ctl.pull_batch(1, timeout_s=30)
+        assert all(s.HasField("routed_experts") for s in batch.samples)
+    finally:
+        ctl.stop()
