@@ -106,7 +106,10 @@ def sample(n: int, workdir: Path, timeout_s: float) -> tuple[dict, float]:
     prepare_model(cfg)  # the builtin's cached directory: the checkpoint relayrl eval serves
     out = workdir / "samples.json"
     sets = "{" + ", ".join(f"{name}: {{path: {path}}}" for name, path in SETS.items()) + "}"
+    # every prompt's 8 samples queue on one worker: a loaded machine outlasts the default Generate deadline (300 s),
+    # and a timed-out prompt gives no pairs
     overrides = [f"eval.n={n}", "eval.temperature=1.0", "eval.metrics=[mean]", f"eval.sets={sets}"]
+    overrides.append("controller.generate_timeout_s=3600")
     wall = run_cli(
         ["eval", str(ADDITION), "--checkpoint", cfg.model.path, "--generations", "--out", str(out)]
         + [arg for o in overrides for arg in ("--set", o)],
@@ -154,12 +157,14 @@ def rm_summary(run_dir: Path, wall_s: float) -> dict:
 
 
 def pair_counts(report: dict, pairs: dict[str, list[dict]], n: int) -> dict:
-    """Per set: prompts, samples, the verifier's pass rate of the samples, prompts with both kinds, pairs made."""
+    """Per set: prompts scored and failed (no samples: a generation that failed), samples per prompt, the verifier's
+    pass rate of the samples, pairs made."""
     counts = {}
     for name, rows in report["generations"].items():
         rewards = [s["reward"] for row in rows for s in row["samples"]]
         counts[name] = {
             "prompts": len(rows),
+            "prompts_failed": report["results"][name]["prompts_failed"],
             "samples_per_prompt": n,
             "sample_pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
             "pairs": len(pairs[name]),
