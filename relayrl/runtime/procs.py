@@ -114,15 +114,16 @@ def _kill_when_orphaned(parent: int, grace_s: float) -> None:
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def become_subreaper() -> None:
+def become_subreaper(on: bool = True) -> None:
     """Make this process a child subreaper (prctl(2)): orphans below it are reparented to it, not to init, so it
-    can wait for them and read their exit status. Raises OSError where the kernel refuses (or is not Linux)."""
+    can wait for them and read their exit status; ``on=False`` ends that (children it adopted stay its own).
+    Raises OSError where the kernel refuses (or is not Linux)."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
         raise OSError("PR_SET_CHILD_SUBREAPER needs Linux")
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
 

@@ -14,21 +14,39 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relayrl.config import load_config
-from relayrl.launcher import LocalJob, controller_status, start_job
+from relayrl.launcher import LocalJob, controller_status, start_forks, start_job
 from relayrl.ops.placement import GPU_DRIVER_NODES
-from relayrl.runtime.procs import descendants, kill_tree
+from relayrl.runtime.forkserver import ForkServer
+from relayrl.runtime.procs import become_subreaper, descendants, kill_tree, reap_orphans
 from relayrl.trainer.metrics import read_metrics
+
+FORK_SERVERS: list[ForkServer] = []  # of the test in progress: ``release_forks`` closes them after it
 
 
 def launch(config_path: Path) -> tuple[LocalJob, object]:
-    """``start_job`` in this process with no fork server, each role a fresh interpreter: a fork server would make
-    the test process a child subreaper for the rest of the session (the fork path is tested through ``relayrl
-    up``)."""
+    """``start_job`` in this process, each role forked from a fork server as ``relayrl up`` forks them
+    (``start_forks``: torch imported once, not once per role). The server makes this process a child subreaper;
+    ``release_forks`` (tests/integration/conftest.py, after each test) ends that, so the processes of later tests
+    are orphaned to init as usual."""
     cfg = load_config(config_path)
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     run_config = cfg.run_dir / "config.yaml"
     run_config.write_text(config_path.read_text())
-    return start_job(cfg, run_config, resume=False), cfg
+    forks = start_forks(cfg)
+    if forks is not None:
+        FORK_SERVERS.append(forks)
+    return start_job(cfg, run_config, resume=False, forks=forks), cfg
+
+
+def release_forks() -> None:
+    """Close the fork servers ``launch`` started, reap what this process adopted meanwhile and stop being a child
+    subreaper (roles still running stay its children)."""
+    if not FORK_SERVERS:
+        return
+    while FORK_SERVERS:
+        FORK_SERVERS.pop().close()
+    reap_orphans(set())
+    become_subreaper(on=False)
 
 
 def wait_until(predicate, timeout_s: float = 120, what: str = "condition") -> None:
