@@ -261,10 +261,17 @@ def cmd_trainer_run(args: argparse.Namespace) -> int:
         return 0
 
 
+def forkable_host() -> bool:
+    """No GPU on this host: processes may be forked from one that imported torch (CUDA does not survive a fork)."""
+    from relayrl.ops.placement import GPU_DRIVER_NODES
+
+    return not any(os.path.exists(node) for node in GPU_DRIVER_NODES)
+
+
 def cmd_trainer_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from relayrl.trainer.launch import run_supervised
 
-    return run_supervised(rest)
+    return run_supervised(rest, fork=forkable_host())
 
 
 # ``relayrl train STAGE``'s module: it has ``load_data(cfg, tokenizer)`` and ``run(cfg, resume=, data=)``
@@ -277,7 +284,8 @@ OFFLINE_STAGES = {
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``relayrl train STAGE CONFIG``: this process is the one rank (``trainer.nproc`` 1), or it starts the ranks
-    under torchrun (each of them runs this command again, as a rank) and supervises them (relayrl/trainer/launch.py)."""
+    (forked, or under torchrun: each of them runs this command again, as a rank) and supervises them
+    (relayrl/trainer/launch.py)."""
     import importlib
 
     from relayrl.config import load_offline_config
@@ -307,9 +315,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         data = stage.load_data(cfg, AutoTokenizer.from_pretrained(cfg.model.path))  # bad rows: refused before any rank
         if cfg.trainer.nproc > 1:
             rank = ["-m", "relayrl.cli", "train", args.action, args.config, *(f"--set={kv}" for kv in args.set)]
-            return run_supervised(
-                ["--standalone", f"--nproc-per-node={cfg.trainer.nproc}", *rank, *(["--resume"] if args.resume else [])]
-            )
+            rank += ["--resume"] if args.resume else []
+            ranks = ["--standalone", f"--nproc-per-node={cfg.trainer.nproc}", *rank]
+            return run_supervised(ranks, fork=forkable_host())
         os.environ.update(single_rank_env())
         return stage.run(cfg, resume=args.resume, data=data)
     prepare_model(cfg)  # a rank: the launcher built it, this points the config at it

@@ -38,7 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 from setproctitle import setproctitle
 
@@ -94,7 +94,6 @@ def env_fork_blockers(env: dict[str, str], server_env: dict[str, str]) -> list[s
 def _run_role(request: dict, log: int) -> None:
     """In the forked role: become what ``python -m relayrl.cli <args>`` with ``request['env']`` and its output on
     ``log`` would be, run it, and exit with its code. Never returns."""
-    code = 1
     try:
         launcher = int(request["env"][PARENT_ENV])
         deadline = time.monotonic() + REPARENT_TIMEOUT_S
@@ -107,11 +106,21 @@ def _run_role(request: dict, log: int) -> None:
         os.close(null)
         # for the life of the process: the server's reader may hold the next request in its buffer
         sys.stdin = open(os.devnull)  # noqa: SIM115
-        args = list(request["args"])
+        run_forked_command(list(request["args"]), request["env"])
+    except BaseException:  # whatever happens, this process must not return into the server
+        traceback.print_exc()
+        exit_now(1)
+
+
+def run_forked_command(args: list[str], env: dict[str, str]) -> NoReturn:
+    """In a forked child: become what ``python -m relayrl.cli <args>`` with environment ``env`` would be, run it,
+    and exit with its code. Never returns."""
+    code = 1
+    try:
         setproctitle(" ".join([*RELAY, *args]))  # before the environment moves
         os.environ.clear()
-        os.environ.update(request["env"])
-        entry = sys.modules[ENTRY_MODULE]
+        os.environ.update(env)
+        entry = importlib.import_module(ENTRY_MODULE)  # imported already, unless this ran as ``python -m`` it
         sys.argv = [entry.__file__, *args]
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
@@ -123,7 +132,7 @@ def _run_role(request: dict, log: int) -> None:
             if not isinstance(done.code, int | None):
                 print(done.code, file=sys.stderr)
         atexit._run_exitfuncs()  # the handlers the interpreter would run at exit (the server's imports' included)
-    except BaseException:  # whatever happens, this process must not return into the server
+    except BaseException:  # whatever happens, this process must not return into its parent's code
         traceback.print_exc()
     finally:
         exit_now(code)

@@ -17,7 +17,8 @@ from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, start_forks, start_job
 from relayrl.ops.placement import GPU_DRIVER_NODES
 from relayrl.runtime.forkserver import ForkServer
-from relayrl.runtime.procs import become_subreaper, descendants, kill_tree, reap_orphans
+from relayrl.runtime.procs import become_subreaper, child_pids, descendants, kill_tree, reap_orphans
+from relayrl.runtime.runlock import process_start_ticks
 from relayrl.trainer.metrics import read_metrics
 
 FORK_SERVERS: list[ForkServer] = []  # of the test in progress: ``release_forks`` closes them after it
@@ -188,12 +189,19 @@ def assert_roles_forked(cfg, launcher: int) -> None:
 
 
 def rank_pid(trainer_pid: int, rank: int) -> int:
-    """The pid of torchrun rank ``rank`` below the trainer role's process."""
+    """The pid of trainer rank ``rank`` below the trainer role's process: by its environment under torchrun, else
+    (ranks forked by relayrl.trainer.launch.fork_ranks, whose environment is set after the fork, which /proc does
+    not show) the ``rank``-th of the role's children in the order they started (forked in rank order)."""
+    forked = []
     for pid in descendants(trainer_pid):
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
                 return pid
+            if pid in child_pids(trainer_pid) and b"trainer run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                forked.append((process_start_ticks(pid), pid))
+    if len(forked) > rank:
+        return sorted(forked)[rank][1]
     raise AssertionError(f"no trainer rank {rank} below pid {trainer_pid}")
 
 

@@ -163,7 +163,7 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger
     try:
         wait_steps(cfg, 2)
         tree = descendants(proc.pid)
-        assert len(tree) >= 5  # controller, 2 workers, supervisor, torchrun, ranks
+        assert len(tree) >= 5  # controller, 2 workers, the trainer supervisor, its ranks
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, proc.stderr.read().decode()[-2000:]
         time.sleep(1)

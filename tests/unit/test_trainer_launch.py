@@ -1,5 +1,8 @@
 """``relayrl trainer launch``: one standalone rank runs without torchrun's agent, with the agent's environment;
-SIGTERM still reaches it and its exit code comes back; anything more runs under torchrun."""
+SIGTERM still reaches it and its exit code comes back; N standalone ranks of relayrl.cli are forked, and the first
+that fails stops the others (as the agent does) with its exit code; anything more runs under torchrun. The forked
+ranks train through `relayrl up` (tests/integration/test_end_to_end.py, test_faults.py) and `relayrl train sft`
+(tests/unit/test_train_sft.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.trainer.launch import single_rank_command
+from relayrl.trainer.launch import rank_env, single_rank_command, standalone_ranks
 
 RANK_ARGS = ["-m", "relayrl.cli", "trainer", "run", "--config", "c.yaml"]
 
@@ -54,6 +57,43 @@ def test_one_standalone_rank_is_started_directly(options) -> None:
 def test_anything_more_runs_under_torchrun(options) -> None:
     assert single_rank_command([*options, *RANK_ARGS]) is None
     assert single_rank_command(["--standalone", "--nproc-per-node=1", "train.py"]) is None  # a script, not -m
+
+
+def test_standalone_ranks_are_counted_from_exactly_standalone_and_nproc_per_node() -> None:
+    assert standalone_ranks(["--standalone", "--nproc-per-node=2", *RANK_ARGS]) == 2
+    assert standalone_ranks(["--nproc_per_node=3", "--standalone", *RANK_ARGS]) == 3
+    for options in (["--standalone", "--nproc-per-node=2", "--max-restarts=1"], ["--nproc-per-node=2"], []):
+        assert standalone_ranks([*options, *RANK_ARGS]) is None, options
+    assert standalone_ranks(["--standalone", "--nproc-per-node=2", "train.py"]) is None
+    env = rank_env(1, 2, 29999)
+    assert env["RANK"] == env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_PORT"] == "29999" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
+# Two forked ranks: rank 0 ends as asked (an exit code, or SIGKILL), rank 1 waits for SIGTERM (the trainer's clean
+# stop) and exits 0; the supervisor's exit code is rank 0's.
+RANKS = """
+import os, signal, sys, time
+from relayrl.trainer.launch import wait_ranks
+ranks = []
+for rank in range(2):
+    pid = os.fork()
+    if pid == 0:
+        if rank == 0:
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == "kill" else os._exit(int(sys.argv[1]))
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        time.sleep(120)
+        os._exit(1)
+    ranks.append(pid)
+sys.exit(wait_ranks(ranks))
+"""
+
+
+@pytest.mark.parametrize(("rank0", "code"), [("3", 3), ("kill", 128 + signal.SIGKILL)])
+def test_a_failed_rank_stops_the_others_and_its_code_comes_back(rank0: str, code: int) -> None:
+    done = subprocess.run([sys.executable, "-c", RANKS, rank0], capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr[-2000:]
 
 
 def supervise(tmp_path: Path, mode: str) -> subprocess.Popen:
