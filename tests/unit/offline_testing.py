@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from cli_testing import relayrl
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -69,11 +70,9 @@ def train(stage: str, *argv: str) -> subprocess.CompletedProcess:
 
 
 def refusal(stage: str, *argv: str) -> str:
-    """The one line ``train STAGE ARGV`` refuses with (exit 2)."""
-    done = subprocess.run(command(stage, *argv), capture_output=True, text=True, timeout=300, env=ENV)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
-    return lines[0]
+    """The one line ``train STAGE ARGV`` refuses with (exit 2), before anything starts: run in this process
+    (cli_testing.relayrl_run), not as an interpreter that imports torch and transformers to print it."""
+    return relayrl("train", stage, *argv)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -3,8 +3,6 @@ names the key or flag; no run directory and nothing built left behind."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -19,58 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_testing import ROOT, relayrl, relayrl_process, relayrl_run
 
 from relayrl.config import dump_config, load_config
 from relayrl.models.families import write_family_model
 
-ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "digits.yaml"
 NO_ADDRESS = {"RELAYRL_CONTROLLER": ""}  # an operator's shell may have one set
-
-
-def relayrl_run(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """``relayrl ARGV`` in this process, as ``python -m relayrl.cli ARGV`` runs it (``relayrl.cli.main``), in ``cwd``
-    with ``env`` added to the environment: (exit code, stdout, stderr). A refusal comes before anything starts, so
-    a process of its own only repeats the imports; the role commands (their process set-up: relayrl.runtime.heap,
-    gcfreeze) and `up` past its light checks (it starts its fork server) run as processes (``relayrl_process``)."""
-    from relayrl import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        if cwd is not None:
-            patch.chdir(cwd)
-        for key, value in {"PYTHONPATH": str(ROOT), **(env or {})}.items():
-            patch.setenv(key, value)
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as done:  # argparse's refusals, as the interpreter exits with them
-            code = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
-    return code, out.getvalue(), err.getvalue()
-
-
-def one_line(code: int, stdout: str, stderr: str) -> str:
-    """Asserts exit code 2 and exactly one line on stderr, and returns that line."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1, (code, stderr[-3000:], stdout[-1000:])
-    return lines[0]
-
-
-def relayrl(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
-    """``relayrl ARGV`` refused (``relayrl_run``): its one stderr line."""
-    return one_line(*relayrl_run(*argv, cwd=cwd, env=env))
-
-
-def relayrl_process(*argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
-    """``relayrl ARGV`` refused as a process of its own (``python -m relayrl.cli``): its one stderr line."""
-    done = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", *argv],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
-    return one_line(done.returncode, done.stdout, done.stderr)
 
 
 def saved_run(tmp_path: Path, *sets: str) -> Path:
@@ -295,7 +248,7 @@ SUBCOMMANDS = {
 }
 
 
-ROLES = {"controller serve", "rollout serve", "env serve", "trainer run"}  # each a process of its own (relayrl_run)
+ROLES = {"controller serve", "rollout serve", "env serve", "trainer run"}  # processes (cli_testing.relayrl_run)
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))

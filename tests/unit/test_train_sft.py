@@ -16,7 +16,8 @@ import offline_testing
 import pytest
 import torch
 import yaml
-from offline_testing import ENV, assert_same_weights, records, tiny_chat_model, write_rows
+from cli_testing import relayrl_run
+from offline_testing import assert_same_weights, records, tiny_chat_model, write_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,8 +142,8 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weigh
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "final").exists()
-    refused = subprocess.run(command(str(config)), capture_output=True, text=True, timeout=300, env=ENV)
-    assert refused.returncode == 2 and "--resume continues it" in refused.stderr
+    code, _, stderr = relayrl_run("train", "sft", str(config))
+    assert code == 2 and "--resume continues it" in stderr
     line = refusal(str(config), "--resume", "--set", "trainer.batch_tokens=300", "--set", "trainer.eval_every=2")
     assert "trainer.batch_tokens (200 in the run, 300 now)" in line and "eval_every" not in line.split(";")[0]
     train(str(config), "--resume")
