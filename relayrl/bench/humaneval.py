@@ -42,16 +42,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_eval(config: str, overrides: list[str], timeout_s: float) -> tuple[dict, float]:
-    """``relayrl eval CONFIG --checkpoint <the config's model> --generations``: its report and wall seconds."""
+def eval_argv(config: str, overrides: list[str], workdir: str) -> list[str]:
+    """``relayrl eval CONFIG --checkpoint <the config's model, built> --generations`` with the overrides and its
+    run directory under ``workdir``."""
     from relayrl.models.assets import prepare_model
 
     cfg = load_config(config, overrides)
     prepare_model(cfg)
+    argv = ["relayrl", "eval", config, "--checkpoint", cfg.model.path, "--generations"]
+    return argv + [a for s in [*overrides, f"run.dir={workdir}/runs"] for a in ("--set", s)]
+
+
+def run_eval(config: str, overrides: list[str], timeout_s: float) -> tuple[dict, float]:
+    """``eval_argv``'s command run: its report and wall seconds."""
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-humaneval-") as workdir:
         out = Path(workdir) / "report.json"
-        argv = [sys.executable, "-m", "relayrl.cli", "eval", config, "--checkpoint", cfg.model.path, "--generations"]
-        argv += [a for s in [*overrides, f"run.dir={workdir}/runs"] for a in ("--set", s)] + ["--out", str(out)]
+        argv = [sys.executable, "-m", "relayrl.cli", *eval_argv(config, overrides, workdir)[1:], "--out", str(out)]
         start = time.monotonic()
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
@@ -83,6 +89,7 @@ def summarize(rows: list[dict], report: dict) -> dict:
         "pass@1_relayrl": passed_relayrl / n,
         "pass@1_library": passed_library / n,
         "pass@1_relayrl_eval_report": report["results"][EVAL_SET].get("pass@1"),
+        "eval_seconds": report["results"][EVAL_SET].get("eval_seconds"),
         "disagreements": [r for r in rows if (r["relayrl"] >= 1.0) != (r["library"] == "passed")],
         "passed": [r["task_id"] for r in rows if r["relayrl"] >= 1.0],
     }
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "humaneval",
         "command": COMMAND + "".join(f" --set {s}" for s in args.overrides),
+        "eval_command": " ".join(eval_argv(args.config, args.overrides, "<tmp>")),
+        "report": args.report,
         "config": str(Path(args.config).resolve().relative_to(ROOT)),
         "overrides": args.overrides,
         "sampling": {"temperature": cfg.eval.temperature, "n": cfg.eval.n, "max_tokens": cfg.eval.max_tokens},
