@@ -122,22 +122,21 @@ def fork_ranks(world: int, args: list[str]) -> int:
 
 
 def wait_ranks(ranks: list[int]) -> int:
-    """Reap ``ranks``; the first that fails stops the others (SIGTERM, SIGKILL after ``STOP_GRACE_S``)."""
-    left, failed, deadline = set(ranks), None, None
+    """Reap ``ranks`` (no other child of this process); the first that fails stops the others (SIGTERM, SIGKILL
+    after ``STOP_GRACE_S``)."""
+    left, failed, deadline = list(ranks), None, None
     while left:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if deadline is not None and time.monotonic() > deadline:
-                signal_pids(sorted(left), signal.SIGKILL)
-                deadline = None
+        ended = {pid: status for pid, status in (os.waitpid(pid, os.WNOHANG) for pid in left) if pid}
+        left = [pid for pid in left if pid not in ended]
+        for status in ended.values():
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0 and failed is None:
+                failed = code if code > 0 else 128 - code
+                signal_pids(left, signal.SIGTERM)
+                deadline = time.monotonic() + STOP_GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            signal_pids(left, signal.SIGKILL)
+            deadline = None
+        if left and not ended:
             time.sleep(0.05)
-            continue
-        if pid not in left:
-            continue
-        left.discard(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0 and failed is None:
-            failed = code if code > 0 else 128 - code
-            signal_pids(sorted(left), signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
     return failed or 0
