@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         rl_records, rl_evals = read_lines(rl.run_dir / "metrics.jsonl")
         sft_curve, rl_curve = curve(sft_evals), curve(rl_evals)
         sft_steps = sft_records[-1]["step"]
+        trained = [r for r in sft_records if "loss" in r]  # step 0's line, when there is one, holds held-out figures
         result = {
             "bench": "pipeline-sft-grpo",
             "command": COMMAND,
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             "sft": {
                 "steps": sft_steps,
                 "wall_s": sft_wall,
-                "loss_first": sft_records[1]["loss"],
-                "loss_last": sft_records[-1]["loss"],
+                "loss_first": trained[0]["loss"],
+                "loss_last": trained[-1]["loss"],
                 "heldout_curve": sft_curve,
             },
             "rl": {"steps": len(rl_records), "wall_s": rl.wall_s, "heldout_curve": rl_curve},
