@@ -413,6 +413,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "preference": "relayrl.bench.preference",
     "humaneval": "relayrl.bench.humaneval",
     "pipeline": "relayrl.bench.pipeline",
+    "sft": "relayrl.bench.sft",
 }
 
 
