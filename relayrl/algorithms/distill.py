@@ -33,3 +33,12 @@ def distill_advantage(
         raise ValueError(f"coef: must be > 0, got {coef}")
     reverse_kl = (student_logprob - teacher_logprob).detach()
     return masked_fill_zero(-coef * reverse_kl, (mask != 0).to(reverse_kl.dtype))
+
+
+def mean_reverse_kl(student_logprob: torch.Tensor, teacher_logprob: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean reverse KL per sampled token, Σ_t m_t (log π_student(y_t) − log π_teacher(y_t)) / Σ_t m_t over the
+    [B, T] tensors of ``distill_advantage`` (0 for a batch without a masked-in token): the sampled estimate the
+    distillation advantage lowers, logged each step as ``distill/reverse_kl``."""
+    weights = (mask != 0).to(torch.float64)
+    diff = masked_fill_zero((student_logprob - teacher_logprob).detach().to(torch.float64), weights)
+    return float(diff.sum() / weights.sum().clamp(min=1.0))

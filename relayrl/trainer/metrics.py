@@ -133,6 +133,7 @@ TRAINING_PANELS = (
     ("loss", "policy loss"),
     ("ref_kl", "ref_kl: KL to the reference (k-estimator)"),
     ("ppo_kl", "ppo_kl: KL(old ‖ new) of the update"),
+    ("distill/reverse_kl", "distill/reverse_kl: KL(student ‖ teacher) per token"),
     ("entropy", "token entropy"),
     ("response_len_mean", "mean response length (tokens)"),
     ("clip_frac", "clip fraction"),

@@ -36,7 +36,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from relayrl.algorithms import agg_loss, compute_advantages, compute_policy_loss, distill_advantage, kl_penalty
+from relayrl.algorithms import (
+    agg_loss,
+    compute_advantages,
+    compute_policy_loss,
+    distill_advantage,
+    kl_penalty,
+    mean_reverse_kl,
+)
 from relayrl.algorithms.partition import split_sizes
 from relayrl.config import TRAINER_ANCHORED_LOSSES, AlgorithmConfig, CriticConfig, TrainerConfig
 from relayrl.trainer.batch import TrainBatch
@@ -316,4 +323,6 @@ def train_on_batch(
             if critic is not None:
                 critic.train(shard, float(mask[rows].sum().clamp(min=1)))
     out = metrics.finish(backend, alg)
+    if alg.advantage == "distill":  # the whole batch's (every rank holds it): what the advantage lowers
+        out["distill/reverse_kl"] = mean_reverse_kl(batch.rollout_logprobs, batch.teacher_logprobs, mask)
     return out if critic is None else {**out, **critic.finish(), "policy_frozen": 0.0}

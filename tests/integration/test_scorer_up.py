@@ -130,7 +130,8 @@ def test_on_policy_distillation_reads_the_teachers_log_probs_of_the_sampled_toke
     log-probs of every sampled token as each group completes, the trainer's per-token advantage is
     -(rollout logprob - teacher logprob). The teacher here is the policy's own starting weights, so step 1's
     advantages (every sample's token mean, in samples.jsonl) are float rounding: the two log-probs of each token
-    agree, aligned; the student then moves away from the teacher and the advantages are no longer zero."""
+    agree, aligned; the student then moves away from the teacher and the advantages are no longer zero, nor is the
+    logged mean reverse KL per token."""
     steps = 3
     config = make_config(
         "distilled",
@@ -151,3 +152,6 @@ def test_on_policy_distillation_reads_the_teachers_log_probs_of_the_sampled_toke
     by_step = {s: [x["advantage"] for r in lines if r["step"] == s for x in r["samples"]] for s in (1, steps)}
     assert len(by_step[1]) == 16 and max(map(abs, by_step[1])) < 1e-4, by_step[1]
     assert max(map(abs, by_step[steps])) > 1e-3, by_step[steps]
+    # distill/reverse_kl, the step's mean reverse KL per token: 0 at the teacher's own weights, then the drift
+    kls = [r["distill/reverse_kl"] for r in records]
+    assert abs(kls[0]) < 1e-4 and kls[-1] > 1e-3, kls

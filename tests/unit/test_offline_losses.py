@@ -17,6 +17,7 @@ from relayrl.algorithms import (
     distill_advantage,
     kto_loss,
     kto_reference_point,
+    mean_reverse_kl,
     mismatched_completions,
     pack_examples,
     pad_examples,
@@ -368,3 +369,11 @@ def test_distill_advantage_is_the_negated_reverse_kl_on_sampled_tokens() -> None
     assert torch.isfinite(distill_advantage(nan_student, teacher, mask)).all()
     with pytest.raises(ValueError, match="teacher_logprob: expected shape"):
         distill_advantage(student, teacher[:, :2], mask)
+
+
+def test_mean_reverse_kl_is_the_token_mean_of_the_negated_advantage_over_the_mask() -> None:
+    student, teacher = leaf(3, 4, seed=52), leaf(3, 4, seed=53)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1], [0, 1, 1, 0]])
+    expected = -float(distill_advantage(student, teacher, mask).sum()) / 7
+    assert abs(mean_reverse_kl(student, teacher, mask) - expected) < 1e-6
+    assert mean_reverse_kl(student, teacher, torch.zeros_like(mask)) == 0.0
