@@ -414,6 +414,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "humaneval": "relayrl.bench.humaneval",
     "pipeline": "relayrl.bench.pipeline",
     "sft": "relayrl.bench.sft",
+    "dpo": "relayrl.bench.dpo",
     "distill": "relayrl.bench.distill",
 }
 
