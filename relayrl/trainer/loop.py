@@ -401,6 +401,11 @@ def run_trainer(
         )
         call_with_retry(partial(stub.ReportWeightSync, initial, timeout=60), what="ReportWeightSync", deadline_s=600)
     streaming = streams_said(cfg)
+    if cfg.algorithm.routing_replay:
+        log.info(
+            "algorithm.routing_replay: the policy's forwards go padded, without trainer.shared_prefix or "
+            "trainer.padding_free (their layouts would need the engine's routing laid out alike)"
+        )
     priority = local_ranks(priority or GenerationFirst()) if streaming else None
     stream_timeout_s = cfg.trainer.pull_timeout_s + cfg.controller.generate_timeout_s * cfg.controller.max_gen_batches
 

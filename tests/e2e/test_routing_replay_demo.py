@@ -40,5 +40,7 @@ def test_with_routing_replay_the_trainer_logprobs_are_the_bf16_engines(replay, t
     if replay:
         assert record["logprob_mismatch"] < 0.005, record  # measured ~5e-4: bf16 rounding
         assert "recording routed experts" in (run_dir / "logs" / "rollout-0.log").read_text()
+        trainer_log = "".join(p.read_text() for p in (run_dir / "logs").glob("trainer*.log"))
+        assert "routing_replay: the policy's forwards go padded" in trainer_log
     else:
         assert record["logprob_mismatch"] > 0.02, record  # measured ~0.046
