@@ -416,6 +416,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "sft": "relayrl.bench.sft",
     "dpo": "relayrl.bench.dpo",
     "distill": "relayrl.bench.distill",
+    "scorer": "relayrl.bench.scorer",
 }
 
 
