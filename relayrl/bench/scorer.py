@@ -51,6 +51,7 @@ PAIRS = ROOT / "bench" / "results" / "preference-smollm2-pairs.jsonl"  # SmolLM2
 SCORER = "rm"
 COMMAND = "relayrl bench scorer --out bench/results/scorer.json"
 LATENCY_KEY = f"scorer/{SCORER}/latency_s"  # the controller's mean seconds of a Score call in the step
+BATCH_KEY = f"scorer/{SCORER}/batch_size"  # the servers' items per model call, as the step read them
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -214,8 +215,9 @@ def ratios(row: dict) -> dict:
 
 
 def step_figures(records: list[dict], wall_s: float) -> dict:
-    """A run's steps, wall seconds, and mean step / generation seconds (and the scorer's mean call latency, when it
-    logged one) over its steps after the first (step 1 also pays every first call's setup)."""
+    """A run's steps, wall seconds, and mean step / generation seconds (and the scorer's mean call latency and
+    items per model call, when it logged them) over its steps after the first (step 1 also pays every first call's
+    setup)."""
     later = records[1:] or records
     out = {
         "steps": len(records),
@@ -224,8 +226,9 @@ def step_figures(records: list[dict], wall_s: float) -> dict:
         "generation_seconds_mean": statistics.fmean(r["generation_seconds"] for r in later),
         "step_seconds": [r["step_seconds"] for r in records],
     }
-    if any(LATENCY_KEY in r for r in later):
-        out["scorer_latency_s_mean"] = statistics.fmean(r.get(LATENCY_KEY, 0.0) for r in later)
+    for key, name in ((LATENCY_KEY, "scorer_latency_s_mean"), (BATCH_KEY, "scorer_batch_size_mean")):
+        if any(key in r for r in later):
+            out[name] = statistics.fmean(r.get(key, 0.0) for r in later)
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from relayrl.bench.example_run import read_lines
 from relayrl.bench.scorer import (
+    BATCH_KEY,
     LATENCY_KEY,
     PAIRS,
     SCORER,
@@ -59,15 +60,16 @@ def test_served_scores_are_the_in_process_scores_of_the_same_requests(tmp_path) 
 
 def test_step_figures_average_the_steps_after_the_first(tmp_path) -> None:
     lines = [
-        {"step": 1, "step_seconds": 90.0, "generation_seconds": 50.0, LATENCY_KEY: 3.0},
-        {"step": 2, "step_seconds": 60.0, "generation_seconds": 30.0, LATENCY_KEY: 1.0},
-        {"step": 3, "step_seconds": 64.0, "generation_seconds": 34.0, LATENCY_KEY: 2.0},
+        {"step": 1, "step_seconds": 90.0, "generation_seconds": 50.0, LATENCY_KEY: 3.0, BATCH_KEY: 1.0},
+        {"step": 2, "step_seconds": 60.0, "generation_seconds": 30.0, LATENCY_KEY: 1.0, BATCH_KEY: 4.0},
+        {"step": 3, "step_seconds": 64.0, "generation_seconds": 34.0, LATENCY_KEY: 2.0, BATCH_KEY: 8.0},
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     records, _ = read_lines(path)
     out = step_figures(records, wall_s=300.0)
     assert (out["steps"], out["step_seconds_mean"], out["generation_seconds_mean"]) == (3, 62.0, 32.0)
-    assert out["scorer_latency_s_mean"] == 1.5 and out["step_seconds"] == [90.0, 60.0, 64.0]
-    without = step_figures([{k: v for k, v in r.items() if k != LATENCY_KEY} for r in records], wall_s=1.0)
-    assert "scorer_latency_s_mean" not in without
+    assert (out["scorer_latency_s_mean"], out["scorer_batch_size_mean"]) == (1.5, 6.0)
+    assert out["step_seconds"] == [90.0, 60.0, 64.0]
+    without = step_figures([{k: v for k, v in r.items() if "scorer/" not in k} for r in records], wall_s=1.0)
+    assert "scorer_latency_s_mean" not in without and "scorer_batch_size_mean" not in without
