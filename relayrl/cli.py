@@ -417,6 +417,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "dpo": "relayrl.bench.dpo",
     "distill": "relayrl.bench.distill",
     "scorer": "relayrl.bench.scorer",
+    "tta": "relayrl.bench.tta",
 }
 
 

@@ -6,7 +6,14 @@ the relayrl side runs) and appends one JSON line per generation round to ``spec[
 the keys of relayrl's ``metrics.jsonl``: ``step`` (generation round), ``time`` (epoch seconds at its
 end), ``step_seconds``, ``generation_seconds`` (inside ``GRPOTrainer._generate``), ``train_seconds``
 (the rest of the round: scoring, old log-probs, forward/backward, optimizer steps),
-``samples_generated``, ``response_len_mean`` and ``reward_mean``.
+``samples_generated``, ``response_len_mean``, ``reward_mean`` and ``paused_seconds`` (below).
+
+With ``spec["score"]`` (``relayrl bench tta``) TRL saves a checkpoint every ``score["every"]`` rounds and the
+run scores it there, paused, with relayrl's own eval (``relayrl eval CONFIG --checkpoint DIR``: the same held-out set,
+greedy sampling and scoring code as relayrl's in-run evals); each score is appended to the metrics file as an eval
+line in relayrl's form (``eval``, ``step`` = the round, the metric), the checkpoint is deleted, and training stops
+once the metric reaches ``score["target"]``. ``paused_seconds``: the seconds spent saving and scoring before the
+round's end, which are not TRL's training (its net clock is ``time - paused_seconds``).
 
 One round = ``prompts_per_step`` prompts x ``n`` samples, trained in ``mini_batches`` optimizer steps
 (TRL: ``steps_per_generation``), as relayrl's step trains one batch in ``trainer.mini_batches`` steps.
@@ -15,6 +22,8 @@ One round = ``prompts_per_step`` prompts x ``n`` samples, trained in ``mini_batc
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +49,19 @@ class RoundLog:
         self.generation_seconds = 0.0
         self.rewards: list[float] = []
         self.lengths: list[int] = []
+        self.paused_seconds = 0.0  # saving and scoring checkpoints, in all
+        self.round_paused = 0.0  # ... in the current round
+
+    def pause(self, seconds: float) -> None:
+        self.paused_seconds += seconds
+        self.round_paused += seconds
+
+    def append(self, record: dict) -> None:
+        with self.metrics_path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
 
     def end_round(self, now: float) -> None:
-        step_seconds = now - self.round_started
+        step_seconds = now - self.round_started - self.round_paused
         self.round += 1
         record = {
             "step": self.round,
@@ -54,10 +73,10 @@ class RoundLog:
             "response_len_mean": sum(self.lengths) / max(1, len(self.lengths)),
             "response_len_min": min(self.lengths, default=0),
             "reward_mean": sum(self.rewards) / max(1, len(self.rewards)),
+            "paused_seconds": self.paused_seconds,
         }
-        with self.metrics_path.open("a") as out:
-            out.write(json.dumps(record) + "\n")
-        self.round_started, self.generation_seconds = now, 0.0
+        self.append(record)
+        self.round_started, self.generation_seconds, self.round_paused = now, 0.0, 0.0
         self.rewards, self.lengths = [], []
 
 
@@ -75,8 +94,41 @@ class RoundTimer(TrainerCallback):
             self.log.end_round(time.perf_counter())
 
 
+class ScoreCheckpoints(TrainerCallback):
+    """After each checkpoint save: ``relayrl eval`` of it (``score``: module docstring), its metric appended as an
+    eval line, the checkpoint deleted, training stopped at the target; the seconds are the round log's pauses."""
+
+    def __init__(self, log: RoundLog, score: dict) -> None:
+        self.log, self.score = log, score
+
+    def on_save(self, args, state, control, **kwargs):
+        began = time.perf_counter()
+        version = state.global_step // self.log.mini_batches
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        value = score_checkpoint(self.score, checkpoint, version)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        self.log.append({"eval": self.score["set"], "step": version, self.score["metric"]: value,
+                         "eval_seconds": time.perf_counter() - began, "time": time.time()})  # fmt: skip
+        self.log.pause(time.perf_counter() - began)
+        if value >= self.score["target"]:
+            control.should_training_stop = True
+        return control
+
+
+def score_checkpoint(score: dict, checkpoint: Path, version: int) -> float:
+    """``score["metric"]`` of ``score["set"]`` in ``relayrl eval``'s report on ``checkpoint`` (``score["argv"]``:
+    the command up to its ``--checkpoint``)."""
+    report = checkpoint.parent / f"eval-{version}.json"
+    argv = [*score["argv"], "--checkpoint", str(checkpoint), "--version", str(version), "--out", str(report)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"relayrl eval of {checkpoint} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(report.read_text())["results"][score["set"]][score["metric"]]
+
+
 class TimedGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` that adds the time spent in ``_generate`` to the current round."""
+    """``GRPOTrainer`` that adds the time spent in ``_generate`` to the current round, and the time spent saving a
+    checkpoint to the run's pauses."""
 
     round_log: RoundLog
 
@@ -86,6 +138,13 @@ class TimedGRPOTrainer(GRPOTrainer):
             return super()._generate(prompts)
         finally:
             self.round_log.generation_seconds += time.perf_counter() - began
+
+    def _save_checkpoint(self, model, trial):
+        began = time.perf_counter()
+        try:
+            return super()._save_checkpoint(model, trial)
+        finally:
+            self.round_log.pause(time.perf_counter() - began)
 
 
 def make_reward(name: str, log: RoundLog):
@@ -129,6 +188,11 @@ def grpo_config(spec: dict) -> GRPOConfig:
     precision when ``spec["bf16"]``)."""
     generation_kwargs = {"min_new_tokens": spec["max_tokens"]} if spec["equal_work"] else None
     per_step = spec["prompts_per_step"] * spec["n"]
+    score = spec.get("score")
+    saving = {"save_strategy": "no"}
+    if score:  # the model's weights alone: no optimizer state is read back
+        every = score["every"] * spec["mini_batches"]
+        saving = {"save_strategy": "steps", "save_steps": every, "save_only_model": True}
     return GRPOConfig(
         output_dir=spec["output_dir"],
         use_cpu=True,
@@ -159,7 +223,7 @@ def grpo_config(spec: dict) -> GRPOConfig:
         use_transformers_continuous_batching=spec.get("continuous_batching", False),
         scale_rewards="group",
         report_to="none",
-        save_strategy="no",
+        **saving,
         logging_steps=1,
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -170,13 +234,16 @@ def run(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     log = RoundLog(Path(spec["metrics_path"]), spec["mini_batches"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    callbacks: list[TrainerCallback] = [RoundTimer(log)]
+    if spec.get("score"):
+        callbacks.append(ScoreCheckpoints(log, spec["score"]))
     trainer = TimedGRPOTrainer(
         model=spec["model_path"],
         reward_funcs=[make_reward(spec["reward_fn"], log)],
         args=grpo_config(spec),
         train_dataset=training_rows(spec, tokenizer),
         processing_class=tokenizer,
-        callbacks=[RoundTimer(log)],
+        callbacks=callbacks,
     )
     trainer.round_log = log
     compute = "bfloat16" if spec["bf16"] else "float32"  # bf16=True: autocast over float32 weights

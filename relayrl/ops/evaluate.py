@@ -29,16 +29,17 @@ from relayrl.config import ConfigError, RelayConfig, load_config
 
 
 def checkpoint_kind(path: Path) -> str:
-    """ "trainer" (a DCP checkpoint with trainer_state.json), "adapter" (a PEFT adapter), "hf" (a model directory)."""
-    if (path / "trainer_state.json").is_file():
+    """ "trainer" (a DCP checkpoint: its .metadata and trainer_state.json), "adapter" (a PEFT adapter), "hf" (a model
+    directory, a Hugging Face ``Trainer`` checkpoint among them: it has a trainer_state.json of its own)."""
+    if (path / "trainer_state.json").is_file() and (path / ".metadata").is_file():
         return "trainer"
     if (path / "adapter_config.json").is_file():
         return "adapter"
     if (path / "config.json").is_file():
         return "hf"
     raise ConfigError(
-        f"--checkpoint: {path} is not a trainer checkpoint (trainer_state.json), a Hugging Face model directory "
-        "(config.json) or a LoRA adapter (adapter_config.json)"
+        f"--checkpoint: {path} is not a trainer checkpoint (.metadata, trainer_state.json), a Hugging Face model "
+        "directory (config.json) or a LoRA adapter (adapter_config.json)"
     )
 
 

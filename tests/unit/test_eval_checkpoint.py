@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM
 
 from relayrl.config import load_config
-from relayrl.ops.evaluate import hf_weights
+from relayrl.ops.evaluate import checkpoint_kind, hf_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,3 +35,14 @@ def test_a_trainer_checkpoint_gives_its_model_weights_and_leaves_the_optimizer_s
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
     assert sorted(p.name for p in workdir.iterdir()) == ["model"]  # no converted copy of the whole checkpoint
+
+
+def test_a_hugging_face_trainer_checkpoint_is_read_as_the_model_directory_it_is(tmp_path: Path) -> None:
+    # transformers' Trainer (TRL's GRPOTrainer) writes its own trainer_state.json beside config.json and the weights
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": []}))
+    assert checkpoint_kind(checkpoint) == "hf"
+    (checkpoint / ".metadata").write_bytes(b"")  # a DCP checkpoint of relayrl's trainer has both
+    assert checkpoint_kind(checkpoint) == "trainer"
