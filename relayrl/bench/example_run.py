@@ -1,5 +1,6 @@
 """An example config run as a user runs it, ``relayrl up CONFIG`` in a fresh run directory, and read back: the
-shared part of ``relayrl bench guess`` and ``relayrl bench addition``."""
+shared part of ``relayrl bench guess`` and ``relayrl bench addition``; ``relayrl train <stage>`` run the same way
+(``train_stage``: ``relayrl bench pipeline`` and ``preference``); scratch directories kept when a bench fails."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from relayrl.bench.record import machine_record, run_sides
 
@@ -27,10 +32,10 @@ class ExampleRun:
     machine: dict  # the fairness record (relayrl/bench/record.py), the load average at the end
 
 
-def run_example(config: str, overrides: list[str], timeout_s: float) -> ExampleRun:
-    """``relayrl up config`` (plus ``--set`` overrides) to its end in a fresh run directory; SystemExit with its
-    stderr's tail when it fails."""
-    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-example-"))
+def run_example(config: str, overrides: list[str], timeout_s: float, parent: Path | None = None) -> ExampleRun:
+    """``relayrl up config`` (plus ``--set`` overrides) to its end in a fresh run directory (under ``parent`` when
+    given: a bench's ``scratch``); SystemExit with its stderr's tail when it fails."""
+    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-example-", dir=parent))
     argv = [sys.executable, "-m", "relayrl.cli", "up", config, "--set", f"run.dir={workdir / 'runs'}"]
     for override in overrides:
         argv += ["--set", override]
@@ -39,10 +44,45 @@ def run_example(config: str, overrides: list[str], timeout_s: float) -> ExampleR
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.monotonic() - start
     if done.returncode != 0:
-        raise SystemExit(f"relayrl up {config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"relayrl up {config} failed (exit {done.returncode}; its run kept in {workdir}):\n{done.stderr[-3000:]}"
+        )
     (run_dir,) = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
     machine |= {"resolved": run_sides(run_dir / "logs"), "loadavg_at_end": list(os.getloadavg())}
     return ExampleRun(run_dir, workdir, wall_s, machine)
+
+
+@contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A fresh temporary directory for a bench's runs: removed when the block ends normally, kept when it raises
+    (its path printed to stderr), so a failed run can be inspected."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    except BaseException:
+        print(f"kept {workdir} (the failed bench's runs)", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_cli(args: list[str], timeout_s: float | None) -> float:
+    """``relayrl ARGS`` in the repository root to its end (None: no time limit); its wall seconds, or SystemExit with
+    its stderr's tail."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"relayrl {' '.join(args[:2])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return time.monotonic() - start
+
+
+def train_stage(stage: str, config: Path, overrides: list[str], workdir: Path, timeout_s: float) -> tuple[Path, float]:
+    """``relayrl train <stage> config --set run.dir=workdir`` plus the ``overrides`` (key=value); (its run directory,
+    ``workdir`` / the config's run.name, and its wall seconds)."""
+    sets = [f"run.dir={workdir}", *overrides]
+    wall = run_cli(["train", stage, str(config)] + [arg for o in sets for arg in ("--set", o)], timeout_s)
+    return workdir / yaml.safe_load(config.read_text())["run"]["name"], wall
 
 
 def read_lines(path: Path) -> tuple[list[dict], list[dict]]:

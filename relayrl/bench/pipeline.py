@@ -17,15 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 from relayrl.bench.addition import HELDOUT
-from relayrl.bench.example_run import ROOT, read_lines, run_example
+from relayrl.bench.example_run import ROOT, read_lines, run_example, scratch, train_stage
 from relayrl.bench.record import machine_record
 
 DIR = ROOT / "examples" / "pipeline-sft-grpo"
@@ -66,17 +61,6 @@ def curve(evals: list[dict]) -> list[dict]:
     return [{"step": r["step"], "accuracy": r["mean@1"]} for r in points]
 
 
-def run_sft(overrides: list[str], workdir: Path, timeout_s: float) -> tuple[Path, float]:
-    """``relayrl train sft`` of the stage-1 config in ``workdir``; (its run directory, wall seconds)."""
-    argv = [sys.executable, "-m", "relayrl.cli", "train", "sft", str(SFT_CONFIG), "--set", f"run.dir={workdir}"]
-    argv += [arg for override in overrides for arg in ("--set", override)]
-    start = time.monotonic()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise SystemExit(f"relayrl train sft failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return workdir / "pipeline-sft", time.monotonic() - start
-
-
 def plot(sft: list[dict], rl: list[dict], sft_steps: int, out: Path) -> None:
     """Held-out accuracy against the stage step: SFT's steps, then RL's after them."""
     import matplotlib
@@ -102,11 +86,10 @@ def plot(sft: list[dict], rl: list[dict], sft_steps: int, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     machine = machine_record(None)
-    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-pipeline-"))
-    try:
-        sft_dir, sft_wall = run_sft(args.sft_set, workdir, args.timeout_s)
+    with scratch("relayrl-bench-pipeline-") as workdir:
+        sft_dir, sft_wall = train_stage("sft", SFT_CONFIG, args.sft_set, workdir, args.timeout_s)
         sft_records, sft_evals = read_lines(sft_dir / "metrics.jsonl")
-        rl = run_example(str(RL_CONFIG), [f"model.path={sft_dir / 'final'}", *args.rl_set], args.timeout_s)
+        rl = run_example(str(RL_CONFIG), [f"model.path={sft_dir / 'final'}", *args.rl_set], args.timeout_s, workdir)
         rl_records, rl_evals = read_lines(rl.run_dir / "metrics.jsonl")
         sft_curve, rl_curve = curve(sft_evals), curve(rl_evals)
         sft_steps = sft_records[-1]["step"]
@@ -137,7 +120,4 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(text + "\n")
         if args.png:
             plot(sft_curve, rl_curve, sft_steps, Path(args.png))
-        shutil.rmtree(rl.workdir, ignore_errors=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -22,18 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
-
-import yaml
 
 from relayrl.bench.addition import CONFIG as ADDITION
 from relayrl.bench.addition import HELDOUT, heldout_accuracy
-from relayrl.bench.example_run import ROOT, read_lines, run_example, write_result
+from relayrl.bench.example_run import ROOT, read_lines, run_cli, run_example, scratch, train_stage, write_result
 from relayrl.bench.record import machine_record
 
 DIR = ROOT / "examples" / "preference-smollm2"
@@ -85,17 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_cli(args: list[str], timeout_s: float) -> float:
-    """``relayrl ARGS`` in the repository root to its end; its wall seconds, or SystemExit with its stderr's tail."""
-    start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"relayrl {' '.join(args[:2])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return time.monotonic() - start
-
-
 def sample(n: int, workdir: Path, timeout_s: float) -> tuple[dict, float]:
     """The base model's ``n`` samples at temperature 1 of every training and held-out sum, verifier-scored, through
     ``relayrl eval`` (a rollout worker process); (its report with generations, wall seconds)."""
@@ -116,16 +98,6 @@ def sample(n: int, workdir: Path, timeout_s: float) -> tuple[dict, float]:
         timeout_s,
     )
     return json.loads(out.read_text()), wall
-
-
-def train_stage(
-    stage: str, config: Path, pairs: dict[str, Path], overrides: list[str], workdir: Path, timeout_s: float
-) -> tuple[Path, float]:
-    """``relayrl train <stage> config`` on the pairs, its run directory under ``workdir``; (the run directory, wall
-    seconds)."""
-    sets = [f"run.dir={workdir}", f"data.path={pairs[TRAIN]}", f"data.eval_path={pairs[HELDOUT]}", *overrides]
-    wall = run_cli(["train", stage, str(config)] + [arg for o in sets for arg in ("--set", o)], timeout_s)
-    return workdir / yaml.safe_load(config.read_text())["run"]["name"], wall
 
 
 def dpo_summary(run_dir: Path, wall_s: float) -> dict:
@@ -209,8 +181,7 @@ def plot(dpo: dict, rm: dict, grpo: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     machine = machine_record(None)
-    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-preference-"))
-    try:
+    with scratch("relayrl-bench-preference-") as workdir:
         report, sample_wall = sample(args.n, workdir, args.timeout_s)
         pairs = {
             name: preference_pairs(rows, per_prompt=args.pairs_per_prompt)
@@ -221,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(pairs[name], path)
         if args.pairs_out:
             write_jsonl([{**p, "split": name} for name, rows in pairs.items() for p in rows], Path(args.pairs_out))
-        dpo_dir, dpo_wall = train_stage("dpo", DPO_CONFIG, paths, args.dpo_set, workdir, args.timeout_s)
-        rm_dir, rm_wall = train_stage("rm", RM_CONFIG, paths, args.rm_set, workdir, args.timeout_s)
-        grpo = run_example(str(GRPO_CONFIG), [f"scorers.rm.model={rm_dir / 'final'}", *args.grpo_set], args.timeout_s)
+        data = [f"data.path={paths[TRAIN]}", f"data.eval_path={paths[HELDOUT]}"]
+        dpo_dir, dpo_wall = train_stage("dpo", DPO_CONFIG, data + args.dpo_set, workdir, args.timeout_s)
+        rm_dir, rm_wall = train_stage("rm", RM_CONFIG, data + args.rm_set, workdir, args.timeout_s)
+        served = [f"scorers.rm.model={rm_dir / 'final'}", *args.grpo_set]
+        grpo = run_example(str(GRPO_CONFIG), served, args.timeout_s, workdir)
         records, evals = read_lines(grpo.run_dir / "metrics.jsonl")
         dpo, rm = dpo_summary(dpo_dir, dpo_wall), rm_summary(rm_dir, rm_wall)
         grpo_figures = {
@@ -250,7 +223,4 @@ def main(argv: list[str] | None = None) -> int:
         write_result(result, args.out)
         if args.png:
             plot(dpo, rm, grpo_figures, Path(args.png))
-        shutil.rmtree(grpo.workdir, ignore_errors=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return 0

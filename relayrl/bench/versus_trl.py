@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relayrl.bench.example_run import ROOT
+from relayrl.bench.example_run import ROOT, run_cli, scratch
 from relayrl.bench.record import machine_record
 
 LR = 2e-5  # both sides' constant learning rate
@@ -84,10 +82,7 @@ def relayrl_side(versus: Versus, spec: dict, workdir: Path) -> dict:
     }  # fmt: skip
     path = workdir / f"{versus.verb}.yaml"
     path.write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "relayrl.cli", "train", versus.verb, str(path)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"relayrl train {versus.verb} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    run_cli(["train", versus.verb, str(path)], timeout_s=None)
     metrics = workdir / "runs" / f"bench-{versus.verb}" / "metrics.jsonl"
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
     timed = steps[1:]
@@ -191,8 +186,7 @@ def run_bench(versus: Versus, args: argparse.Namespace, argv: list[str] | None) 
     cfg = SFTConfig.model_validate({"model": {"path": args.model}, "data": {"path": "-"}})
     prepare_model(cfg)  # a builtin: built once per machine, both sides read the same directory
     machine = machine_record({"relayrl": {"precision": "float32"}, "trl": {"precision": "float32"}})
-    workdir = Path(tempfile.mkdtemp(prefix=f"relayrl-bench-{versus.verb}-"))
-    try:
+    with scratch(f"relayrl-bench-{versus.verb}-") as workdir:
         data = workdir / "rows.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in versus.rows(args)))
         spec = {
@@ -220,8 +214,6 @@ def run_bench(versus: Versus, args: argparse.Namespace, argv: list[str] | None) 
                 **{mode: side["positions_computed"] / side["tokens"] for mode, side in trl.items()},
             },
         }
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
