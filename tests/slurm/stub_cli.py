@@ -8,7 +8,10 @@ exact flags of the contract; unknown flags are errors) and imitates the flows th
   ``<state-dir>/registrations.txt``; on SIGTERM it writes ``<state-dir>/stopped`` and exits 0.
 - ``rollout serve`` listens on ``--port``, registers ``--advertise`` with the controller, and on
   SIGTERM writes ``<run dir>/stub/rollout-<port>.stopped`` and exits 0.
-- ``trainer run`` (under torchrun) waits for a registration, then rank 0 writes ten lines of
+- ``reward serve`` (a scorer) listens on ``--port``, then joins the controller (``scorer <name> <advertise>``,
+  tried until the controller listens: scorers start before it), and on SIGTERM writes
+  ``<run dir>/stub/reward-<name>-<port>.stopped`` and exits 0.
+- ``trainer run`` (under torchrun) waits for a rollout worker's registration, then rank 0 writes ten lines of
   ``<run dir>/metrics.jsonl`` with a rising ``reward_mean`` and exits 0.
 
 Every role must be given ``--set run.dir=.. --set run.name=..`` naming ``$RELAYRL_RUN_DIR`` (the run
@@ -103,6 +106,27 @@ def rollout_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def reward_serve(args: argparse.Namespace) -> int:
+    Path(args.config).read_text()
+    sock = _listen(args.port)  # open until exit: the batch script waits for this port before the controller starts
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with socket.create_connection(args.controller, timeout=30) as conn:
+                conn.sendall(f"scorer {args.name} {args.advertise[0]}:{args.advertise[1]}\n".encode())
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print("stub scorer: the controller never listened", file=sys.stderr)
+                return 3
+            time.sleep(0.2)
+    marker = args.run_dir / "stub" / f"reward-{args.name}-{args.port}.stopped"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    _wait_for_sigterm(lambda: marker.write_text("SIGTERM\n"))
+    sock.close()
+    return 0
+
+
 def trainer_run(args: argparse.Namespace) -> int:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
@@ -115,7 +139,7 @@ def trainer_run(args: argparse.Namespace) -> int:
     registrations = run_dir / "controller" / "registrations.txt"
     wanted = int(os.environ.get("RELAYRL_STUB_TRAINER_REGISTRATIONS", "1"))
     deadline = time.monotonic() + 120
-    while not (registrations.exists() and len(registrations.read_text().split("\n")) > wanted):
+    while not (registrations.exists() and rollout_registrations(registrations) >= wanted):
         if time.monotonic() > deadline:
             print("stub trainer: no rollout worker registered", file=sys.stderr)
             return 3
@@ -130,6 +154,11 @@ def trainer_run(args: argparse.Namespace) -> int:
     if os.environ.get("RELAYRL_STUB_ROLLOUT_CRASH") == "1":
         time.sleep(600)  # a trainer waiting for batches that never come
     return int(os.environ.get("RELAYRL_STUB_TRAINER_EXIT", "0"))
+
+
+def rollout_registrations(path: Path) -> int:
+    """Registrations of rollout workers (``register <address>``) among the controller's lines."""
+    return sum(line.startswith("register ") for line in path.read_text().splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,12 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--metrics-port", type=int)
     ro.set_defaults(fn=rollout_serve)
 
+    rw = roles.add_parser("reward").add_subparsers(dest="cmd", required=True).add_parser("serve")
+    rw.add_argument("--config", required=True)
+    rw.add_argument("--name", required=True)
+    rw.add_argument("--controller", type=_host_port, required=True)
+    rw.add_argument("--host", required=True, choices=["0.0.0.0"])
+    rw.add_argument("--port", type=int, required=True)
+    rw.add_argument("--advertise", type=_host_port, required=True)
+    rw.add_argument("--metrics-port", type=int)
+    rw.set_defaults(fn=reward_serve)
+
     tr = roles.add_parser("trainer").add_subparsers(dest="cmd", required=True).add_parser("run")
     tr.add_argument("--config", required=True)
     tr.add_argument("--controller", type=_host_port, required=True)
     tr.set_defaults(fn=trainer_run)
 
-    for sub in (ctl, ro, tr):
+    for sub in (ctl, ro, rw, tr):
         sub.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
 
     args = p.parse_args(argv)

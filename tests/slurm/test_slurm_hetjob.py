@@ -230,12 +230,14 @@ def _submit_relayrl(
     return RelayrlJob(job, comps, run_dir, _diagnostics(run_dir, out_dir))
 
 
-def _assert_placement(job: RelayrlJob) -> dict[str, list[dict]]:
-    """Rollout ran in het group 0, controller and trainer in het group 1, on disjoint nodes."""
+def _assert_placement(job: RelayrlJob, scorers: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+    """Rollout ran in het group 0, controller and trainer in het group 1, on disjoint nodes; each of ``scorers``
+    (role reward-<name>) in het group 1 beside the controller."""
     roles = _roles(job.run_dir)
-    assert set(roles) == {"controller", "rollout", "trainer"}, f"{roles}\n{job.diag}"
+    scorer_roles = {f"reward-{name}" for name in scorers}
+    assert set(roles) == {"controller", "rollout", "trainer", *scorer_roles}, f"{roles}\n{job.diag}"
     groups = {role: {r["het_group"] for r in recs} for role, recs in roles.items()}
-    assert groups == {"controller": {1}, "rollout": {0}, "trainer": {1}}, groups
+    assert groups == {"controller": {1}, "rollout": {0}, "trainer": {1}} | {role: {1} for role in scorer_roles}, groups
     for recs in roles.values():  # the group the script asked for is the one Slurm placed the task in
         for r in recs:
             assert r["het_group_from_nodelist"] == r["het_group"], r
@@ -244,6 +246,8 @@ def _assert_placement(job: RelayrlJob) -> dict[str, list[dict]]:
     trainer_nodes = {r["slurmd_nodename"] for r in roles["trainer"]}
     assert rollout_nodes.isdisjoint(trainer_nodes)
     assert roles["controller"][0]["slurmd_nodename"] == sorted(trainer_nodes)[0]
+    for role in scorer_roles:
+        assert [r["slurmd_nodename"] for r in roles[role]] == [roles["controller"][0]["slurmd_nodename"]]
     return roles
 
 
@@ -278,8 +282,10 @@ def test_relayrl_sbatch_with_stub_cli(cluster: Cluster, tmp_path: Path, stub_wor
     """The orchestration of relayrl.sbatch (placement, addresses, flags, clean stop) on a stand-in CLI.
 
     Two rollout tasks on the rollout node (het sizes given on the sbatch command line, `:` between
-    groups) check the per-task ports.
+    groups) check the per-task ports. The config's scorer (scorers.rm) is served as a step of its own, started
+    before the controller, its address given to every role and joined to the controller.
     """
+    (stub_workdir / "config.yaml").write_text("run: {name: stub}\nscorers: {rm: {model: m}}\n")
     job = _submit_relayrl(
         cluster,
         tmp_path,
@@ -289,28 +295,43 @@ def test_relayrl_sbatch_with_stub_cli(cluster: Cluster, tmp_path: Path, stub_wor
         args=("--ntasks-per-node=2", ":", "--nodes=1"),
     )
     _assert_completed(job)
-    roles = _assert_placement(job)
+    roles = _assert_placement(job, scorers=("rm",))
     assert len(roles["rollout"]) == 2 and len({r["address"] for r in roles["rollout"]}) == 2
-    ctl = roles["controller"][0]
-    registered = (job.run_dir / "controller" / "registrations.txt").read_text().split()
-    assert sorted(r["address"] for r in roles["rollout"]) == sorted(a for a in registered if a != "register")
+    ctl, (scorer,) = roles["controller"][0], roles["reward-rm"]
+    registered = [line.split() for line in (job.run_dir / "controller" / "registrations.txt").read_text().splitlines()]
+    rollouts_registered = sorted(line[1] for line in registered if line[0] == "register")
+    assert sorted(r["address"] for r in roles["rollout"]) == rollouts_registered
+    assert [line for line in registered if line[0] == "scorer"] == [["scorer", "rm", scorer["address"]]]
     assert all(r["address"].rsplit(":", 1)[0] == ctl["address"].rsplit(":", 1)[0] for r in roles["rollout"])
     # the exact command lines of the contract
     argv = {}
     for f in (job.run_dir / "stub").glob("*.argv.json"):
         argv.setdefault(f.name.split("-")[0], []).append(json.loads(f.read_text())["argv"])
     assert len(argv["controller"]) == 1 and len(argv["rollout"]) == 2 and len(argv["trainer"]) == 1
-    ctl_argv, trainer_argv = argv["controller"][0], argv["trainer"][0]
+    assert len(argv["reward"]) == 1
+    ctl_argv, trainer_argv, scorer_argv = argv["controller"][0], argv["trainer"][0], argv["reward"][0]
     assert ctl_argv[:2] == ["controller", "serve"] and "--metrics-port" in ctl_argv
     assert "controller.host=0.0.0.0" in ctl_argv
     assert all(a[:2] == ["rollout", "serve"] and "--metrics-port" in a for a in argv["rollout"])
     assert trainer_argv[:2] == ["trainer", "run"]
-    for a in [ctl_argv, trainer_argv, *argv["rollout"]]:
+    assert scorer_argv[:2] == ["reward", "serve"] and "--metrics-port" in scorer_argv
+    assert scorer_argv[scorer_argv.index("--name") + 1] == "rm"
+    assert scorer_argv[scorer_argv.index("--advertise") + 1] == scorer["address"]
+    assert scorer_argv[scorer_argv.index("--controller") + 1] == ctl["address"]
+    for a in [ctl_argv, trainer_argv, *argv["rollout"]]:  # every role started after it reaches the scorer
+        assert f"scorers.rm.servers=[{scorer['address']}]" in a
+    for a in [ctl_argv, trainer_argv, scorer_argv, *argv["rollout"]]:
         assert a[a.index("--config") + 1] == str(stub_workdir / "config.yaml")
         assert f"run.name={job.run_dir.name}" in a
     # the services were stopped with SIGTERM after the trainer finished, and exited cleanly
     assert (job.run_dir / "controller" / "stopped").read_text() == "SIGTERM\n", job.diag
     assert len(list((job.run_dir / "stub").glob("rollout-*.stopped"))) == 2, job.diag
+    assert len(list((job.run_dir / "stub").glob("reward-rm-*.stopped"))) == 1, job.diag
+    assert set(json.loads((job.run_dir / "supervisor.json").read_text())["roles"]) == {
+        "controller",
+        "rollout",
+        "reward-rm",
+    }
     _assert_reward_improves(job)
 
 
@@ -381,16 +402,27 @@ def _cli_help(role: str) -> str:
 
 @pytest.mark.timeout(1200)
 def test_relayrl_hetjob(cluster: Cluster, tmp_path: Path):
-    """The real thing: relayrl's controller, rollout worker and torchrun trainer as one het job."""
-    config = str(DIGITS_SLURM.relative_to(REPO))
+    """The real thing: relayrl's controller, rollout worker and torchrun trainer as one het job, with a served
+    reward model (a tiny one, weighted 0 beside the task's reward: it is called every step, trains nothing) as a
+    scorer step of its own."""
+    from tests.unit.scorer_testing import write_tiny_reward_model
+
+    raw = yaml.safe_load(DIGITS_SLURM.read_text())
+    raw["scorers"] = {"rm": {"model": str(write_tiny_reward_model(tmp_path / "rm")), "precision": "float32"}}
+    raw["controller"]["reward"] = {"fns": {raw["controller"]["reward"]["fn"]: 1.0, "scorer:rm": 0.0}}
+    config = tmp_path / "digits-slurm-rm.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
     # as many rollout workers as `relayrl up` would start, all on the rollout node
-    workers = (yaml.safe_load(DIGITS_SLURM.read_text()).get("rollout") or {}).get("workers", 1)
+    workers = (raw.get("rollout") or {}).get("workers", 1)
     sizes = (f"--ntasks-per-node={workers}", ":", "--nodes=1")
-    env = {}
+    env = {"RELAYRL_SCORER_PORT": str(_free_port()), "RELAYRL_SCORER_METRICS_PORT": str(_free_port())}
     for role in ("controller", "rollout"):  # the sbatch drops --metrics-port when its port is ""
         if "--metrics-port" not in _cli_help(role):
             env[f"RELAYRL_{role.upper()}_METRICS_PORT"] = ""
-    job = _submit_relayrl(cluster, tmp_path, cwd=REPO, config=config, timeout=420, env=env, args=sizes)
+    job = _submit_relayrl(cluster, tmp_path, cwd=REPO, config=str(config), timeout=420, env=env, args=sizes)
     _assert_completed(job)
-    _assert_placement(job)
+    _assert_placement(job, scorers=("rm",))
     _assert_reward_improves(job)
+    steps = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    scored = [r for r in steps if r.get("scorer/rm/calls", 0) > 0]
+    assert len(scored) == len(steps) and all(r["scorer/rm/retries"] == 0 for r in scored), job.diag
