@@ -662,6 +662,10 @@ class AlgorithmConfig(Section):
     advantage: str = "grpo"
     teacher: str | None = None  # distill: the scorer (scorers.<name>, kind teacher) whose log-probs the tokens get
     distill_coef: float = Field(1.0, gt=0)  # distill: the reverse KL's weight in the advantage
+    # distill: an outcome estimator (grpo, rloo, reinforce_pp, reinforce_pp_baseline) of the task reward
+    # (controller.reward) whose advantage each token also gets: A_t = A_task + distill_coef x -(log pi_rollout -
+    # log pi_teacher); null: the reverse KL alone
+    distill_task_advantage: str | None = None
     norm_by_std: bool = True  # False: Dr.GRPO
     # GAE's discount and trace decay (gae only). 1 and 1, as verl: with one reward at the end, A_t = R - V(s_t)
     # (Monte-Carlo, no bootstrap from an untrained critic); lam < 1 trades variance for the critic's bias
@@ -1157,6 +1161,16 @@ class RelayConfig(Section):
         alg = self.algorithm
         if (alg.advantage == "distill") != (alg.teacher is not None):
             raise ValueError("algorithm.teacher: set exactly when algorithm.advantage is distill (whose teacher it is)")
+        if alg.distill_task_advantage is not None and alg.advantage != "distill":
+            raise ValueError(
+                "algorithm.distill_task_advantage: combines a task reward's advantage with distill's; set "
+                "algorithm.advantage: distill, or algorithm.advantage to the estimator alone"
+            )
+        if alg.distill_task_advantage in ("distill", "gae"):
+            raise ValueError(
+                f"algorithm.distill_task_advantage: {alg.distill_task_advantage!r} is no outcome estimator of the task "
+                f"reward (grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
+            )
         known = [name for name, scorer in self.scorers.items() if scorer.kind == "teacher"]
         if alg.teacher is not None and alg.teacher not in known:
             raise ValueError(f"algorithm.teacher: {alg.teacher!r} is no scorer of kind teacher ({known or 'none'})")

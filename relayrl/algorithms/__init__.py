@@ -19,7 +19,8 @@ Offline and scoring losses (SFT, preference tuning, reward models, distillation)
 - preference_loss: PREFERENCE_LOSSES (sigmoid: DPO, conservative DPO with label_smoothing; ipo), sequence_logprobs
 - kto_loss: kto_loss, kto_reference_point, mismatched_completions (KTO, unpaired)
 - sft_loss: sft_loss, token_accuracy, pad_examples / pack_examples (the loss's two equal layouts)
-- distill: distill_advantage (on-policy distillation's per-token reverse KL), mean_reverse_kl (its step metric)
+- distill: distill_advantage (on-policy distillation's per-token reverse KL), mean_reverse_kl (its step metric),
+  with_task_advantage (a task reward's advantage added to it)
 """
 
 from relayrl.algorithms.advantages import (
@@ -31,7 +32,7 @@ from relayrl.algorithms.advantages import (
     rloo_advantage,
 )
 from relayrl.algorithms.aggregation import LOSS_AGGREGATIONS, agg_loss, masked_mean, masked_sum
-from relayrl.algorithms.distill import distill_advantage, mean_reverse_kl
+from relayrl.algorithms.distill import distill_advantage, mean_reverse_kl, with_task_advantage
 from relayrl.algorithms.dynamic_sampling import (
     DynamicSamplingExhausted,
     GroupFiller,
@@ -104,4 +105,5 @@ __all__ = [
     "sft_loss",
     "terminal_rewards",
     "token_accuracy",
+    "with_task_advantage",
 ]

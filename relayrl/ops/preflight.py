@@ -385,6 +385,7 @@ def check_environment(cfg: RelayConfig) -> None:
 # config key -> (module, registry attribute): every name the trainer looks up in a registry at its start
 REGISTRY_KEYS = {
     "algorithm.advantage": ("relayrl.algorithms.advantages", "ADVANTAGE_ESTIMATORS"),
+    "algorithm.distill_task_advantage": ("relayrl.algorithms.advantages", "ADVANTAGE_ESTIMATORS"),  # null: none
     "algorithm.policy_loss": ("relayrl.algorithms.policy_loss", "POLICY_LOSSES"),
     "algorithm.loss_agg": ("relayrl.algorithms.aggregation", "LOSS_AGGREGATIONS"),
     "algorithm.kl_estimator": ("relayrl.algorithms.kl", "KL_ESTIMATORS"),
@@ -392,13 +393,13 @@ REGISTRY_KEYS = {
 
 
 def check_registry_names(cfg: RelayConfig) -> None:
-    """Each key of ``REGISTRY_KEYS`` names an entry of its registry (as registered when the check runs: a new
-    estimator needs no change here). ConfigError naming the key and the known names."""
+    """Each key of ``REGISTRY_KEYS`` that is set names an entry of its registry (as registered when the check runs: a
+    new estimator needs no change here). ConfigError naming the key and the known names."""
     for key, (module, attr) in REGISTRY_KEYS.items():
         section, field = key.split(".")
         name = getattr(getattr(cfg, section), field)
         registry = getattr(importlib.import_module(module), attr)
-        if name not in registry:
+        if name is not None and name not in registry:
             raise ConfigError(f"{key}: unknown {registry.kind} {name!r}; known: {', '.join(registry.names())}")
 
 

@@ -43,6 +43,7 @@ from relayrl.algorithms import (
     distill_advantage,
     kl_penalty,
     mean_reverse_kl,
+    with_task_advantage,
 )
 from relayrl.algorithms.partition import split_sizes
 from relayrl.config import TRAINER_ANCHORED_LOSSES, AlgorithmConfig, CriticConfig, TrainerConfig
@@ -258,6 +259,11 @@ def train_on_batch(
         advantages = targets[0]
     elif alg.advantage == "distill":  # per token: -coef x (rollout logprob - teacher logprob), 0 off the loss mask
         advantages = distill_advantage(batch.rollout_logprobs, batch.teacher_logprobs, mask, coef=alg.distill_coef)
+        if alg.distill_task_advantage is not None:  # plus each sample's task-reward advantage on its tokens
+            task = compute_advantages(
+                alg.distill_task_advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std
+            )
+            advantages = with_task_advantage(task, advantages, mask)
     else:
         advantages = compute_advantages(alg.advantage, batch.rewards, batch.group_ids, norm_by_std=alg.norm_by_std)
     if on_advantages is not None:

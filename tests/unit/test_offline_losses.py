@@ -24,6 +24,7 @@ from relayrl.algorithms import (
     sequence_logprobs,
     sft_loss,
     token_accuracy,
+    with_task_advantage,
 )
 from relayrl.models.tiny import build_model, build_tokenizer
 
@@ -369,6 +370,21 @@ def test_distill_advantage_is_the_negated_reverse_kl_on_sampled_tokens() -> None
     assert torch.isfinite(distill_advantage(nan_student, teacher, mask)).all()
     with pytest.raises(ValueError, match="teacher_logprob: expected shape"):
         distill_advantage(student, teacher[:, :2], mask)
+
+
+def test_a_task_advantage_adds_to_each_token_of_its_sample_on_the_mask() -> None:
+    student, teacher = leaf(3, 4, seed=54), leaf(3, 4, seed=55)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
+    task = torch.tensor([0.7, -1.2, 0.25], dtype=torch.float64)
+    adv = with_task_advantage(task, distill_advantage(student, teacher, mask, coef=2.0), mask)
+    expected = [
+        [a - 2.0 * (s - t) if m else 0.0 for s, t, m in zip(sr, tr, mr)]
+        for a, sr, tr, mr in zip(task.tolist(), student.tolist(), teacher.tolist(), mask.tolist())
+    ]
+    close(adv, expected)
+    assert not adv.requires_grad
+    with pytest.raises(ValueError, match=r"task_advantage: expected shape \(3,\)"):
+        with_task_advantage(task[:2], adv, mask)
 
 
 def test_mean_reverse_kl_is_the_token_mean_of_the_negated_advantage_over_the_mask() -> None:

@@ -9,10 +9,12 @@ import statistics
 import pytest
 
 from relayrl.config import ConfigError, parse_config
+from relayrl.ops.preflight import check_registry_names
 from relayrl.rewards.served import RunningMoments
 from relayrl.scorer.models import judged_score
 
 BASE = {"model": {"path": "m"}, "data": {"path": "d"}}
+DISTILL = {"advantage": "distill", "teacher": "rm"}
 
 
 def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
@@ -38,11 +40,29 @@ def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
             {**config({}), "algorithm": {"advantage": "distill", "teacher": "rm"}},
             "algorithm.teacher: 'rm' is no scorer of kind teacher (none)",
         ),
+        (
+            {**config({}), "algorithm": {"distill_task_advantage": "grpo"}},
+            "algorithm.distill_task_advantage: combines a task reward's advantage with distill's",
+        ),
+        (
+            {**config({}, kind="teacher"), "algorithm": DISTILL | {"distill_task_advantage": "gae"}},
+            "algorithm.distill_task_advantage: 'gae' is no outcome estimator of the task reward",
+        ),
     ],
 )
 def test_a_scorer_a_run_cannot_use_is_refused_naming_the_key(raw: dict, message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
         parse_config(raw)
+
+
+def test_relayrl_check_refuses_a_distill_task_advantage_no_estimator_has_naming_the_key() -> None:
+    teacher = config({}, kind="teacher")
+    check_registry_names(parse_config({**teacher, "algorithm": DISTILL | {"distill_task_advantage": "rloo"}}))
+    bad = parse_config({**teacher, "algorithm": DISTILL | {"distill_task_advantage": "grpoo"}})
+    with pytest.raises(
+        ConfigError, match=re.escape("algorithm.distill_task_advantage: unknown advantage estimator 'grpoo'")
+    ):
+        check_registry_names(bad)
 
 
 def test_a_served_reward_beside_a_function_parses() -> None:

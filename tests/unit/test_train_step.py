@@ -9,6 +9,7 @@ import torch
 from trainer_testing import full_weights, one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
 from transformers import AutoModelForCausalLM
 
+from relayrl.algorithms.advantages import compute_advantages
 from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.trainer.backends.fsdp import FSDPBackend
@@ -129,3 +130,31 @@ def test_gspo_trains_stale_batches_under_truncated_importance_sampling(tiny_mode
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert 0.0 < metrics["clip_frac"] < 1.0 and metrics["old_logprobs_from_engine"] == 0.0
     assert all(v == v for v in metrics.values() if isinstance(v, float))  # no NaN
+
+
+def test_distill_with_a_task_advantage_trains_each_token_on_both(tiny_model_dir) -> None:
+    """algorithm.distill_task_advantage: each sample's advantage is its task reward's (grpo over its group) plus the
+    mean of its tokens' distillation advantages, as the step reports them per sample."""
+    tcfg = TrainerConfig(lr=0.01, mini_batches=2, precision="float32")
+    backend = FSDPBackend(ModelConfig(path=str(tiny_model_dir)), tcfg, with_reference=False)
+    batch = rollout_batch(backend)
+    shift = torch.linspace(-1.0, 1.0, batch.rollout_logprobs.numel()).reshape(batch.rollout_logprobs.shape)
+    batch = dataclasses.replace(batch, teacher_logprobs=(batch.rollout_logprobs + shift) * batch.response_mask)
+    reported = {}
+    for task in (None, "grpo"):
+        alg = AlgorithmConfig(advantage="distill", teacher="t", distill_coef=0.5, distill_task_advantage=task)
+        train_on_batch(
+            backend,
+            batch,
+            alg,
+            tcfg,
+            temperature=1.0,
+            norm_len=7,
+            on_advantages=lambda a, task=task: reported.update({task: a}),
+        )
+    mask = batch.response_mask
+    distill = (0.5 * shift * mask).sum(-1) / mask.sum(-1)  # -coef (student - teacher) = coef x shift, token mean
+    grpo = compute_advantages("grpo", batch.rewards, batch.group_ids)
+    torch.testing.assert_close(reported[None], distill.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(reported["grpo"], (grpo + distill).float(), atol=1e-6, rtol=0)
+    assert float(grpo.abs().max()) > 0.5  # the task's advantage is no rounding beside the distillation's
