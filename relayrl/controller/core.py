@@ -56,6 +56,7 @@ from relayrl.errors import (
 from relayrl.rewards import RewardFailures, RewardRaised, RewardShapeError
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
+from relayrl.scorer.vocab import check_teacher_vocab
 from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class Controller:
         self.state_dir = Path(state_dir or ccfg.state_dir or cfg.run_dir / "controller")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        if cfg.algorithm.teacher is not None:  # it scores this tokenizer's ids
+            check_teacher_vocab(self.tokenizer, cfg.algorithm.teacher, cfg.scorers[cfg.algorithm.teacher].model)
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.run.seed)
         self.ledger = Ledger(self.state_dir / "ledger.jsonl")
         self.progress = self._load_progress()
