@@ -17,9 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from relayrl.bench.record import machine_record, run_sides
+from relayrl.config import load_offline_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +64,15 @@ def scratch(prefix: str) -> Iterator[Path]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_cli(args: list[str], timeout_s: float | None) -> float:
-    """``relayrl ARGS`` in the repository root to its end (None: no time limit); its wall seconds, or SystemExit with
-    its stderr's tail."""
+def run_cli(args: list[str], timeout_s: float | None, log: Path | None = None) -> float:
+    """``relayrl ARGS`` in the repository root to its end (None: no time limit), its output written to ``log`` when
+    given; its wall seconds, or SystemExit with its stderr's tail."""
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "relayrl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
     )
+    if log is not None:
+        log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"relayrl {' '.join(args[:2])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return time.monotonic() - start
@@ -79,10 +80,12 @@ def run_cli(args: list[str], timeout_s: float | None) -> float:
 
 def train_stage(stage: str, config: Path, overrides: list[str], workdir: Path, timeout_s: float) -> tuple[Path, float]:
     """``relayrl train <stage> config --set run.dir=workdir`` plus the ``overrides`` (key=value); (its run directory,
-    ``workdir`` / the config's run.name, and its wall seconds)."""
+    ``workdir`` / its run.name, and its wall seconds). Its output is kept in ``workdir`` / ``train-<stage>.log`` (what
+    it resolved: ``record.trainer_side``)."""
     sets = [f"run.dir={workdir}", *overrides]
-    wall = run_cli(["train", stage, str(config)] + [arg for o in sets for arg in ("--set", o)], timeout_s)
-    return workdir / yaml.safe_load(config.read_text())["run"]["name"], wall
+    args = ["train", stage, str(config)] + [arg for o in sets for arg in ("--set", o)]
+    wall = run_cli(args, timeout_s, log=workdir / f"train-{stage}.log")
+    return load_offline_config(stage, config, sets).run_dir, wall
 
 
 def read_lines(path: Path) -> tuple[list[dict], list[dict]]:
@@ -91,11 +94,11 @@ def read_lines(path: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in lines if "eval" not in r], [r for r in lines if "eval" in r]
 
 
-def reward_gain(records: list[dict]) -> dict:
-    """Mean reward of the first 10 and the last 10 steps, and the difference."""
+def reward_gain(records: list[dict], window: int = 10) -> dict:
+    """Mean reward of the first ``window`` and the last ``window`` steps, and the difference."""
     rewards = [r["reward_mean"] for r in records]
-    first, last = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    return {"reward_first10": first, "reward_last10": last, "reward_gain": last - first}
+    first, last = statistics.fmean(rewards[:window]), statistics.fmean(rewards[-window:])
+    return {f"reward_first{window}": first, f"reward_last{window}": last, "reward_gain": last - first}
 
 
 def write_result(result: dict, out: str | None) -> None:
