@@ -22,7 +22,7 @@ from relayrl.scorer.batcher import DynamicBatcher
 from relayrl.scorer.models import judged_score
 from relayrl.services.scorer_server import serve_scorer
 from relayrl.v1 import environment_pb2, scorer_pb2, scorer_pb2_grpc
-from tests.unit.scorer_testing import write_tiny_reward_model
+from tests.unit.scorer_testing import write_tiny_judge, write_tiny_reward_model
 
 
 def chat(*turns: str) -> list[dict[str, str]]:
@@ -39,14 +39,17 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """scorer name -> (address, its ScorerConfig): a reward model and a teacher, each its own server."""
+    """scorer name -> (address, its ScorerConfig): a reward model, a teacher, a judge that answers numbers and one
+    that answers none, each its own server."""
     root = tmp_path_factory.mktemp("scorers")
     rm = write_tiny_reward_model(root / "rm", seed=1)
     teacher = write_tiny_chat_model(root / "teacher", seed=2, pretrain=False)
+    judge = write_tiny_judge(root / "judge", seed=2)
     scorers = {
         "rm": {"model": str(rm), "max_tokens": 64, "max_items": 8, "precision": "float32", "servers": ["127.0.0.1:1"]},
         "teacher": {"kind": "teacher", "model": str(teacher), "precision": "float32", "servers": ["127.0.0.1:1"]},
-        "judge": {"kind": "judge", "model": str(teacher), "precision": "float32", "servers": ["127.0.0.1:1"]},
+        "judge": {"kind": "judge", "model": str(judge), "precision": "float32", "servers": ["127.0.0.1:1"]},
+        "mute": {"kind": "judge", "model": str(teacher), "precision": "float32", "servers": ["127.0.0.1:1"]},
     }
     cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}, "scorers": scorers})
     running = {name: serve_scorer(cfg, name, host="127.0.0.1", port=0) for name in scorers}
@@ -85,25 +88,31 @@ def test_a_teachers_log_probs_are_the_causal_lms_own(served) -> None:
 
 
 def test_a_judges_score_is_what_its_model_answers_the_rubric(served) -> None:
-    """The served judge answers as the chat model's own greedy ``generate`` on the rubric filled with the prompt and
-    the response: its first number, or (this tiny untrained model may answer none) the request refused quoting it."""
+    """The served judge (generating on relayrl's hf engine) answers as the chat model's own greedy ``generate`` on
+    the rubric filled with each prompt and response, the conversations of one request batched together: each
+    answer's first number."""
     judge = served["judge"][1]
     tokenizer = AutoTokenizer.from_pretrained(judge.model)
     model = AutoModelForCausalLM.from_pretrained(judge.model)
-    conversation = CONVERSATIONS[1]
-    question = judge.rubric.format(prompt="hi", response="hello there, how are you")
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=False
-    )
-    out = model.generate(
-        ids, max_new_tokens=judge.judge_max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
-    expected = judged_score(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    if isinstance(expected, Exception):
-        with pytest.raises(ScorerFailed, match=re.escape(f"scorer judge: INTERNAL: ValueError: {expected}")):
-            client(served, "judge").score([conversation])
-    else:
-        assert client(served, "judge").score([conversation]) == [expected]
+    expected = []
+    for conversation in CONVERSATIONS:
+        turns = {m["role"]: m["content"] for m in conversation}  # one user and one assistant turn each
+        question = judge.rubric.format(prompt=turns["user"], response=turns["assistant"])
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=False
+        )
+        out = model.generate(
+            ids, max_new_tokens=judge.judge_max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        expected.append(judged_score(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
+    assert all(isinstance(score, float) for score in expected), expected  # a number in every answer
+    assert client(served, "judge").score(CONVERSATIONS) == expected
+
+
+def test_a_judge_answer_without_a_number_fails_its_request_quoting_it(served) -> None:
+    """The untrained chat model as a judge answers newlines: the request is refused with the answer quoted."""
+    with pytest.raises(ScorerFailed, match=re.escape("scorer mute: INTERNAL: ValueError: the judge answered '': no")):
+        client(served, "mute").score(CONVERSATIONS[:1])
 
 
 def call_status(stub, method: str, request) -> tuple[grpc.StatusCode, str]:
