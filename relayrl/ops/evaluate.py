@@ -137,8 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError("eval: the config has no eval section (what to score and how)")
     if (args.checkpoint is None) == (args.workers is None):
         raise ConfigError("--checkpoint: give a checkpoint to score, or --workers to score what running workers hold")
+    check_eval(cfg)  # on the sets as written: prepare_assets points a reasoning-gym: set at its generated file
     prepare_assets(cfg)
-    check_eval(cfg)
     if args.workers is not None:
         versions = worker_versions(args.workers.split(","))
         if len(set(versions.values())) != 1:

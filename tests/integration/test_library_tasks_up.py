@@ -39,3 +39,30 @@ def test_up_trains_and_evaluates_a_reasoning_gym_task_with_both_rewards(tmp_path
     assert sorted(files) == [97, 988]
     train, heldout = files[max(files)], files[min(files)]
     assert not train & heldout and {e["prompt"] for e in evals} <= heldout
+
+
+def test_relayrl_eval_scores_the_examples_heldout_set(tmp_path) -> None:
+    """``relayrl eval`` checks the sets as written, then generates their rows: a reasoning-gym set was refused as
+    "set beside path <its generated file>" (about 20 s: one rollout worker's start, 3 prompts)."""
+    from relayrl.config import load_config
+    from relayrl.models.assets import prepare_model
+
+    cfg = load_config(EXAMPLE)
+    prepare_model(cfg)
+    sets = [f"run.dir={tmp_path}", "eval.max_prompts=3", "eval.max_tokens=4"]
+    argv = ["eval", str(EXAMPLE), "--checkpoint", cfg.model.path, "--generations"]
+    done = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *argv, *(a for s in sets for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["results"]["heldout"]["prompts"] == 3
+    generations = report["generations"]["heldout"]
+    assert all("Given a problem, your task is" in g["rendered_prompt"] for g in generations)
+    train, heldout = sorted(
+        (gym_tasks.questions(f) for f in (tmp_path / "reasoning-gym" / "assets").glob("reasoning-gym-*")), key=len
+    )[::-1]
+    assert {g["prompt"] for g in generations} <= heldout and not heldout & train
