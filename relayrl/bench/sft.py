@@ -73,5 +73,8 @@ SFT = Versus(verb="sft", rows=rows, trl_modes=trl_modes, trl_side=trl_side, rela
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_arguments("relayrl bench sft", __doc__.splitlines()[0], examples=96, max_words=300)
+    # 64 rows of 8-200 words: 10 steps of 512 tokens under SmolLM2's tokenizer, 9 of them timed (>= 8: per-step noise)
+    parser = bench_arguments(
+        "relayrl bench sft", __doc__.splitlines()[0], examples=64, max_words=200, batch_tokens=512, pack_tokens=512
+    )
     return run_bench(SFT, parser.parse_args(argv), argv)

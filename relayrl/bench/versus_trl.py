@@ -53,15 +53,18 @@ class Versus:
     relayrl_sections: dict  # config sections of ``relayrl train <verb>`` beside run/model/data/trainer (DPO: loss)
 
 
-def bench_arguments(prog: str, description: str, *, examples: int, max_words: int) -> argparse.ArgumentParser:
-    """The arguments every such bench takes (``examples``, ``max_words``: their defaults)."""
+def bench_arguments(
+    prog: str, description: str, *, examples: int, max_words: int, batch_tokens: int = 2048, pack_tokens: int = 1024
+) -> argparse.ArgumentParser:
+    """The arguments every such bench takes (``examples``, ``max_words``, ``batch_tokens``, ``pack_tokens``: their
+    defaults)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", default="builtin:smollm2-135m-instruct", help="model.path of both sides")
     p.add_argument("--examples", type=int, default=examples)
     p.add_argument("--min-words", type=int, default=8)
     p.add_argument("--max-words", type=int, default=max_words)
-    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens a step (relayrl trainer.batch_tokens)")
-    p.add_argument("--pack-tokens", type=int, default=1024, help="row length (relayrl pack_tokens; TRL SFT max_length)")
+    p.add_argument("--batch-tokens", type=int, default=batch_tokens, help="tokens a step (trainer.batch_tokens)")
+    p.add_argument("--pack-tokens", type=int, default=pack_tokens, help="row length (pack_tokens; TRL SFT max_length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON here (default: stdout only)")
     p.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one TRL side from a spec file
