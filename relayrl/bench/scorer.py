@@ -4,22 +4,25 @@
    backbone, a fresh score head under seed 0; ``--model`` serves an existing export instead) scores conversations
    made of SmolLM2's own samples (``PAIRS``: each preference row gives prompt + chosen and prompt + rejected).
    Requests are groups of ``--request-pairs`` pairs (the controller sends one group a call). Three ways, the same
-   requests, each after one untimed warm-up:
+   requests, each after one untimed warm-up, every scoring process on ``--threads`` torch threads (so a second
+   worker is a second share of the machine, as it is on a node with cores to spare):
 
    - **in-process, one request at a time**: the scorer's own model class (``relayrl.scorer.models.Classifier``)
-     in this process, one model call per request, all the cores;
+     in this process, one model call per request;
    - **served, 1 worker**: ``relayrl reward serve`` (a process of its own, real gRPC, dynamic batching), called by
-     ``--callers`` concurrent clients (``ScorerClient``, as the controller calls it), all the cores;
-   - **served, 2 workers**: two such processes, each with half the cores, the clients turning between them.
+     ``--callers`` concurrent clients (``ScorerClient``, as the controller calls it);
+   - **served, 2 workers**: two such processes, the clients turning between them.
 
    Each gives pairs/s = pairs / wall seconds from the first request sent to the last answered; the served ones
    also items per model call (the servers' Describe counters over the timed requests), and the largest difference
    between a served score and the in-process score of the same pair.
-2. **The RL step.** ``relayrl up examples/addition-smollm2.yaml`` for ``--steps`` steps (no eval), once with its
-   reward function (``last_number``) and once with that reward model served under ``up`` as its only reward
-   (``controller.reward.fns: {scorer:rm: 1.0}``, one replica): each run's mean ``step_seconds`` and
-   ``generation_seconds`` over its steps after the first, and the served run's mean ``scorer/rm/latency_s``; the
-   difference of the step means is what scoring adds to a step when it is pipelined with generation.
+2. **The RL step.** ``relayrl up examples/addition-smollm2.yaml`` for ``--steps`` steps (no eval), with its reward
+   function (``last_number``) and with that reward model served under ``up`` as its only reward
+   (``controller.reward.fns: {scorer:rm: 1.0}``, one replica), alternating for ``--rounds`` rounds: each system's
+   median ``step_seconds`` and ``generation_seconds`` over its runs' steps after the first (a median: one step
+   slowed by a neighbour on a shared machine does not move it), and the served runs' median
+   ``scorer/rm/latency_s`` and items per model call; the difference of the step medians is what scoring adds to a
+   step when it is pipelined with generation.
 
 Writes JSON with the machine record (``relayrl/bench/record.py``), the ratios, and the command.
 """
@@ -45,7 +48,6 @@ from relayrl.bench.addition import CONFIG as ADDITION
 from relayrl.bench.example_run import ROOT, read_lines, run_example, write_result
 from relayrl.bench.record import machine_record, model_side
 from relayrl.config import ScorerConfig, load_config
-from relayrl.cores.threads import available_cores
 
 PAIRS = ROOT / "bench" / "results" / "preference-smollm2-pairs.jsonl"  # SmolLM2's own samples (bench preference)
 SCORER = "rm"
@@ -60,8 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=128, help="pairs scored by each way, per request size")
     p.add_argument("--request-pairs", type=int, nargs="+", default=[1, 8], help="pairs per request (each measured)")
     p.add_argument("--callers", type=int, default=8, help="concurrent clients of the served scorers")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each scoring process")
     p.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=4, help="RL steps of each relayrl up run (0: no RL runs)")
+    p.add_argument("--steps", type=int, default=6, help="RL steps of each relayrl up run (0: no RL runs)")
+    p.add_argument("--rounds", type=int, default=2, help="relayrl up runs of each system, alternating")
     p.add_argument("--out", help="write the JSON here (default: stdout only)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     return p.parse_args(argv)
@@ -91,13 +95,13 @@ def build_reward_model(directory: Path) -> Path:
     return save_reward_model(model, tokenizer, directory)
 
 
-def load_in_process(scorer: ScorerConfig):
-    """The scorer's own model class (``relayrl.scorer.models.Classifier``) in this process, on all the cores."""
+def load_in_process(scorer: ScorerConfig, threads: int):
+    """The scorer's own model class (``relayrl.scorer.models.Classifier``) in this process, on ``threads`` threads."""
     import torch
 
     from relayrl.scorer.models import Classifier
 
-    torch.set_num_threads(available_cores())
+    torch.set_num_threads(threads)
     return Classifier(scorer)
 
 
@@ -153,13 +157,12 @@ def counters(client) -> tuple[int, int]:
 
 
 @contextmanager
-def scorer_servers(model: str, precision: str, workers: int, workdir: Path) -> Iterator[list[str]]:
+def scorer_servers(model: str, precision: str, workers: int, threads: int, workdir: Path) -> Iterator[list[str]]:
     """``workers`` x ``relayrl reward serve`` of ``model`` (processes started as ``relayrl up`` starts scorers),
-    each with its share of the cores; yields their addresses once every one answers its health check."""
+    each on ``threads`` torch threads; yields their addresses once every one answers its health check."""
     from relayrl.launcher import LocalJob, wait_until
     from relayrl.ops.scorers import scorers_serving, start_scorers
 
-    threads = max(1, available_cores() // workers)
     raw = {
         "model": {"path": model},
         "data": {"path": str(PAIRS)},
@@ -188,13 +191,13 @@ def throughput(model: str, args: argparse.Namespace, workdir: Path) -> tuple[lis
     items = conversations(PAIRS, args.pairs)
     sizes = {size: requests_of(items, size) for size in args.request_pairs}
     rows = {size: {"request_pairs": size} for size in sizes}
-    local = load_in_process(scorer)
+    local = load_in_process(scorer, args.threads)
     side = model_side(local.model, local.dtype)
     for size, requests in sizes.items():
         rows[size]["in_process"], rows[size]["reference_scores"] = in_process(local, requests)
     del local
     for workers in (1, 2):
-        with scorer_servers(model, args.precision, workers, workdir) as addresses:
+        with scorer_servers(model, args.precision, workers, args.threads, workdir) as addresses:
             for size, requests in sizes.items():
                 figures, scores = served(scorer, addresses, requests, args.callers)
                 figures["max_abs_diff_vs_in_process"] = max_abs_diff(scores, rows[size]["reference_scores"])
@@ -214,26 +217,28 @@ def ratios(row: dict) -> dict:
     }
 
 
-def step_figures(records: list[dict], wall_s: float) -> dict:
-    """A run's steps, wall seconds, and mean step / generation seconds (and the scorer's mean call latency and
-    items per model call, when it logged them) over its steps after the first (step 1 also pays every first call's
-    setup)."""
-    later = records[1:] or records
+def step_figures(runs: list[list[dict]], walls: list[float]) -> dict:
+    """One system's runs (each its metrics.jsonl step records): wall seconds and every step's seconds of each run,
+    and the medians over every run's steps after the first (step 1 also pays every first call's setup) of the
+    step and generation seconds, and of the scorer's call latency and items per model call where it logged them."""
+    later = [r for records in runs for r in records[1:] or records]
     out = {
-        "steps": len(records),
-        "wall_s": wall_s,
-        "step_seconds_mean": statistics.fmean(r["step_seconds"] for r in later),
-        "generation_seconds_mean": statistics.fmean(r["generation_seconds"] for r in later),
-        "step_seconds": [r["step_seconds"] for r in records],
+        "runs": [
+            {"wall_s": wall, "step_seconds": [r["step_seconds"] for r in records]} for records, wall in zip(runs, walls)
+        ],
+        "steps_measured": len(later),
+        "step_seconds_median": statistics.median(r["step_seconds"] for r in later),
+        "generation_seconds_median": statistics.median(r["generation_seconds"] for r in later),
     }
-    for key, name in ((LATENCY_KEY, "scorer_latency_s_mean"), (BATCH_KEY, "scorer_batch_size_mean")):
+    for key, name in ((LATENCY_KEY, "scorer_latency_s_median"), (BATCH_KEY, "scorer_batch_size_median")):
         if any(key in r for r in later):
-            out[name] = statistics.fmean(r.get(key, 0.0) for r in later)
+            out[name] = statistics.median(r.get(key, 0.0) for r in later)
     return out
 
 
 def rl_step(model: str, args: argparse.Namespace) -> dict:
-    """The addition example with its reward function, then with the reward model served as its only reward."""
+    """The addition example with its reward function and with the reward model served as its only reward, runs of
+    the two alternating for ``args.rounds`` rounds."""
     common = [f"trainer.steps={args.steps}", "eval=null"]
     served_rm = [
         f"scorers.{SCORER}.kind=classifier",
@@ -241,15 +246,22 @@ def rl_step(model: str, args: argparse.Namespace) -> dict:
         f"scorers.{SCORER}.precision={args.precision}",
         f'controller.reward.fns={{"scorer:{SCORER}": 1.0}}',
     ]
+    systems = {"function_reward": common, "served_reward_model": common + served_rm}
+    runs: dict[str, list] = {name: [] for name in systems}
+    machines = []
+    for _ in range(args.rounds):
+        for name, overrides in systems.items():
+            run = run_example(str(ADDITION), overrides, args.timeout_s)
+            runs[name].append((read_lines(run.run_dir / "metrics.jsonl")[0], run.wall_s))
+            machines.append({"system": name, **run.machine})
+            shutil.rmtree(run.workdir, ignore_errors=True)
     out = {"config": os.path.relpath(ADDITION, ROOT), "overrides": common, "served_overrides": served_rm}
-    for name, overrides in (("function_reward", common), ("served_reward_model", common + served_rm)):
-        run = run_example(str(ADDITION), overrides, args.timeout_s)
-        records, _ = read_lines(run.run_dir / "metrics.jsonl")
-        out[name] = {**step_figures(records, run.wall_s), "machine": run.machine}
-        shutil.rmtree(run.workdir, ignore_errors=True)
-    function, rm = out["function_reward"]["step_seconds_mean"], out["served_reward_model"]["step_seconds_mean"]
+    for name, done in runs.items():
+        out[name] = step_figures([records for records, _ in done], [wall for _, wall in done])
+    function, rm = out["function_reward"]["step_seconds_median"], out["served_reward_model"]["step_seconds_median"]
     out["added_s_per_step"] = rm - function
     out["step_ratio_served_vs_function"] = rm / function
+    out["machines"] = machines
     return out
 
 
@@ -268,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model or "SmolLM2-135M-Instruct as a one-label classifier (fresh head, seed 0)",
             "pairs_source": os.path.relpath(PAIRS, ROOT),
             "pairs": args.pairs,
+            "threads_per_process": args.threads,
             "throughput": rows,
         }
         if args.steps:
