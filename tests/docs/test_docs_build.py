@@ -48,6 +48,11 @@ def test_the_performance_page_shows_the_committed_bench_results(site: Path) -> N
         assert f"bench/results/{source}" in page
 
 
+def test_the_libraries_page_shows_the_humaneval_figures_from_their_json(site: Path) -> None:
+    page = (site / "libraries" / "index.html").read_text()
+    assert "bench/results/humaneval-smollm2.json" in page and "pass@1 through <code>relayrl eval</code>" in page
+
+
 def load_hook(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
