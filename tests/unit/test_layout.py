@@ -4,10 +4,13 @@ importable alone, the root holds only entry points."""
 from __future__ import annotations
 
 import ast
+import gc
+import importlib
 import os
 import pickle
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,15 +50,20 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def imported_names(path: Path) -> set[str]:
-    """The dotted names a module imports anywhere in its body (function-level and TYPE_CHECKING imports included):
+def imported_names(path: Path, at_import: bool = False) -> set[str]:
+    """The dotted names a module imports anywhere in its body (function-level and TYPE_CHECKING imports included),
+    or with ``at_import`` only those outside function bodies (what loading the module runs):
     ``from a.b import c`` gives ``a.b.c``."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    nodes: list[ast.AST] = [ast.parse(path.read_text())]
+    while nodes:
+        node = nodes.pop()
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        if not (at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))):
+            nodes.extend(ast.iter_child_nodes(node))
     return names
 
 
@@ -168,43 +176,83 @@ def test_every_room_is_in_exactly_one_layer() -> None:
     )
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_every_module_imports_alone() -> None:
-    """Each module in a child forked before any relayrl module was imported (third-party libraries preloaded,
-    so each child costs milliseconds), so each sees only what it imports itself; as many children at a time as
-    there are CPUs."""
-    for lib in ("torch", "transformers", "grpc", "datasets", "pydantic", "numpy", "yaml", "rich"):
-        __import__(lib)
+def preload(dotted: str) -> None:
+    """Import the longest importable prefix of ``dotted`` and look the rest up as attributes (so a lazy module's
+    ``from transformers import X`` loads X's module); a name that does not import is left to the child to report."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+            for attr in parts[end:]:
+                found = getattr(found, attr)
+        except Exception:  # not importable here (an optional engine), or an attribute that is no module
+            continue
+        return
+
+
+def fork_with_pipe(body: Callable[[], object]) -> tuple[int, int]:
+    """(pid, read end) of a forked child that runs ``body`` and writes its pickled result to the pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            result = body()
+        except BaseException:
+            result = traceback.format_exc(limit=-3)
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(pickle.dumps(result))
+        os._exit(0)
+    os.close(write)
+    return pid, read
+
+
+def wait_result(pid: int, read: int) -> object:
+    """What ``fork_with_pipe``'s child wrote; read to the end first: a child blocked on a full pipe never exits."""
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)  # this pid only: os.wait() could reap a child an earlier test left to this process
+    return pickle.loads(data) if data else "child died"
+
+
+def import_alone(name: str) -> str:
+    """Import ``name`` with no relayrl module loaded: '' or the error's traceback."""
+    for loaded in [m for m in sys.modules if m == "relayrl" or m.startswith("relayrl.")]:
+        del sys.modules[loaded]
+    try:
+        __import__(name)
+    except BaseException:
+        return traceback.format_exc(limit=-3)
+    return ""
+
+
+def import_each_alone(modules: dict[str, Path]) -> dict[str, str]:
+    """module -> error for each module that fails to import in a child of its own, forked from a process that
+    preloaded every third-party module the package imports at load (so each child costs milliseconds) and no
+    relayrl module; as many children at a time as there are CPUs."""
+    for dotted in sorted({n for path in modules.values() for n in imported_names(path, at_import=True)}):
+        if room(dotted) is None:
+            preload(dotted)
+    gc.freeze()  # the children's collectors never walk (and so never copy) the preloaded heap
     failures = {}
     running: dict[int, tuple[str, int]] = {}  # pid -> (module, read end of its pipe)
+    for name in [*modules, None]:
+        while running and (name is None or len(running) >= max(1, len(os.sched_getaffinity(0)))):
+            pid = next(iter(running))  # the oldest child
+            done, read = running.pop(pid)
+            if error := wait_result(pid, read):
+                failures[done] = error
+        if name is not None:
+            pid, read = fork_with_pipe(lambda name=name: import_alone(name))
+            running[pid] = (name, read)
+    return failures
 
-    def reap() -> None:  # the oldest child (os.wait() could reap a child an earlier test left to this process)
-        pid = next(iter(running))
-        name, read = running.pop(pid)
-        with os.fdopen(read, "rb") as pipe:  # read to the end first: a child blocked on a full pipe never exits
-            error = pickle.loads(pipe.read() or pickle.dumps("child died"))
-        os.waitpid(pid, 0)
-        if error:
-            failures[name] = error
 
-    for name in module_files():
-        if len(running) >= max(1, len(os.sched_getaffinity(0))):
-            reap()
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            for loaded in [m for m in sys.modules if m == "relayrl" or m.startswith("relayrl.")]:
-                del sys.modules[loaded]
-            error = ""
-            try:
-                __import__(name)
-            except BaseException:
-                error = traceback.format_exc(limit=-3)
-            os.write(write, pickle.dumps(error))
-            os._exit(0)
-        os.close(write)
-        running[pid] = (name, read)
-    while running:
-        reap()
-    assert not failures, "\n".join(f"{n}: {e}" for n, e in failures.items())
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_every_module_imports_alone() -> None:
+    """Each module in a child that sees only what it imports itself (``import_each_alone``); the preloading runs
+    in a forked process, so this test's process does not keep the libraries it loads."""
+    failures = wait_result(*fork_with_pipe(lambda: import_each_alone(module_files())))
+    assert failures == {}, (
+        "\n".join(f"{n}: {e}" for n, e in failures.items()) if isinstance(failures, dict) else failures
+    )
