@@ -848,6 +848,14 @@ class SupervisorConfig(Section):
     fork_roles: bool = True
 
 
+def host_ports(value: list[str]) -> list[str]:
+    """``servers`` of a section: each a ``host:port`` (an error names its index)."""
+    try:
+        return [str(parse_address(address, f"[{i}]")) for i, address in enumerate(value)]
+    except AddressError as err:
+        raise ValueError(str(err)) from None
+
+
 class SecurityConfig(Section):
     """Bearer-token authentication and TLS for every relayrl server and client.
 
@@ -892,13 +900,7 @@ class EnvironmentConfig(Section):
     step_timeout_s: float = Field(30.0, gt=0)  # deadline of one environment call (Reset, Step, Close)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are parsed from sampled text (Qwen/Hermes JSON)
 
-    @field_validator("servers")
-    @classmethod
-    def _host_port(cls, value: list[str]) -> list[str]:
-        try:
-            return [str(parse_address(address, f"[{i}]")) for i, address in enumerate(value)]
-        except AddressError as err:
-            raise ValueError(str(err)) from None
+    _host_port = field_validator("servers")(host_ports)
 
 
 SCORER_PREFIX = "scorer:"  # controller.reward.fns key of a served reward: "scorer:<name of scorers>"
@@ -937,13 +939,7 @@ class ScorerConfig(Section):
     rubric: str = JUDGE_RUBRIC  # judge: the user message, with {prompt} and {response} filled in
     judge_max_tokens: int = Field(8, ge=1)  # judge: tokens of its answer read for the number
 
-    @field_validator("servers")
-    @classmethod
-    def _host_port(cls, value: list[str]) -> list[str]:
-        try:
-            return [str(parse_address(address, f"[{i}]")) for i, address in enumerate(value)]
-        except AddressError as err:
-            raise ValueError(str(err)) from None
+    _host_port = field_validator("servers")(host_ports)
 
     @model_validator(mode="after")
     def _reachable(self) -> ScorerConfig:
