@@ -6,7 +6,8 @@ config's eval (``eval.config``); stage 2 is ``relayrl up examples/pipeline-sft-g
 export. Both stages' held-out greedy accuracy (``mean@1`` of the ``heldout`` set, the same prompts, sampling and
 reward) is read from their metrics.jsonl.
 
-Writes JSON: the command, the machine (CPU model and flags, load, the precision each side resolved), each stage's
+Writes JSON: the command, the machine (CPU model and flags, load, the precision and attention each stage's trainer
+and engine resolved, from their logs), each stage's
 wall seconds and curve (stage step, accuracy), the base model's accuracy (SFT step 0), after SFT, at the RL run's
 start (its version 0: the SFT export, so it equals the after-SFT figure when the export is faithful) and after RL.
 ``--png``: one plot of the held-out accuracy across both stages (x: the SFT steps, then the RL steps after them).
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from relayrl.bench.addition import HELDOUT
 from relayrl.bench.example_run import ROOT, read_lines, run_example, scratch, train_stage
-from relayrl.bench.record import machine_record
+from relayrl.bench.record import machine_record, trainer_side
 
 DIR = ROOT / "examples" / "pipeline-sft-grpo"
 SFT_CONFIG, RL_CONFIG = DIR / "sft.yaml", DIR / "grpo.yaml"
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     with scratch("relayrl-bench-pipeline-") as workdir:
         sft_dir, sft_wall = train_stage("sft", SFT_CONFIG, args.sft_set, workdir, args.timeout_s)
         sft_records, sft_evals = read_lines(sft_dir / "metrics.jsonl")
+        sft_side = trainer_side(workdir / "train-sft.log")  # what train sft resolved: precision, attention
         rl = run_example(str(RL_CONFIG), [f"model.path={sft_dir / 'final'}", *args.rl_set], args.timeout_s, workdir)
         rl_records, rl_evals = read_lines(rl.run_dir / "metrics.jsonl")
         sft_curve, rl_curve = curve(sft_evals), curve(rl_evals)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             "configs": [str(SFT_CONFIG.relative_to(ROOT)), str(RL_CONFIG.relative_to(ROOT))],
             "overrides": {"sft": args.sft_set, "rl": args.rl_set},
             "model": "SmolLM2-135M-Instruct",
-            "machine": {**machine, **rl.machine},
+            "machine": {**machine, **rl.machine, "resolved": {"sft": sft_side, "rl": rl.machine["resolved"]}},
             "sft": {
                 "steps": sft_steps,
                 "wall_s": sft_wall,
