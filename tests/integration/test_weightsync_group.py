@@ -1,4 +1,4 @@
-"""Weight sync across real processes: a sender (this process) and receivers spawned as OS processes,
+"""Weight sync across real processes: a sender (this process) and receivers started as OS processes,
 talking over a WeightBroadcastGroup (gloo on loopback)."""
 
 from __future__ import annotations
@@ -114,15 +114,22 @@ def corrupt_next_chunk(on: bool, fold=fingerprint.Fingerprinter.add) -> None:
     fingerprint.Fingerprinter.add = add
 
 
+# Receivers are forked from multiprocessing's fork server, which imported torch and relayrl's weight sync once (a
+# fresh interpreter per receiver imported them again: seconds of a core each); each is still its own OS process,
+# forked from a process with no thread but its main one, never from this one (its gloo and gRPC threads). Named by
+# package: Python 3.11's fork server ignores the sys.path it is given, so a test module named here is not preloaded.
+FORKS = mp.get_context("forkserver")
+FORKS.set_forkserver_preload(["torch", "relayrl.weightsync", "relayrl.bench.weightsync"])
+
+
 class Receivers:
-    """Spawned receiver processes with one inbox each and a shared outbox."""
+    """Receiver processes, forked from ``FORKS``, with one inbox each and a shared outbox."""
 
     def __init__(self, ranks_dying: dict[int, int | None]) -> None:
-        ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.inboxes = {rank: ctx.Queue() for rank in ranks_dying}
+        self.outbox = FORKS.Queue()
+        self.inboxes = {rank: FORKS.Queue() for rank in ranks_dying}
         self.procs = {
-            rank: ctx.Process(target=receiver_main, args=(rank, self.inboxes[rank], self.outbox, dies), daemon=True)
+            rank: FORKS.Process(target=receiver_main, args=(rank, self.inboxes[rank], self.outbox, dies), daemon=True)
             for rank, dies in ranks_dying.items()
         }
         for proc in self.procs.values():
