@@ -7,9 +7,11 @@ few long: the shape of chat data), written by a program (``long_tailed_text``) i
 
 Figures per side: the example tokens trained (the rows' own tokens: the same count on every side), the positions
 computed (padding included), the seconds of the optimizer steps (each step from its first forward to the end of its
-optimizer step, summed; the first step left out as warm-up on every side) and tokens/s = the tokens of the steps
-timed / their seconds. ``speedup`` is relayrl's tokens/s over each TRL mode's; ``positions_per_token`` each side's
-positions computed / tokens.
+optimizer step, summed; the first step left out as warm-up on every side), tokens/s = the tokens of the steps
+timed / their seconds, and the median of the timed steps' own tokens/s (``step_figures``: on a shared machine a few
+steps slowed by other processes move the sum, not the median). ``speedup`` and ``speedup_median`` are relayrl's
+figures over each TRL mode's; ``positions_per_token`` each side's positions computed / tokens. ``--threads N`` runs
+every side on N threads (relayrl ``trainer.threads``, TRL ``torch.set_num_threads``); unset, each its default.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +69,7 @@ def bench_arguments(
     p.add_argument("--batch-tokens", type=int, default=batch_tokens, help="tokens a step (trainer.batch_tokens)")
     p.add_argument("--pack-tokens", type=int, default=pack_tokens, help="row length (pack_tokens; TRL SFT max_length)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads of every side (default: each side's own default)")
     p.add_argument("--out", help="write the JSON here (default: stdout only)")
     p.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one TRL side from a spec file
     return p
@@ -79,7 +83,7 @@ def relayrl_side(versus: Versus, spec: dict, workdir: Path) -> dict:
         "data": {"path": spec["data"], "shuffle": True},
         "trainer": {
             "epochs": 1, "batch_tokens": spec["batch_tokens"], "pack_tokens": spec["pack_tokens"], "lr": LR,
-            "lr_schedule": "constant", "precision": "float32", "export_hf": False,
+            "lr_schedule": "constant", "precision": "float32", "export_hf": False, "threads": spec["threads"] or "auto",
         },
         **versus.relayrl_sections,
     }  # fmt: skip
@@ -88,19 +92,30 @@ def relayrl_side(versus: Versus, spec: dict, workdir: Path) -> dict:
     run_cli(["train", versus.verb, str(path)], timeout_s=None)
     metrics = workdir / "runs" / f"bench-{versus.verb}" / "metrics.jsonl"
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-    timed = steps[1:]
-    tokens = sum(r["tokens"] for r in timed)
-    seconds = sum(r["step_seconds"] for r in timed)
     return {
         "steps": len(steps),
         "examples_per_step": sum(r["examples"] for r in steps) / len(steps),
         "rows_per_step": sum(r["rows"] for r in steps) / len(steps),
         "tokens": sum(r["tokens"] for r in steps),
         "positions_computed": sum(r["tokens"] for r in steps),
+        **step_figures([(r["step_seconds"], r["tokens"]) for r in steps]),
+        "precision": "float32",
+    }
+
+
+def step_figures(steps: list[tuple[float, int]]) -> dict[str, Any]:
+    """The timed figures of a side's (seconds, tokens) steps, the first left out as warm-up: their tokens and
+    seconds, tokens/s = Σ tokens / Σ seconds, the median of the steps' own tokens/s, and each step's seconds."""
+    timed = steps[1:]
+    if not timed:
+        raise ValueError(f"steps: {len(steps)} step(s), at least 2 needed (the first is warm-up)")
+    tokens, seconds = sum(t for _, t in timed), sum(s for s, _ in timed)
+    return {
         "timed_tokens": tokens,
         "timed_seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "precision": "float32",
+        "median_step_tokens_per_s": statistics.median(t / s for s, t in timed),
+        "step_seconds": [s for s, _ in steps],
     }
 
 
@@ -150,8 +165,6 @@ def timed_training(trainer_class: type, build: Callable[[type, list], Any], spec
 
     trainer = build(Counting, [Timer()])
     trainer.train()
-    timed = step_times[1:]
-    tokens, seconds = sum(t for _, t in timed), sum(s for s, _ in timed)
     return {
         "mode": spec["mode"],
         "steps": len(step_times),
@@ -159,9 +172,7 @@ def timed_training(trainer_class: type, build: Callable[[type, list], Any], spec
         "forwards_per_step": spec.get("accumulate", 1),
         "tokens": counts["tokens"],
         "positions_computed": counts["positions"],
-        "timed_tokens": tokens,
-        "timed_seconds": seconds,
-        "tokens_per_s": tokens / seconds,
+        **step_figures(step_times),
         "precision": "float32",
         "padding_free": bool(trainer.padding_free),
     }
@@ -181,7 +192,12 @@ def run_trl(verb: str, spec: dict, workdir: Path) -> dict:
 def run_bench(versus: Versus, args: argparse.Namespace, argv: list[str] | None) -> int:
     """The bench of ``args`` (module docstring); prints the JSON and writes it to ``--out``."""
     if args.side:
-        print(json.dumps(versus.trl_side(json.loads(Path(args.side).read_text()))))
+        spec = json.loads(Path(args.side).read_text())
+        if spec["threads"]:
+            import torch
+
+            torch.set_num_threads(spec["threads"])
+        print(json.dumps(versus.trl_side(spec)))
         return 0
     from relayrl.config import SFTConfig
     from relayrl.models.assets import prepare_model
@@ -194,7 +210,7 @@ def run_bench(versus: Versus, args: argparse.Namespace, argv: list[str] | None) 
         data.write_text("".join(json.dumps(row) + "\n" for row in versus.rows(args)))
         spec = {
             "model": cfg.model.path, "data": str(data), "seed": args.seed, "batch_tokens": args.batch_tokens,
-            "pack_tokens": args.pack_tokens,
+            "pack_tokens": args.pack_tokens, "threads": args.threads,
         }  # fmt: skip
         relayrl = relayrl_side(versus, spec, workdir)
         trl = {}
@@ -208,10 +224,15 @@ def run_bench(versus: Versus, args: argparse.Namespace, argv: list[str] | None) 
             "data": {"examples": args.examples, "words": [args.min_words, args.max_words], "seed": args.seed},
             "batch_tokens": args.batch_tokens,
             "pack_tokens": args.pack_tokens,
+            "threads": args.threads,
             "machine": machine,
             "relayrl": relayrl,
             "trl": trl,
             "speedup": {mode: relayrl["tokens_per_s"] / side["tokens_per_s"] for mode, side in trl.items()},
+            "speedup_median": {
+                mode: relayrl["median_step_tokens_per_s"] / side["median_step_tokens_per_s"]
+                for mode, side in trl.items()
+            },
             "positions_per_token": {
                 "relayrl": relayrl["positions_computed"] / relayrl["tokens"],
                 **{mode: side["positions_computed"] / side["tokens"] for mode, side in trl.items()},
