@@ -395,6 +395,13 @@ def test_relayrl_sbatch_restarts_a_killed_rollout_step(cluster: Cluster, tmp_pat
     assert {r["het_group"] for r in _roles(run_dir)["rollout"]} == {0}
 
 
+def one_thread_per_role(raw: dict) -> None:
+    """Set a relayrl config's workers and trainer ranks to one torch thread each: both logical nodes are this host,
+    and a role on a node of its own takes every core (relayrl/cores/threads.py), so the job's processes with a
+    thread per core each spin-waited on each other's cores (a step took seconds instead of tenths)."""
+    raw["rollout"]["threads"] = raw["trainer"]["threads"] = 1
+
+
 def _cli_help(role: str) -> str:
     cmd = [sys.executable, "-m", "relayrl.cli", role, "serve", "--help"]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).stdout
@@ -410,6 +417,7 @@ def test_relayrl_hetjob(cluster: Cluster, tmp_path: Path):
     raw = yaml.safe_load(DIGITS_SLURM.read_text())
     raw["scorers"] = {"rm": {"model": str(write_tiny_reward_model(tmp_path / "rm")), "precision": "float32"}}
     raw["controller"]["reward"] = {"fns": {raw["controller"]["reward"]["fn"]: 1.0, "scorer:rm": 0.0}}
+    one_thread_per_role(raw)
     config = tmp_path / "digits-slurm-rm.yaml"
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     # as many rollout workers as `relayrl up` would start, all on the rollout node

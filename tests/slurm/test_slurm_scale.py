@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm_hetjob import DIGITS_SLURM, REPO, SBATCH, Cluster, _diagnostics, _relayrl_env
+from test_slurm_hetjob import DIGITS_SLURM, REPO, SBATCH, Cluster, _diagnostics, _relayrl_env, one_thread_per_role
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster on this host: one xdist worker
 
@@ -49,6 +49,7 @@ def _steps(slurm: Cluster, job_id: str) -> set[str]:
 def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
     config = yaml.safe_load(DIGITS_SLURM.read_text())
     config["trainer"]["steps"] = 100000  # runs until cancelled
+    one_thread_per_role(config)
     config_path = tmp_path / "digits-long.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
