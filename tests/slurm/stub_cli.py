@@ -6,8 +6,9 @@ exact flags of the contract; unknown flags are errors) and imitates the flows th
 
 - ``controller serve`` listens on ``--port`` and appends every line a client sends to
   ``<state-dir>/registrations.txt``; on SIGTERM it writes ``<state-dir>/stopped`` and exits 0.
-- ``rollout serve`` listens on ``--port``, registers ``--advertise`` with the controller, and on
-  SIGTERM writes ``<run dir>/stub/rollout-<port>.stopped`` and exits 0.
+- ``rollout serve`` listens on ``--port``, registers ``--advertise`` with the controller (tried until the
+  controller listens: the workers start with it), and on SIGTERM writes ``<run dir>/stub/rollout-<port>.stopped``
+  and exits 0.
 - ``reward serve`` (a scorer) listens on ``--port``, then joins the controller (``scorer <name> <advertise>``,
   tried until the controller listens: scorers start before it), and on SIGTERM writes
   ``<run dir>/stub/reward-<name>-<port>.stopped`` and exits 0.
@@ -92,12 +93,28 @@ def controller_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tell_controller(controller: tuple[str, int], line: str, timeout_s: float = 120) -> bool:
+    """Send ``line`` to the controller, tried until it listens (it starts with the roles that call it); False when
+    it never did within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(controller, timeout=30) as conn:
+                conn.sendall(f"{line}\n".encode())
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
 def rollout_serve(args: argparse.Namespace) -> int:
     Path(args.config).read_text()
     sock = _listen(args.port)
     del sock  # kept open until exit: the port is the worker's
-    with socket.create_connection(args.controller, timeout=30) as conn:
-        conn.sendall(f"register {args.advertise[0]}:{args.advertise[1]}\n".encode())
+    if not _tell_controller(args.controller, f"register {args.advertise[0]}:{args.advertise[1]}"):
+        print("stub rollout: the controller never listened", file=sys.stderr)
+        return 3
     if os.environ.get("RELAYRL_STUB_ROLLOUT_CRASH") == "1":
         return 7
     marker = args.run_dir / "stub" / f"rollout-{args.port}.stopped"
@@ -109,17 +126,9 @@ def rollout_serve(args: argparse.Namespace) -> int:
 def reward_serve(args: argparse.Namespace) -> int:
     Path(args.config).read_text()
     sock = _listen(args.port)  # open until exit: the batch script waits for this port before the controller starts
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with socket.create_connection(args.controller, timeout=30) as conn:
-                conn.sendall(f"scorer {args.name} {args.advertise[0]}:{args.advertise[1]}\n".encode())
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                print("stub scorer: the controller never listened", file=sys.stderr)
-                return 3
-            time.sleep(0.2)
+    if not _tell_controller(args.controller, f"scorer {args.name} {args.advertise[0]}:{args.advertise[1]}"):
+        print("stub scorer: the controller never listened", file=sys.stderr)
+        return 3
     marker = args.run_dir / "stub" / f"reward-{args.name}-{args.port}.stopped"
     marker.parent.mkdir(parents=True, exist_ok=True)
     _wait_for_sigterm(lambda: marker.write_text("SIGTERM\n"))
