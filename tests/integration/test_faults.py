@@ -75,7 +75,7 @@ def test_rollout_worker_frozen_then_back_and_sigterm_stops_each_role_cleanly(mak
     checkpoints its last step and exits 0, a worker exits 0 and leaves the controller's list, the other worker and
     the controller exit 0."""
     job, cfg = launch(
-        make_config("freeze", trainer={"steps": 1000}, controller=FAST_FAILURE, weight_sync={"timeout_s": 5})
+        make_config("freeze", trainer={"steps": 1000}, controller=FAST_FAILURE, weight_sync={"timeout_s": 3})
     )
     metrics = cfg.run_dir / "metrics.jsonl"
     try:
