@@ -57,14 +57,14 @@ def test_a_second_up_is_refused_naming_the_owner_and_a_killed_owners_lock_is_tak
     contiguous_records(cfg, steps)  # the first run intact: each step once
 
     # a crash: the owner's whole process group killed outright; its roles stop on their own (PR_SET_PDEATHSIG)
-    crashed = up(config, "--resume", "--set", f"trainer.steps={2 * steps}")
+    crashed = up(config, "--resume", "--set", f"trainer.steps={steps + 8}")
     try:
         wait_steps(cfg, steps + 1)
     finally:
         os.killpg(crashed.pid, signal.SIGKILL)
         crashed.wait()
-    resumed = up(config, "--resume", "--set", f"trainer.steps={2 * steps}")  # waits for them, then takes over
+    resumed = up(config, "--resume", "--set", f"trainer.steps={steps + 8}")  # waits for them, then takes over
     code, err = finish(resumed)
     assert code == 0, err
-    contiguous_records(cfg, 2 * steps)  # it took the lock over (else it was refused, exit 3)
+    contiguous_records(cfg, steps + 8)  # it took the lock over (else it was refused, exit 3)
     assert not RunLock.path_for(cfg.run_dir).exists()  # and, its run over, left no lock file behind
