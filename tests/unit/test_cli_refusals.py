@@ -323,7 +323,9 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     tmp_path: Path, tiny_model_dir: Path, busy_port: int
 ) -> None:
     """Every start-up check (relayrl.ops.preflight: CHECKS and HEAVY_CHECKS) refuses its cases in `relayrl check`,
-    and the first case of each in `relayrl up` (which runs the same checks), before a run directory exists."""
+    and the first case of each in `relayrl up` (which runs the same checks), before a run directory exists. The
+    first heavy check's `up` runs as `relayrl up` does by default, its fork server started beside the heavy checks
+    (and killed at the refusal), in a process of its own; the other heavy checks' `up` run here, without one."""
     from relayrl.ops.preflight import CHECKS, HEAVY_CHECKS
 
     no_config = tmp_path / "not-a-model"
@@ -426,19 +428,23 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
     runs = tmp_path / "runs"
 
     heavy = {check.__name__ for check in HEAVY_CHECKS}
+    with_forks = HEAVY_CHECKS[0].__name__  # the one heavy `up` refusal that starts its fork server
 
     def refused(numbered: tuple[int, tuple[str, tuple[str, list[str], str]]]) -> tuple[str, str]:
         number, (command, (check, sets, expected)) = numbered
         # a runs directory each: `up`s refused at once would otherwise race over making and removing a shared one
         # (each removes it only when it made it), and two `up` of one name are the run lock's refusal
         sets = [f"run.dir={runs}-{number}", f"model.path={tiny_model_dir}", *sets]
-        # `up` refused by a heavy check has started its fork server (and kills it): a process of its own
-        run = relayrl_process if command == "up" and check in heavy else relayrl
+        run = relayrl
+        if command == "up" and check == with_forks:  # has started its fork server (and kills it): a process
+            run = relayrl_process
+        elif command == "up" and check in heavy:  # the same checks without a fork server: in this process
+            sets.append("supervisor.fork_roles=false")
         return run(command, str(DEMO), *(arg for s in sets for arg in ("--set", s)), cwd=tmp_path), expected
 
     first_of_each = list({case[0]: case for case in reversed(cases)}.values())
     runs_of = list(enumerate([("check", case) for case in cases] + [("up", case) for case in first_of_each]))
-    processes = [run for run in runs_of if run[1][0] == "up" and run[1][1][0] in heavy]
+    processes = [run for run in runs_of if run[1][0] == "up" and run[1][1][0] == with_forks]
     with ThreadPoolExecutor(len(processes)) as pool:  # side by side with the others, in this process
         refused_processes = pool.map(refused, processes)
         for line, expected in [*map(refused, [run for run in runs_of if run not in processes]), *refused_processes]:
