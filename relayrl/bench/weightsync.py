@@ -1,6 +1,7 @@
 """``relayrl bench weightsync``: packed double-buffered weight sync vs its limit and its baselines.
 
-For every (model size, receiver count) the receivers run as separate OS processes ("spawn") holding a
+For every (model size, receiver count) the receivers run as separate OS processes (forked from
+multiprocessing's fork server, which imported torch and this module once: none of it is timed) holding a
 model-shaped set of parameters; the sender (this process) plays trainer rank 0. Methods, each timed
 end to end from the sender, the median of ``--repeat`` runs, and verified by checksum:
 
@@ -404,7 +405,7 @@ class _Receiver:
 
 
 def receiver_main(rank: int, bootstrap_port: int, control: str, timeout_s: float) -> None:
-    """Entry point of a spawned receiver: announce itself on the sender's bootstrap socket, then serve
+    """Entry point of a forked receiver: announce itself on the sender's bootstrap socket, then serve
     control requests over ``control`` ("socket" or "grpc") until "stop"."""
     torch.set_num_threads(1)
     chan = Channel(socket.create_connection(("127.0.0.1", bootstrap_port)))
@@ -433,11 +434,12 @@ def receiver_main(rank: int, bootstrap_port: int, control: str, timeout_s: float
 
 
 class _Fleet:
-    """The spawned receivers (group ranks 1..n) and a control stub for each, in rank order."""
+    """The receiver processes (group ranks 1..n) and a control stub for each, in rank order."""
 
     def __init__(self, n: int, control: str, timeout_s: float) -> None:
         self.control = control
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # a fresh interpreter per receiver imported torch again: seconds each
+        ctx.set_forkserver_preload(["torch", __name__])  # read when the server starts (once per process)
         listener = socket.create_server(("127.0.0.1", 0))
         listener.settimeout(timeout_s)
         port = listener.getsockname()[1]
@@ -710,7 +712,7 @@ def run_grid(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[
     """One fleet (and one broadcast group) per receiver count; every size measured on it."""
     rows = []
     for n_receivers in args.receivers:
-        log(f"spawning {n_receivers} receiver(s)")
+        log(f"starting {n_receivers} receiver(s)")
         with contextlib.ExitStack() as stack:
             fleet = _Fleet(n_receivers, args.control, args.timeout_s)
             stack.callback(fleet.close)
