@@ -26,8 +26,9 @@ class LocalCluster:
 
 @contextlib.contextmanager
 def local_cluster(config_path: Path, workers: int, logs: Path, timeout_s: float = 180) -> Iterator[LocalCluster]:
-    """Start ``relayrl controller serve`` and ``workers`` x ``relayrl rollout serve`` with ``config_path``;
-    yields once every worker is registered."""
+    """Start ``relayrl controller serve`` and ``workers`` x ``relayrl rollout serve`` with ``config_path``, all at
+    once (a worker retries its registration until the controller answers: its imports and model load need not wait
+    for the controller's start); yields once every worker is registered."""
     logs.mkdir(parents=True, exist_ok=True)
     job = LocalJob(load_config(config_path), config_path, logs)
     common = ["--config", str(config_path)]
@@ -35,7 +36,6 @@ def local_cluster(config_path: Path, workers: int, logs: Path, timeout_s: float 
     address = f"127.0.0.1:{port}"
     try:
         job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
-        wait_until(lambda: controller_status(address), timeout_s, "the controller", job, ["controller"])
         roles = [f"rollout-{i}" for i in range(workers)]
         for role in roles:
             job.spawn(role, job.relay("rollout", "serve", *common, "--controller", address, "--worker-id", role))
