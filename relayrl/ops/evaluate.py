@@ -162,6 +162,8 @@ def _evaluate_checkpoint(args: argparse.Namespace, cfg: RelayConfig, checkpoint:
         served.model.path = str(model_dir)
         address, worker = start_worker(args, model_dir, Path(workdir))
         try:
+            import_evaluation()  # while the worker starts: seconds of imports each, on separate cores
+            wait_for_worker(address, worker, Path(workdir))
             report = evaluate(served, {"eval-0": address}, 0, version)
         finally:
             worker.terminate()
@@ -170,9 +172,16 @@ def _evaluate_checkpoint(args: argparse.Namespace, cfg: RelayConfig, checkpoint:
     return report
 
 
+def import_evaluation() -> None:
+    """The modules ``evaluate`` uses (transformers' tokenizers, the controller's evaluator)."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    from relayrl.controller.evaluation import Evaluator  # noqa: F401
+
+
 def start_worker(args: argparse.Namespace, model_dir: Path, workdir: Path) -> tuple[str, subprocess.Popen]:
-    """A rollout worker process (``relayrl rollout serve``, the run's own) serving ``model_dir``; its address once
-    it answers, and the process. Its log: ``workdir/rollout.log``."""
+    """A rollout worker process (``relayrl rollout serve``, the run's own) serving ``model_dir`` started: the address
+    it will serve on (``wait_for_worker``), and the process. Its log: ``workdir/rollout.log``."""
     from relayrl.runtime.ports import free_port
 
     address = f"127.0.0.1:{free_port()}"
@@ -181,12 +190,17 @@ def start_worker(args: argparse.Namespace, model_dir: Path, workdir: Path) -> tu
     argv += ["--port", address.rpartition(":")[2], "--worker-id", "eval-0"]
     env = {k: v for k, v in os.environ.items() if k != "RELAYRL_CONTROLLER"}  # it registers with no controller
     log = (workdir / "rollout.log").open("w")
-    worker = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return address, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for_worker(address: str, worker: subprocess.Popen, workdir: Path) -> None:
+    """Until the worker ``start_worker`` started answers; RuntimeError with its log's tail if it exits first or
+    takes over 600 s."""
     deadline = time.monotonic() + 600
     while True:
         try:
             worker_versions([address])
-            return address, worker
+            return
         except grpc.RpcError:
             if worker.poll() is not None or time.monotonic() > deadline:
                 worker.kill()
