@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from trainer_testing import full_weights, rollout_batch
+from trainer_testing import full_weights, rollout_batch, spawn_ranks
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from relayrl.config import AlgorithmConfig, CriticConfig, ModelConfig, TrainerConfig
@@ -83,7 +82,7 @@ def case(rank: int, world: int, port: int, model_dir: str, tmp: str) -> None:
 def runs(tiny_model_dir, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
     tmp = tmp_path_factory.mktemp("critic")
     for world in (1, 2):
-        mp.spawn(case, args=(world, free_port(), str(tiny_model_dir), str(tmp)), nprocs=world)
+        spawn_ranks(case, (world, free_port(), str(tiny_model_dir), str(tmp)), world)
     return tmp, {w: json.loads((tmp / f"out{w}.json").read_text()) for w in (1, 2)}
 
 

@@ -13,9 +13,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
-from trainer_testing import grpo_batch, on_ranks_case
+from trainer_testing import grpo_batch, on_ranks_case, spawn_ranks
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
@@ -182,7 +181,7 @@ def two_rank_gaps(model_dirs: dict[str, str]) -> dict:
 def test_two_ranks_match_the_plain_forward_on_shared_prompts_and_packing(tmp_path) -> None:
     dirs = {family: str(write_family_model(family, tmp_path / family)) for family in TWO_RANK_FAMILIES}
     out = tmp_path / "result.json"
-    mp.spawn(on_ranks_case, args=(2, free_port(), two_rank_gaps, (dirs,), str(out)), nprocs=2)
+    spawn_ranks(on_ranks_case, (2, free_port(), two_rank_gaps, (dirs,), str(out)), 2)
     result = json.loads(out.read_text())
     assert all(max(r["logprobs"], r["entropy"], r["grads"]) < TOLERANCE for r in result.values()), result
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from trainer_testing import full_weights, rollout_batch
+from trainer_testing import full_weights, rollout_batch, spawn_ranks
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.runtime.ports import free_port
@@ -125,7 +124,7 @@ def checkpoint_case(rank: int, world: int, port: int, model_dir: str, action: st
 
 def test_one_rank_trains_the_plain_module_as_fully_shard_would(tiny_model_dir, tmp_path) -> None:
     out = tmp_path / "result.json"
-    mp.spawn(one_rank_cases, args=(1, free_port(), str(tiny_model_dir), str(out)), nprocs=1)
+    spawn_ranks(one_rank_cases, (1, free_port(), str(tiny_model_dir), str(out)), 1)
     result = json.loads(out.read_text())
     assert not result["plain_sharded"] and result["sharded_sharded"]
     assert result["weights"] < TOLERANCE < result["moved"] / 50, result
@@ -139,7 +138,7 @@ def test_a_checkpoint_resumes_on_another_world_size(tiny_model_dir, tmp_path, sa
     for action, world in (("save", saved_on), ("resume", resumed_on)):
         out = tmp_path / f"{action}.pt"
         args = (world, free_port(), str(tiny_model_dir), action, str(ckpt), str(out))
-        mp.spawn(checkpoint_case, args=args, nprocs=world)
+        spawn_ranks(checkpoint_case, args, world)
         runs[action] = torch.load(out)
     assert runs["save"]["sharded"] == (saved_on > 1) and runs["resume"]["sharded"] == (resumed_on > 1)
     for name, tensor in runs["save"]["weights"].items():
@@ -148,7 +147,7 @@ def test_a_checkpoint_resumes_on_another_world_size(tiny_model_dir, tmp_path, sa
 
 def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tiny_model_dir, tmp_path) -> None:
     out = tmp_path / "result.json"
-    mp.spawn(gradient_checkpointing_case, args=(1, free_port(), str(tiny_model_dir), str(out)), nprocs=1)
+    spawn_ranks(gradient_checkpointing_case, (1, free_port(), str(tiny_model_dir), str(out)), 1)
     result = json.loads(out.read_text())
     plain_calls, checkpointed_calls = result["calls"]
     assert checkpointed_calls > plain_calls, result  # each forward with a gradient ran again in the backward

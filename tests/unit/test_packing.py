@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from trainer_testing import GradsBackend, on_ranks_case, trained_once, update_gaps
+from trainer_testing import GradsBackend, on_ranks_case, spawn_ranks, trained_once, update_gaps
 from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.logprobs import logprobs_from_logits
@@ -128,7 +127,7 @@ def test_two_ranks_agree_on_their_packed_forwards(tiny_model_dir, tmp_path) -> N
     goes alone, rank 0's rows of that mini-batch fit in one); FSDP's gathers stay matched (no hang) and the update
     is still the padded one."""
     out = tmp_path / "result.json"
-    mp.spawn(on_ranks_case, args=(2, free_port(), same_update, (str(tiny_model_dir), 48), str(out)), nprocs=2)
+    spawn_ranks(on_ranks_case, (2, free_port(), same_update, (str(tiny_model_dir), 48), str(out)), 2)
     check(json.loads(out.read_text()))
 
 

@@ -12,8 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from trainer_testing import full_weights, rollout_batch
+from trainer_testing import full_weights, rollout_batch, spawn_ranks
 
 from relayrl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig, parse_config
 from relayrl.runtime import precision as runtime_precision
@@ -72,7 +71,7 @@ def case(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_compute_moves_a_layer_at_lr_1e_6_as_float32_does(tiny_model_dir, tmp_path, world) -> None:
     out = tmp_path / "shares.json"
-    mp.spawn(case, args=(world, free_port(), str(tiny_model_dir), str(out)), nprocs=world)
+    spawn_ranks(case, (world, free_port(), str(tiny_model_dir), str(out)), world)
     shares = json.loads(out.read_text())
     control = shares.pop("fsdp/in-place", 0.0)
     assert len(shares) == (3 if world == 1 else 1)

@@ -9,8 +9,7 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from trainer_testing import full_weights, on_ranks_case, one_rank_world, rollout_batch  # noqa: F401 (an autouse fixture)
+from trainer_testing import full_weights, on_ranks_case, one_rank_world, rollout_batch, spawn_ranks  # noqa: F401 (an autouse fixture)
 
 from relayrl.algorithms.rollout_correction import apply_correction, rollout_diagnostics
 from relayrl.config import CORRECTION_PREFIX, AlgorithmConfig, ModelConfig, TrainerConfig
@@ -79,8 +78,7 @@ def test_two_ranks_count_the_kept_tokens_of_both(tiny_model_dir, tmp_path) -> No
     """On 2 data-parallel ranks each holds half the rows: the kept-token counts (and the diagnostics) are summed over
     both, so the update is still the one without the rejected tokens."""
     out = tmp_path / "result.json"
-    mp.spawn(on_ranks_case, args=(2, free_port(), rejection_gaps, (str(tiny_model_dir), "token-mean"), str(out)),
-             nprocs=2)  # fmt: skip
+    spawn_ranks(on_ranks_case, (2, free_port(), rejection_gaps, (str(tiny_model_dir), "token-mean"), str(out)), 2)
     check_rejection(json.loads(out.read_text()))
 
 

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from trainer_testing import batch_message, full_weights, stream_source
+from trainer_testing import batch_message, full_weights, spawn_ranks, stream_source
 
 from relayrl.config import AlgorithmConfig, ModelConfig, RelayConfig, TrainerConfig, parse_config
 from relayrl.runtime.ports import free_port
@@ -119,7 +118,7 @@ def inexact_error(model_dir: str) -> str:
 @pytest.mark.parametrize("world", [1, 2])
 def test_streamed_step_is_the_whole_batch_step(tiny_model_dir, tmp_path, world) -> None:
     out = tmp_path / "diffs.json"
-    mp.spawn(run_cases, args=(world, free_port(), str(tiny_model_dir), str(out)), nprocs=world)
+    spawn_ranks(run_cases, (world, free_port(), str(tiny_model_dir), str(out)), world)
     result = json.loads(out.read_text())
     for case, diffs in zip(CASES, result["diffs"], strict=True):
         assert diffs["weights"] < TOLERANCE < diffs["moved"] / 50, (case, diffs)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from relayrl.algorithms.partition import minibatch_groups
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
@@ -20,6 +21,22 @@ from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.batch import TrainBatch, to_train_batch
 from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
+
+# Ranks are forked from multiprocessing's fork server, which imported torch, transformers and the trainer once: a
+# spawned rank (mp.spawn) imported them again in a fresh interpreter, seconds of a core each. Each rank is still its
+# own process, forked from one with no thread but its main one, never from the test's (its gloo, gRPC and OpenMP
+# threads). The session has one fork server, started by its first user with the list set last: this one is imported
+# after tests/integration/test_weightsync_group.py, so its receivers' modules are named here too.
+mp.get_context("forkserver").set_forkserver_preload([
+    "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "relayrl.trainer.backends.fsdp",
+    "relayrl.trainer.step", "relayrl.weightsync", "relayrl.bench.weightsync",
+])  # fmt: skip
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """``mp.spawn(fn, args, nprocs)`` with the ranks forked from the fork server: ``fn(rank, *args)`` in each, and a
+    rank that fails raises here as with mp.spawn."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,7 +200,7 @@ def update_gaps(base: tuple[GradsBackend, dict, dict], other: tuple[GradsBackend
 
 
 def on_ranks_case(rank: int, world: int, port: int, fn: Callable[..., dict], args: tuple, out: str) -> None:
-    """An ``mp.spawn`` target: ``fn(*args)`` on a gloo world of ``world`` ranks (one torch thread each); rank 0
+    """A ``spawn_ranks`` target: ``fn(*args)`` on a gloo world of ``world`` ranks (one torch thread each); rank 0
     writes its result to ``out`` as JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
