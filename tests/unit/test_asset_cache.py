@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trainer_testing import spawn_ranks
 
 from relayrl.config import load_config
 from relayrl.models.asset_cache import MARKER
@@ -70,26 +71,26 @@ def test_the_key_holds_every_setting(tmp_path: Path, cache: Path) -> None:
     assert base not in others and len(others) == 3
 
 
-BUILD = textwrap.dedent("""
-    import sys
-    from relayrl.config import load_config
-    from relayrl.models.assets import prepare_assets
-    cfg = load_config(sys.argv[1])
-    print(prepare_assets(cfg), cfg.model.path)
-""")
+def build(index: int, configs: list[str], cache: str, out: Path) -> None:
+    """A builder process: ``prepare_assets`` of ``configs[index]`` on the cache ``cache``; its stderr and the model
+    path it got go to ``out``/<index>.err and .path."""
+    os.environ["RELAYRL_CACHE"] = cache  # the fork server's environment is the session's, not the test's
+    with open(out / f"{index}.err", "w") as err:
+        os.dup2(err.fileno(), 2)
+    cfg = load_config(configs[index])
+    prepare_assets(cfg)
+    (out / f"{index}.path").write_text(str(cfg.model.path))
 
 
 def test_two_runs_building_at_once_build_once(tmp_path: Path, cache: Path) -> None:
-    """Two processes start on the same cold cache: one builds, the other waits for it and reuses its copy."""
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    configs = [write_config(tmp_path, name) for name in ("a", "b")]
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(c)], env=env, **pipes) for c in configs]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    builds = sum(line.startswith("building builtin:tiny-qwen2") for _, err in outs for line in err.splitlines())
-    paths = {out.split()[-1] for out, _ in outs}
-    assert builds == 1 and len(paths) == 1, outs
+    """Two processes start on the same cold cache: one builds, the other waits for it and reuses its copy. They are
+    forked as the trainer tests' ranks are (``spawn_ranks``: transformers and torch imported once, before)."""
+    configs = [str(write_config(tmp_path, name)) for name in ("a", "b")]
+    spawn_ranks(build, (configs, str(cache), tmp_path), len(configs))
+    errs = [(tmp_path / f"{i}.err").read_text() for i in range(len(configs))]
+    builds = sum(line.startswith("building builtin:tiny-qwen2") for err in errs for line in err.splitlines())
+    paths = {(tmp_path / f"{i}.path").read_text() for i in range(len(configs))}
+    assert builds == 1 and len(paths) == 1, errs
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [Path(paths.pop()).name]
 
 
