@@ -166,8 +166,9 @@ def test_sigterm_to_relayrl_up_shuts_the_job_down_and_resume_finishes_the_ledger
         assert len(tree) >= 5  # controller, 2 workers, the trainer supervisor, its ranks
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, proc.stderr.read().decode()[-2000:]
-        time.sleep(1)
-        alive = [pid for pid in tree if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+        deadline = time.monotonic() + 1  # a stopped role's own children may take a moment to go
+        while (alive := _alive(tree)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not alive, f"left running: {alive}"
         done = len(read_metrics(cfg.run_dir / "metrics.jsonl"))
         assert (cfg.run_dir / "checkpoints" / f"step_{done}").exists()  # the trainer checkpointed on its way out
@@ -197,7 +198,7 @@ def test_sigkill_of_relayrl_up_stops_every_child(make_config):
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 90
-        while alive := [pid for pid in tree if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]:
+        while alive := _alive(tree):
             assert time.monotonic() < deadline, f"running 90 s after the launcher's SIGKILL: {_described(alive, cfg)}"
             time.sleep(0.5)
         logs = cfg.run_dir / "logs"
@@ -219,6 +220,11 @@ def _described(pids: list[int], cfg) -> str:
     for log in sorted((cfg.run_dir / "logs").glob("*.log")):
         lines.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
     return "\n".join(lines)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (neither gone nor a zombie)."""
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
 
 
 def _state(pid: int) -> str:
