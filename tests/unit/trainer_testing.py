@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,15 @@ from relayrl.v1 import common_pb2, controller_pb2
 # Ranks are forked from multiprocessing's fork server, which imported torch, transformers and the trainer once: a
 # spawned rank (mp.spawn) imported them again in a fresh interpreter, seconds of a core each. Each rank is still its
 # own process, forked from one with no thread but its main one, never from the test's (its gloo, gRPC and OpenMP
-# threads). The session has one fork server, started by its first user with the list set last: this one is imported
-# after tests/integration/test_weightsync_group.py, so its receivers' modules are named here too.
+# threads). A session has one fork server, with the preload list set when it starts: it starts here, as the tests are
+# collected, so a later user's list (relayrl bench weightsync's receivers, the fake vLLM's engine core: each sets its
+# own at run time) does not replace this one; their modules are named here too.
 mp.get_context("forkserver").set_forkserver_preload([
     "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "relayrl.trainer.backends.fsdp",
     "relayrl.trainer.step", "relayrl.weightsync", "relayrl.bench.weightsync",
 ])  # fmt: skip
+if not getattr(mp.current_process(), "_inheriting", False):  # not in a rank importing this module as it starts
+    forkserver.ensure_running()
 
 
 def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
