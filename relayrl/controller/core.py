@@ -42,6 +42,7 @@ from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
 from relayrl.data.dataset import PromptDataset, PromptRecord
+from relayrl.data.vocab import check_teacher_vocab
 from relayrl.episodes.runner import EpisodeRunner
 from relayrl.episodes.stats import fill_episode_stats
 from relayrl.errors import (
@@ -56,7 +57,6 @@ from relayrl.errors import (
 from relayrl.rewards import RewardFailures, RewardRaised, RewardShapeError
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.repeats import RepeatedWarning
-from relayrl.scorer.vocab import check_teacher_vocab
 from relayrl.v1 import common_pb2, controller_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)

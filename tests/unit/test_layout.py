@@ -30,7 +30,8 @@ LAYERS: list[set[str]] = [
     {"data", "rewards", "client", "weightsync", "algorithms"},  # what the roles share (algorithms: pure functions)
     {"env"},
     {"episodes"},
-    {"controller", "rollout", "trainer", "scorer", "models"},  # the roles' logic; models: the built-in demo assets
+    {"controller", "rollout", "trainer", "models"},  # the roles' logic; models: the built-in demo assets
+    {"scorer"},  # reward models, judges and teachers: a judge generates on the rollout workers' engine
     {"ops"},  # operating a job: supervision, placement, scaling, deploy manifests, operator commands
     {"services"},  # the role servers
     {"launcher", "check_engine"},  # what `relayrl up` and `relayrl check-engine` run: they compose the roles

@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 
 from relayrl.config import ConfigError, load_config
 from relayrl.controller.core import Controller
+from relayrl.data.vocab import check_teacher_vocab, vocab_mismatch
 from relayrl.models.tiny import build_tokenizer
 from relayrl.models.tiny_chat import build_chat_tokenizer
-from relayrl.scorer.vocab import check_teacher_vocab, vocab_mismatch
 
 
 def distill_config(make_config, teacher: str):
