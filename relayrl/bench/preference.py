@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from relayrl.bench.addition import CONFIG as ADDITION
@@ -42,14 +43,19 @@ COMMAND = (
 
 def preference_pairs(rows: list[dict], passed: float = 1.0, per_prompt: int = 2) -> list[dict]:
     """TRL conversational preference rows from scored samples: ``rows`` as ``relayrl eval --generations`` writes
-    them (``prompt``; ``samples``, each a ``response`` and its ``reward``). Per prompt, its distinct responses
-    with reward >= ``passed`` (chosen, in sample order) are zipped with its distinct responses below it (rejected),
-    at most ``per_prompt`` pairs; a prompt whose samples all pass or all fail gives none."""
+    them (``prompt``; ``samples``, each a ``response`` and its ``reward``). Per prompt, with C its distinct
+    responses with reward >= ``passed`` (chosen, in sample order) and R its distinct responses below it
+    (rejected), pair i is (C[i mod |C|], R[i mod |R|]) for i < min(``per_prompt``, max(|C|, |R|)): every distinct
+    response is in a pair before any pair repeats one, and no two pairs are the same. A prompt whose samples all
+    pass or all fail gives none."""
     pairs = []
     for row in rows:
         chosen = list(dict.fromkeys(s["response"] for s in row["samples"] if s["reward"] >= passed))
         rejected = list(dict.fromkeys(s["response"] for s in row["samples"] if s["reward"] < passed))
-        for good, bad in list(zip(chosen, rejected))[:per_prompt]:
+        if not chosen or not rejected:
+            continue
+        count = min(per_prompt, max(len(chosen), len(rejected)))
+        for good, bad in ((chosen[i % len(chosen)], rejected[i % len(rejected)]) for i in range(count)):
             pairs.append(
                 {
                     "prompt": [{"role": "user", "content": row["prompt"]}],
@@ -60,14 +66,26 @@ def preference_pairs(rows: list[dict], passed: float = 1.0, per_prompt: int = 2)
     return pairs
 
 
+def length_baselines(pairs: list[dict], length: Callable[[str], int] = len) -> dict[str, float]:
+    """The pair accuracy of two scorers that read only a response's ``length`` (characters by default):
+    ``shorter_wins`` (the share of pairs whose chosen response is the shorter) and ``longer_wins``; ties count
+    for neither. A reward model's accuracy is worth what it adds over the larger of the two."""
+    lengths = [(length(p["chosen"][-1]["content"]), length(p["rejected"][-1]["content"])) for p in pairs]
+    count = max(len(lengths), 1)
+    return {
+        "shorter_wins": sum(c < r for c, r in lengths) / count,
+        "longer_wins": sum(c > r for c, r in lengths) / count,
+    }
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="relayrl bench preference", description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=8, help="samples per prompt the pairs are made from")
-    p.add_argument("--pairs-per-prompt", type=int, default=2)
+    p.add_argument("--n", type=int, default=16, help="samples per prompt the pairs are made from")
+    p.add_argument("--pairs-per-prompt", type=int, default=4)
     p.add_argument("--dpo-set", action="append", default=[], help="key=value overrides of dpo.yaml")
     p.add_argument("--rm-set", action="append", default=[], help="key=value overrides of rm.yaml")
     p.add_argument("--grpo-set", action="append", default=[], help="key=value overrides of grpo-rm.yaml")
@@ -88,7 +106,7 @@ def sample(n: int, workdir: Path, timeout_s: float) -> tuple[dict, float]:
     prepare_model(cfg)  # the builtin's cached directory: the checkpoint relayrl eval serves
     out = workdir / "samples.json"
     sets = "{" + ", ".join(f"{name}: {{path: {path}}}" for name, path in SETS.items()) + "}"
-    # every prompt's 8 samples queue on one worker: a loaded machine outlasts the default Generate deadline (300 s),
+    # every prompt's samples queue on one worker: a loaded machine outlasts the default Generate deadline (300 s),
     # and a timed-out prompt gives no pairs
     overrides = [f"eval.n={n}", "eval.temperature=1.0", "eval.metrics=[mean]", f"eval.sets={sets}"]
     overrides.append("controller.generate_timeout_s=3600")
@@ -125,6 +143,17 @@ def rm_summary(run_dir: Path, wall_s: float) -> dict:
         "heldout_pair_accuracy_after": scored[-1]["accuracy"],
         "heldout_pair_accuracy_curve": scored,
         "heldout_margin_after": next(r["eval_margin"] for r in reversed(records) if "eval_margin" in r),
+    }
+
+
+def heldout_baselines(pairs: list[dict], reward_model: Path) -> dict[str, dict[str, float]]:
+    """``length_baselines`` of the held-out pairs by characters and by tokens of the reward model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(reward_model))
+    return {
+        "characters": length_baselines(pairs),
+        "tokens": length_baselines(pairs, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])),
     }
 
 
@@ -199,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         grpo = run_example(str(GRPO_CONFIG), served, args.timeout_s, workdir)
         records, evals = read_lines(grpo.run_dir / "metrics.jsonl")
         dpo, rm = dpo_summary(dpo_dir, dpo_wall), rm_summary(rm_dir, rm_wall)
+        rm["heldout_pairs"] = len(pairs[HELDOUT])
+        rm["heldout_length_baselines"] = heldout_baselines(pairs[HELDOUT], rm_dir / "final")
         grpo_figures = {
             "steps": len(records),
             "wall_s": grpo.wall_s,
