@@ -30,7 +30,6 @@ from relayrl.bench.versus_trl import (
     run_bench,
     timed_training,
     trl_arguments,
-    trl_rows,
 )
 
 BETA = 0.1
@@ -58,23 +57,12 @@ def trl_modes(relayrl: dict) -> dict[str, dict]:
 
 def trl_side(spec: dict) -> dict:
     """TRL's DPOTrainer over one epoch in ``spec["mode"]``; run in its own process (``--side``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    torch.manual_seed(spec["seed"])
     config = DPOConfig(
         **trl_arguments(spec), loss_type=["sigmoid"], beta=BETA, precompute_ref_log_probs=True, max_length=None,
     )  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-
-    def build(trainer_class: type, callbacks: list):
-        return trainer_class(
-            model=model, args=config, train_dataset=trl_rows(spec), processing_class=tokenizer, callbacks=callbacks
-        )
-
-    return timed_training(DPOTrainer, build, spec)
+    return timed_training(DPOTrainer, config, spec)
 
 
 def rows(args: argparse.Namespace) -> list[dict]:

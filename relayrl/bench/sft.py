@@ -28,7 +28,6 @@ from relayrl.bench.versus_trl import (
     run_bench,
     timed_training,
     trl_arguments,
-    trl_rows,
 )
 
 
@@ -48,21 +47,10 @@ def trl_modes(relayrl: dict) -> dict[str, dict]:
 
 def trl_side(spec: dict) -> dict:
     """TRL's SFTTrainer over one epoch in ``spec["mode"]``; run in its own process (``--side``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    torch.manual_seed(spec["seed"])
     config = SFTConfig(**trl_arguments(spec), packing=spec["mode"] == "packed", max_length=spec["pack_tokens"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-
-    def build(trainer_class: type, callbacks: list):
-        return trainer_class(
-            model=model, args=config, train_dataset=trl_rows(spec), processing_class=tokenizer, callbacks=callbacks
-        )
-
-    return timed_training(SFTTrainer, build, spec)
+    return timed_training(SFTTrainer, config, spec)
 
 
 def rows(args: argparse.Namespace) -> list[dict]:

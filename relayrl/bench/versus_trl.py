@@ -139,11 +139,17 @@ def trl_rows(spec: dict):
     )
 
 
-def timed_training(trainer_class: type, build: Callable[[type, list], Any], spec: dict) -> dict:
-    """Train ``build(counting subclass of trainer_class, callbacks)`` and return its figures: a forward's positions
-    are its ``input_ids``' size, its tokens the attention mask's sum (a padding-free batch has none: every position
-    is a token); a step is timed from its first forward to the end of its optimizer step."""
-    from transformers import TrainerCallback
+def timed_training(trainer_class: type, config: Any, spec: dict) -> dict:
+    """Train TRL's ``trainer_class`` with ``config`` over one epoch of ``spec``'s rows, on its model in float32
+    (torch seeded by ``spec["seed"]`` first), and return its figures: a forward's positions are its ``input_ids``'
+    size, its tokens the attention mask's sum (a padding-free batch has none: every position is a token); a step is
+    timed from its first forward to the end of its optimizer step."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
 
     counts = {"positions": 0, "tokens": 0, "step_tokens": 0}
     step_times: list[tuple[float, int]] = []
@@ -163,7 +169,9 @@ def timed_training(trainer_class: type, build: Callable[[type, list], Any], spec
             step_times.append((time.perf_counter() - self.began, counts["step_tokens"]))
             counts["tokens"] += counts["step_tokens"]
 
-    trainer = build(Counting, [Timer()])
+    trainer = Counting(
+        model=model, args=config, train_dataset=trl_rows(spec), processing_class=tokenizer, callbacks=[Timer()]
+    )
     trainer.train()
     return {
         "mode": spec["mode"],
