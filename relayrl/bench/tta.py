@@ -27,11 +27,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from relayrl.bench.e2e import REAL_CONFIG, TRL_MODES, UNMEASURED, Run, summarize, trl_spec
+from relayrl.bench.example_run import scratch
 from relayrl.bench.record import machine_record, run_sides, trl_side
 from relayrl.config import RelayConfig, load_config
 from relayrl.models.assets import prepare_assets
@@ -230,16 +230,15 @@ def merge(path: Path, shared: dict, row: dict, command: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sets = overrides(args)
-    workdir = Path(tempfile.mkdtemp(prefix="relayrl-bench-tta-"))
-    cfg = load_config(REAL_CONFIG, [*sets, f"run.dir={workdir / 'assets'}"])
-    prepare_assets(cfg)  # the built model, before any clock starts; both systems name its directory
-    sets += [f"model.path={cfg.model.path}", f"data.path={cfg.data.path}"]
-    row = run_system(args, cfg, sets, workdir)
-    command = ["relayrl", "bench", "tta", *(sys.argv[1:] if argv is None else argv)]
-    result = merge(Path(args.out), settings(args), row, command)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: row[k] for k in ("system", "seed", "ended", "samples_per_s", "to_target") if k in row}))
-    if "error" in row or row["to_target"]["curve"] == []:
-        print(f"relayrl bench tta: {args.system} seed {args.seed}: {row.get('error', 'no eval')}", file=sys.stderr)
-        return 1
+    with scratch("relayrl-bench-tta-") as workdir:  # kept (and named) when the run fails
+        cfg = load_config(REAL_CONFIG, [*sets, f"run.dir={workdir / 'assets'}"])
+        prepare_assets(cfg)  # the built model, before any clock starts; both systems name its directory
+        sets += [f"model.path={cfg.model.path}", f"data.path={cfg.data.path}"]
+        row = run_system(args, cfg, sets, workdir)
+        command = ["relayrl", "bench", "tta", *(sys.argv[1:] if argv is None else argv)]
+        result = merge(Path(args.out), settings(args), row, command)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: row[k] for k in ("system", "seed", "ended", "samples_per_s", "to_target") if k in row}))
+        if "error" in row or row["to_target"]["curve"] == []:
+            raise SystemExit(f"relayrl bench tta: {args.system} seed {args.seed}: {row.get('error', 'no eval')}")
     return 0
