@@ -170,6 +170,20 @@ def rollout_registrations(path: Path) -> int:
     return sum(line.startswith("register ") for line in path.read_text().splitlines())
 
 
+def _registering_server(roles: argparse._SubParsersAction, role: str, fn) -> argparse.ArgumentParser:
+    """``<role> serve``: a server the sbatch script starts on 0.0.0.0 that registers its advertised address with the
+    controller (the rollout worker's and the scorer's flags alike)."""
+    sub = roles.add_parser(role).add_subparsers(dest="cmd", required=True).add_parser("serve")
+    sub.add_argument("--config", required=True)
+    sub.add_argument("--controller", type=_host_port, required=True)
+    sub.add_argument("--host", required=True, choices=["0.0.0.0"])
+    sub.add_argument("--port", type=int, required=True)
+    sub.add_argument("--advertise", type=_host_port, required=True)
+    sub.add_argument("--metrics-port", type=int)
+    sub.set_defaults(fn=fn)
+    return sub
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="relayrl")
     roles = p.add_subparsers(dest="role", required=True)
@@ -181,24 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ctl.add_argument("--metrics-port", type=int)
     ctl.set_defaults(fn=controller_serve)
 
-    ro = roles.add_parser("rollout").add_subparsers(dest="cmd", required=True).add_parser("serve")
-    ro.add_argument("--config", required=True)
-    ro.add_argument("--controller", type=_host_port, required=True)
-    ro.add_argument("--host", required=True, choices=["0.0.0.0"])
-    ro.add_argument("--port", type=int, required=True)
-    ro.add_argument("--advertise", type=_host_port, required=True)
-    ro.add_argument("--metrics-port", type=int)
-    ro.set_defaults(fn=rollout_serve)
-
-    rw = roles.add_parser("reward").add_subparsers(dest="cmd", required=True).add_parser("serve")
-    rw.add_argument("--config", required=True)
+    ro = _registering_server(roles, "rollout", rollout_serve)
+    rw = _registering_server(roles, "reward", reward_serve)
     rw.add_argument("--name", required=True)
-    rw.add_argument("--controller", type=_host_port, required=True)
-    rw.add_argument("--host", required=True, choices=["0.0.0.0"])
-    rw.add_argument("--port", type=int, required=True)
-    rw.add_argument("--advertise", type=_host_port, required=True)
-    rw.add_argument("--metrics-port", type=int)
-    rw.set_defaults(fn=reward_serve)
 
     tr = roles.add_parser("trainer").add_subparsers(dest="cmd", required=True).add_parser("run")
     tr.add_argument("--config", required=True)
