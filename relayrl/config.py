@@ -27,6 +27,7 @@ def _greedy_or_sane(value: float) -> float:
 
 
 Temperature = Annotated[float, AfterValidator(_greedy_or_sane)]
+EngineName = Literal["hf", "vllm", "sglang"]  # the inference engines (relayrl/rollout/engine.py: ENGINES)
 
 
 class ConfigError(ValueError):
@@ -211,7 +212,7 @@ class GenerationLimitsConfig(Section):
 class RolloutConfig(Section):
     """The rollout workers: their engine, how many ``relayrl up`` starts, how they sample (docs/engines.md)."""
 
-    engine: Literal["hf", "vllm", "sglang"] = "hf"  # the inference engine of every worker (docs/engines.md)
+    engine: EngineName = "hf"  # the inference engine of every worker (docs/engines.md)
     # the engine's weights (weight sync sends them so, cast on the trainer's side); "auto": the trainer's compute
     # dtype (trainer.precision), so both sides compute alike. The mismatch a bf16 engine brings is measured
     # (logprob_mismatch) and corrected by algorithm.tis_cap (docs/trainer-backends.md, "Precision")
@@ -938,6 +939,10 @@ class ScorerConfig(Section):
     normalize: bool = False
     rubric: str = JUDGE_RUBRIC  # judge: the user message, with {prompt} and {response} filled in
     judge_max_tokens: int = Field(8, ge=1)  # judge: tokens of its answer read for the number
+    # judge: the engine it generates on, chosen as rollout.engine is (docs/engines.md); a classifier and a teacher
+    # run a transformers forward and take only "hf"
+    engine: EngineName = "hf"
+    engine_options: dict[str, Any] = Field(default_factory=dict)  # judge: passed to the engine as is
 
     _host_port = field_validator("servers")(host_ports)
 
@@ -947,6 +952,9 @@ class ScorerConfig(Section):
             raise ValueError("replicas is 0 and servers is empty: no scorer would serve")
         if self.kind == "judge" and ("{prompt}" not in self.rubric or "{response}" not in self.rubric):
             raise ValueError("rubric: a judge's rubric holds {prompt} and {response}")
+        if self.kind != "judge" and (self.engine != "hf" or self.engine_options):
+            key = "engine" if self.engine != "hf" else "engine_options"
+            raise ValueError(f"{key}: only a judge generates on an engine; a {self.kind} takes engine hf, no options")
         return self
 
 

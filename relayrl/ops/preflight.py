@@ -404,24 +404,28 @@ def check_registry_names(cfg: RelayConfig) -> None:
 
 
 def check_engine(cfg: RelayConfig) -> None:
-    """vllm/sglang: installed (distribution metadata, else an importable module: a source tree or a test's stand-in,
-    whose ``__version__`` the engine checks at start) at a version in SUPPORTED_VERSIONS."""
-    engine = cfg.rollout.engine
-    if engine == "hf":
-        return
+    """vllm/sglang, of the rollout workers and of each judge ``relayrl up`` starts: installed (distribution metadata,
+    else an importable module: a source tree or a test's stand-in, whose ``__version__`` the engine checks at start)
+    at a version in SUPPORTED_VERSIONS. ConfigError naming the key."""
+    started = {f"scorers.{name}.engine": s.engine for name, s in cfg.scorers.items() if s.replicas}
+    for key, engine in {"rollout.engine": cfg.rollout.engine, **started}.items():
+        if engine != "hf":
+            check_installed(key, engine)
+
+
+def check_installed(key: str, engine: str) -> None:
+    """The engine ``key`` names is installed at a supported version (``check_engine``)."""
     from relayrl.rollout.external import SUPPORTED_VERSIONS, install_hint, version_supported
 
     try:
         found = importlib.metadata.version(engine)
     except importlib.metadata.PackageNotFoundError:
         if importlib.util.find_spec(engine) is None:
-            raise ConfigError(f"rollout.engine: {engine} is not installed: {install_hint(engine)}") from None
+            raise ConfigError(f"{key}: {engine} is not installed: {install_hint(engine)}") from None
         return
     if not version_supported(engine, found):
         wanted = f"{engine}{SUPPORTED_VERSIONS[engine]}"
-        raise ConfigError(
-            f"rollout.engine: {engine} {found} is installed, relayrl supports {wanted}: {install_hint(engine)}"
-        )
+        raise ConfigError(f"{key}: {engine} {found} is installed, relayrl supports {wanted}: {install_hint(engine)}")
 
 
 def check_port(cfg: RelayConfig) -> None:

@@ -44,6 +44,7 @@ class ScorerWorker:
 
     def stop(self) -> None:
         self.batcher.stop()
+        self.model.close()
 
 
 def check_messages(field: str, messages: Sequence[dict[str, str]], max_chars: int) -> None:

@@ -395,6 +395,11 @@ def test_each_bad_start_up_input_is_one_line_naming_the_key_and_no_run_directory
             f"environment.servers: [0] 127.0.0.1:{nobody}: no server listens there",
         ),
         ("check_engine", ["rollout.engine=sglang"], "rollout.engine: sglang is not installed: pip install"),
+        (
+            "check_engine",
+            [f"scorers.j.model={tiny_model_dir}", "scorers.j.kind=judge", "scorers.j.engine=vllm"],
+            "scorers.j.engine: vllm is not installed: pip install",
+        ),
         ("check_port", [f"controller.port={busy_port}"], f"controller.port: 127.0.0.1:{busy_port} is in use"),
         (
             "check_tls",

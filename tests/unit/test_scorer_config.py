@@ -34,6 +34,8 @@ def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
         (config({"scorer:rm": 1.0}, servers=["nohost"]), "scorers.rm.servers"),
         (config({"scorer:rm": 1.0}, kind="judge", rubric="rate {response}"), "rubric: a judge's rubric holds"),
         (config({"scorer:rm": 1.0}, max_wait_ms=-1), "scorers.rm.max_wait_ms"),
+        (config({"scorer:rm": 1.0}, engine="vllm"), "scorers.rm: engine: only a judge generates on an engine"),
+        (config({"scorer:rm": 1.0}, engine_options={"tp_size": 2}), "scorers.rm: engine_options: only a judge"),
         ({**config({}), "algorithm": {"advantage": "distill"}}, "algorithm.teacher: set exactly when"),
         ({**config({}), "algorithm": {"teacher": "rm"}}, "algorithm.teacher: set exactly when"),
         (

@@ -1,16 +1,19 @@
 """``relayrl reward serve``'s ScorerService over real gRPC (relayrl/services/scorer_server.py): a served reward
 model scores what ``AutoModelForSequenceClassification`` scores on the same conversations rendered with its own
-chat template; a teacher's log-probs are the causal LM's own; bad requests get their precise status naming the
-field and the server lives on; health and reflection; requests from several callers share model calls."""
+chat template; a judge scores alike on the hf, vLLM and SGLang engines; a teacher's log-probs are the causal LM's
+own; bad requests get their precise status naming the field and the server lives on; health and reflection;
+requests from several callers share model calls."""
 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 
 import grpc
 import pytest
 import torch
+from fakes import fake_sglang, fake_vllm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -107,6 +110,26 @@ def test_a_judges_score_is_what_its_model_answers_the_rubric(served) -> None:
         expected.append(judged_score(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
     assert all(isinstance(score, float) for score in expected), expected  # a number in every answer
     assert client(served, "judge").score(CONVERSATIONS) == expected
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_judge_on_the_vllm_or_sglang_engine_scores_as_on_hf(served, engine: str, monkeypatch) -> None:
+    """``engine: vllm|sglang`` serves the judge through relayrl's adapter of that engine, as a rollout worker's
+    ``rollout.engine`` does (the fake module stands in for the engine, as in the adapters' tests): the same rubric
+    answers parse to the same scores as the hf judge's."""
+    fake = {"vllm": fake_vllm, "sglang": fake_sglang}[engine]
+    for module in fake.MODULES:
+        monkeypatch.setitem(sys.modules, module, fake)
+    judge = served["judge"][1].model_copy(update={"engine": engine})
+    cfg = RelayConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d"}, "scorers": {"judge": judge}})
+    server, worker = serve_scorer(cfg, "judge", host="127.0.0.1", port=0)
+    try:
+        assert worker.model.engine.name == engine
+        scores = ScorerClient("judge", judge.model_copy(update={"servers": [f"127.0.0.1:{server.port}"]}))
+        assert scores.score(CONVERSATIONS) == client(served, "judge").score(CONVERSATIONS)
+    finally:
+        server.stop(grace_s=0)
+        worker.stop()
 
 
 def test_a_judge_answer_without_a_number_fails_its_request_quoting_it(served) -> None:
