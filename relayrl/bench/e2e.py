@@ -303,6 +303,8 @@ def trl_spec(
         "prompt_key": cfg.data.prompt_key,
         "answer_key": cfg.data.answer_key,
         "chat_template": cfg.data.chat_template,
+        "prompt_template": cfg.data.prompt_template,
+        "system_prompt": cfg.data.system_prompt,
         "reward_fn": cfg.controller.reward.fn,
         "prompts_per_step": cfg.controller.train_batch_groups,
         "n": cfg.rollout.n,

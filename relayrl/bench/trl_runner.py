@@ -35,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from relayrl.config import DataConfig
 from relayrl.data.dataset import load_rows
+from relayrl.data.prompts import NO_TEMPLATE_FOR_SYSTEM, template_fields
 from relayrl.rewards import resolve_reward
 
 
@@ -169,15 +170,23 @@ def completion_text(completion: str | list[dict]) -> str:
 
 
 def training_rows(spec: dict, tokenizer):
-    """The JSONL rows as TRL's ``prompt``/``answer`` columns; conversational when relayrl would template."""
+    """The JSONL rows as TRL's ``prompt``/``answer`` columns, the prompt as relayrl renders it: ``prompt_template``
+    filled from the row's columns (else its prompt column), conversational when relayrl would template, after a
+    system turn when ``system_prompt`` is set."""
     data = DataConfig(path=spec["data_path"], prompt_key=spec["prompt_key"], answer_key=spec["answer_key"])
-    rows = load_rows(data).select_columns([data.prompt_key, data.answer_key])
+    template = spec.get("prompt_template")
+    fields = template_fields(template) if template is not None else [data.prompt_key]
+    rows = load_rows(data).select_columns(list(dict.fromkeys([*fields, data.answer_key])))
     mode = spec["chat_template"]
     templated = mode == "always" or (mode == "auto" and getattr(tokenizer, "chat_template", None))
+    system = spec.get("system_prompt")
+    if system is not None and not templated:
+        raise ValueError(NO_TEMPLATE_FOR_SYSTEM)
+    system_turn = [{"role": "system", "content": system}] if system is not None else []
 
     def convert(row: dict) -> dict:
-        text = str(row[data.prompt_key])
-        prompt = [{"role": "user", "content": text}] if templated else text
+        text = template.format(**{name: row[name] for name in fields}) if template else str(row[data.prompt_key])
+        prompt = [*system_turn, {"role": "user", "content": text}] if templated else text
         return {"prompt": prompt, "answer": str(row[data.answer_key])}
 
     return rows.map(convert, remove_columns=rows.column_names)

@@ -1,9 +1,10 @@
 """``relayrl bench tta``: wall seconds and samples to a held-out accuracy target, relayrl against TRL's
 ``GRPOTrainer`` on the real model (issue 49, item 4).
 
-The workload is ``relayrl bench e2e``'s real one (examples/addition-smollm2.yaml: SmolLM2-135M-Instruct, single-digit
-sums, ``last_number`` reward) at ``--prompts`` prompts x ``--n`` samples a step, with its held-out set (20 sums it
-never trains on) scored greedily every ``--every`` steps. Both systems are scored by the same code: relayrl's
+The workload is ``--config``'s, by default ``relayrl bench e2e``'s real one (examples/addition-smollm2.yaml:
+SmolLM2-135M-Instruct, single-digit sums, ``last_number`` reward; examples/reasoning-smollm2.yaml is the
+reasoning-length one), at ``--prompts`` prompts x ``--n`` samples a step, with its held-out set ``heldout`` scored
+greedily every ``--every`` steps. Both systems are scored by the same code: relayrl's
 controller evaluator, in relayrl's run (``eval.every``) and, for TRL, through ``relayrl eval CONFIG --checkpoint``
 on the checkpoint TRL saves every ``--every`` rounds, scored while TRL waits (relayrl/bench/trl_runner.py). A run
 stops at the first eval whose ``--metric`` reaches ``--target``, or at ``--max-steps``.
@@ -51,6 +52,7 @@ SYSTEMS = (*RELAYRL_VARIANTS, *TRL_MODES)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="relayrl bench tta", description=__doc__.split("\n\n")[0])
     p.add_argument("--system", required=True, choices=SYSTEMS, help="the system this invocation runs")
+    p.add_argument("--config", type=Path, default=REAL_CONFIG, help="the relayrl config both systems run")
     p.add_argument("--seed", type=int, default=0, help="run.seed of both systems (prompt order, sampling)")
     p.add_argument("--out", required=True, help="the JSON file the run's row is merged into")
     p.add_argument("--prompts", type=int, default=8, help="prompts a step")
@@ -71,10 +73,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when inside it (what a result file records), else as given."""
+    resolved = path.resolve()
+    root = REAL_CONFIG.parents[1]
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(path)
+
+
 def settings(args: argparse.Namespace) -> dict:
     """What every row merged into one file must share (a mismatch is refused)."""
     return {
-        "config": str(REAL_CONFIG.relative_to(REAL_CONFIG.parents[1])),
+        "config": repo_path(args.config),
         "prompts_per_step": args.prompts,
         "n": args.n,
         "target": args.target,
@@ -133,7 +142,9 @@ def reached(metrics: Path, target: float, metric: str) -> bool:
 
 def launch_until(argv: list[str], log: Path, env: dict, metrics: Path, args: argparse.Namespace) -> tuple:
     """Run ``argv`` until it exits, an eval in ``metrics`` reaches the target (its process tree is then killed) or
-    ``--timeout-s``; returns (launched epoch seconds, returncode, how it ended)."""
+    ``--timeout-s``; returns (launched epoch seconds, returncode, how it ended). A run stopped at the target or at
+    ``--timeout-s`` returns 0: both are the bench's caps (``ended`` says which), and the steps before them count
+    (one stopped at the timeout is a lower bound on its time to target)."""
     launched = time.time()
     with log.open("ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
@@ -142,7 +153,7 @@ def launch_until(argv: list[str], log: Path, env: dict, metrics: Path, args: arg
             ended = "target" if reached(metrics, args.target, args.metric) else "timeout"
             kill_tree(proc.pid)
             proc.wait()
-            return launched, 0 if ended == "target" else -9, ended
+            return launched, 0, ended
         time.sleep(1.0)
     return launched, proc.returncode, "exit"
 
@@ -154,8 +165,9 @@ def run_system(args: argparse.Namespace, cfg: RelayConfig, sets: list[str], work
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     machine = machine_record(None)
+    runs = ["--set", f"run.dir={workdir / 'runs'}"]  # relayrl's run and the generated sets of TRL's scoring
     if args.system in RELAYRL_VARIANTS:
-        argv = [sys.executable, "-m", "relayrl.cli", "up", str(REAL_CONFIG), "--set", f"run.dir={workdir / 'runs'}"]
+        argv = [sys.executable, "-m", "relayrl.cli", "up", str(args.config), *runs]
         for item in [*sets, *RELAYRL_VARIANTS[args.system], f"run.name={name}"]:
             argv += ["--set", item]
         launched, code, ended = launch_until(argv, log, {}, metrics, args)
@@ -164,7 +176,7 @@ def run_system(args: argparse.Namespace, cfg: RelayConfig, sets: list[str], work
         continuous_batching, bf16 = TRL_MODES[args.system]
         spec = trl_spec(cfg, args.max_steps, args.trl_threads, run_dir, continuous_batching=continuous_batching,
                         bf16=bf16)  # fmt: skip
-        score = [sys.executable, "-m", "relayrl.cli", "eval", str(REAL_CONFIG)]
+        score = [sys.executable, "-m", "relayrl.cli", "eval", str(args.config), *runs]
         spec["score"] = {"every": args.every, "target": args.target, "metric": args.metric, "set": EVAL_SET,
                          "argv": score + [arg for item in sets for arg in ("--set", item)]}  # fmt: skip
         (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -231,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sets = overrides(args)
     with scratch("relayrl-bench-tta-") as workdir:  # kept (and named) when the run fails
-        cfg = load_config(REAL_CONFIG, [*sets, f"run.dir={workdir / 'assets'}"])
+        cfg = load_config(args.config, [*sets, f"run.dir={workdir / 'assets'}"])
         prepare_assets(cfg)  # the built model, before any clock starts; both systems name its directory
-        sets += [f"model.path={cfg.model.path}", f"data.path={cfg.data.path}"]
+        sets.append(f"model.path={cfg.model.path}")  # data as written: a generated set is a function of its config
         row = run_system(args, cfg, sets, workdir)
         command = ["relayrl", "bench", "tta", *(sys.argv[1:] if argv is None else argv)]
         result = merge(Path(args.out), settings(args), row, command)

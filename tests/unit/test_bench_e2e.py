@@ -252,3 +252,25 @@ def test_the_real_workload_runs_the_example_beside_every_trl_precision_and_gener
         trl = grpo_config(spec)
         assert (trl.use_transformers_continuous_batching, trl.bf16) == (cb, bf16)
         assert (trl.num_generations, trl.max_completion_length) == (cfg.rollout.n, cfg.rollout.max_tokens)
+
+
+def test_trl_gets_the_prompt_relayrl_renders_its_template_filled_after_the_system_turn(tmp_path: Path) -> None:
+    from relayrl.bench.trl_runner import training_rows
+    from relayrl.data.dataset import PromptDataset
+    from relayrl.models.tiny_chat import build_chat_tokenizer
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "What is 3 + 4?", "answer": "7", "hint": "add"}\n')
+    template, system = "{prompt} Hint: {hint}. Think step by step.", "Answer last."
+    overrides = [f"data.path={data}", f"data.prompt_template='{template}'", f"data.system_prompt={system}"]
+    cfg = load_config(DEMO_CONFIG, ["model.path=m", *overrides, "data.shuffle=false"])
+    spec = trl_spec(cfg, 4, 2, tmp_path)
+    tokenizer = build_chat_tokenizer()
+    (row,) = training_rows({**spec, "chat_template": "auto"}, tokenizer)
+    assert row["prompt"][0] == {"role": "system", "content": system} and row["answer"] == "7"
+    trl_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+    trl_ids = list(trl_ids["input_ids"] if hasattr(trl_ids, "keys") else trl_ids)
+    relayrl = PromptDataset(cfg.data.model_copy(update={"chat_template": "auto"}), tokenizer).record(0)
+    assert trl_ids == list(relayrl.token_ids) and relayrl.text == "What is 3 + 4? Hint: add. Think step by step."
+    with pytest.raises(ValueError, match=r"data\.system_prompt"):  # no chat template: relayrl refuses the turn too
+        training_rows({**spec, "chat_template": "never"}, tokenizer)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.bench.tta import aggregate, first_at_target, merge, parse_args, reached, settings
+from relayrl.bench.e2e import REAL_CONFIG
+from relayrl.bench.tta import aggregate, first_at_target, launch_until, merge, parse_args, reached, settings
 
 
 def steps(n: int, *, step_s: float = 10.0, samples: int = 64, paused: list[float] | None = None) -> list[dict]:
@@ -79,6 +80,14 @@ def test_rows_merge_into_one_file_only_under_the_same_settings(tmp_path: Path) -
     other = settings(parse_args(["--system", "trl", "--out", str(out), "--target", "0.9"]))
     with pytest.raises(SystemExit, match=r"other settings \(\['target'\]\)"):
         merge(out, other, row("trl", 1, 600.0, 256, 1.0), ["cmd"])
+    reasoning = str(REAL_CONFIG.parent / "reasoning-smollm2.yaml")  # recorded relative to the repository
+    workload = settings(parse_args(["--system", "trl", "--out", str(out), "--config", reasoning]))
+    assert (shared["config"], workload["config"]) == (
+        "examples/addition-smollm2.yaml",
+        "examples/reasoning-smollm2.yaml",
+    )
+    with pytest.raises(SystemExit, match=r"other settings \(\['config'\]\)"):  # another workload: its own file
+        merge(out, workload, row("trl", 1, 600.0, 256, 1.0), ["cmd"])
 
 
 def test_a_run_is_stopped_once_an_eval_line_reaches_the_target(tmp_path: Path) -> None:
@@ -88,6 +97,16 @@ def test_a_run_is_stopped_once_an_eval_line_reaches_the_target(tmp_path: Path) -
     assert not reached(metrics, 0.8, "mean@1")  # a training reward above the target is no eval
     metrics.write_text(metrics.read_text() + json.dumps(evals({4: 0.8})[0]) + "\n" + '{"step": 5, "ti')
     assert reached(metrics, 0.8, "mean@1")
+
+
+def test_a_run_past_its_timeout_is_stopped_and_its_steps_still_count(tmp_path: Path) -> None:
+    args = parse_args(["--system", "trl", "--out", "x.json", "--timeout-s", "0.5"])
+    sleeper = ["sleep", "60"]
+    stopped = launch_until(sleeper, tmp_path / "log", {}, tmp_path / "metrics.jsonl", args)
+    assert stopped[1:] == (0, "timeout")  # a cap, like the target: the run's figures are a lower bound
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(evals({0: 0.9})[0]) + "\n")
+    assert launch_until(sleeper, tmp_path / "log", {}, tmp_path / "metrics.jsonl", args)[1:] == (0, "target")
+    assert launch_until(["false"], tmp_path / "log", {}, tmp_path / "none.jsonl", args)[1:] == (1, "exit")
 
 
 @pytest.mark.parametrize(
