@@ -16,7 +16,9 @@ import sys
 import time
 
 import pytest
+import torch
 
+from relayrl.algorithms.advantages import grpo_advantage
 from relayrl.config import load_config
 from relayrl.launcher import controller_status
 from relayrl.ops.render import status_tables
@@ -124,34 +126,51 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
     assert sum(f.count("trained") for f in fates.values()) == steps * SHAPE["train_batch_groups"]
 
 
+def group_advantages(record: dict) -> list[float]:
+    """GRPO's advantage of each sample of one samples.jsonl record (one group) from the task rewards it logged."""
+    rewards = torch.tensor([x["reward"] for x in record["samples"]])
+    return grpo_advantage(rewards, torch.zeros(len(rewards), dtype=torch.long)).tolist()
+
+
 @pytest.mark.timeout(900)
-def test_on_policy_distillation_reads_the_teachers_log_probs_of_the_sampled_tokens(make_config, tiny_model_dir):
-    """algorithm.advantage: distill with the served teacher `teacher` (item 6): the controller fetches the teacher's
-    log-probs of every sampled token as each group completes, the trainer's per-token advantage is
-    -(rollout logprob - teacher logprob). The teacher here is the policy's own starting weights, so step 1's
-    advantages (every sample's token mean, in samples.jsonl) are float rounding: the two log-probs of each token
-    agree, aligned; the student then moves away from the teacher and the advantages are no longer zero, nor is the
-    logged mean reverse KL per token."""
+def test_on_policy_distillation_with_a_task_reward_reads_the_teacher_and_the_reward(
+    tmp_path, make_config, tiny_model_dir
+):
+    """algorithm.advantage: distill with the served teacher `teacher` (item 6), combined with the task reward
+    (``distill_task_advantage: grpo``): the controller fetches the teacher's log-probs of every sampled token as each
+    group completes, and each token's advantage is its sample's GRPO advantage of the task reward plus
+    -(rollout logprob - teacher logprob). The teacher here is the policy's own starting weights, so at step 1 the
+    distillation term is float rounding: every sample's advantage (its token mean, in samples.jsonl) is the GRPO
+    advantage of its group's logged rewards, the two log-probs of each token agreeing, aligned; the student then
+    moves away from the teacher and the advantages leave the task's, as the logged mean reverse KL per token does
+    zero. Both terms are in every step's metrics: the task reward and distill/reverse_kl. The task reward is the
+    response's length in characters, which tells the untrained model's samples apart (the digits' answers it never
+    matches)."""
+    (tmp_path / "lengths.py").write_text("def chars(response, answer):\n    return float(len(response))\n")
     steps = 3
     config = make_config(
         "distilled",
         scorers={"teacher": {"kind": "teacher", "model": str(tiny_model_dir), "precision": "float32"}},
-        algorithm={"advantage": "distill", "teacher": "teacher"},
-        controller=SHAPE,
+        algorithm={"advantage": "distill", "teacher": "teacher", "distill_task_advantage": "grpo"},
+        controller={**SHAPE, "reward": {"fn": "lengths:chars"}},
         trainer={"steps": steps, "lr": 0.05},
         rollout={"workers": 1},
         samples={"every": 1, "prompts": 4},
     )
-    code, err = finish(start_up(config))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code, err = finish(start_up(config, env=env))
     cfg = load_config(config)
     assert code == 0, err
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["scorer/teacher/calls"] >= SHAPE["prompts_per_gen_batch"] for r in records)
+    assert all(r["rewards/chars"] > 0 and "distill/reverse_kl" in r for r in records)  # the task's term, the teacher's
     lines = [json.loads(line) for line in (cfg.run_dir / "samples.jsonl").read_text().splitlines()]
-    by_step = {s: [x["advantage"] for r in lines if r["step"] == s for x in r["samples"]] for s in (1, steps)}
-    assert len(by_step[1]) == 16 and max(map(abs, by_step[1])) < 1e-4, by_step[1]
-    assert max(map(abs, by_step[steps])) > 1e-3, by_step[steps]
+    logged = {s: [x["advantage"] for r in lines if r["step"] == s for x in r["samples"]] for s in (1, steps)}
+    task = {s: [a for r in lines if r["step"] == s for a in group_advantages(r)] for s in (1, steps)}
+    assert len(logged[1]) == 16 and logged[1] == pytest.approx(task[1], abs=1e-4), (logged[1], task[1])
+    assert max(map(abs, task[1])) > 0.1, task[1]  # the task reward tells samples apart: its term is not zero
+    assert max(abs(a - t) for a, t in zip(logged[steps], task[steps])) > 1e-3, (logged[steps], task[steps])
     # distill/reverse_kl, the step's mean reverse KL per token: 0 at the teacher's own weights, then the drift
     kls = [r["distill/reverse_kl"] for r in records]
     assert abs(kls[0]) < 1e-4 and kls[-1] > 1e-3, kls
