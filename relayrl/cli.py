@@ -375,8 +375,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     lock = claim_run(cfg)  # before any process starts: they hold it with the launcher
     forks = None
     try:
-        forks = start_forks(cfg, keep_fds=(lock.fd,))  # its imports run beside the heavy checks' (seconds of a core)
-        heavy_checks(cfg)
+        forks = start_forks(cfg, keep_fds=(lock.fd,))
+        heavy_checks(cfg, forks)  # in the fork server when there is one: it imports torch and transformers anyway
     except BaseException:  # refused: nothing of the run may go on, nor stay created
         if forks is not None:
             forks.kill()

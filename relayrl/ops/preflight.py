@@ -22,6 +22,8 @@ import re
 import socket
 from pathlib import Path
 
+import yaml
+
 from relayrl.config import (
     BUILTIN_DATA,
     BUILTIN_MODELS,
@@ -30,10 +32,13 @@ from relayrl.config import (
     ConfigError,
     DataConfig,
     RelayConfig,
+    dump_config,
+    parse_config,
 )
 from relayrl.cores.threads import check_role_cpus
 from relayrl.ops.placement import node_devices, place
 from relayrl.runtime.attention import AUTO, load_with_attention
+from relayrl.runtime.forkserver import ForkServer
 from relayrl.runtime.ports import port_in_use
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -54,18 +59,32 @@ CONNECT_TIMEOUT_S = 2.0
 def preflight(cfg: RelayConfig, *, load_tokenizer: bool = True) -> None:
     """Every check of ``CHECKS``, in order (the machine's GPUs and CPUs first: they need nothing loaded), then
     ``HEAVY_CHECKS`` (they import torch and transformers); the first failure is raised. ``load_tokenizer=False``
-    leaves the heavy ones to the caller (``heavy_checks``: ``relayrl up`` starts its fork server first, to import
-    beside them)."""
+    leaves the heavy ones to the caller (``heavy_checks``: ``relayrl up`` starts its fork server first, to run them
+    there)."""
     for check in CHECKS:
         check(cfg)
     if load_tokenizer:
         heavy_checks(cfg)
 
 
-def heavy_checks(cfg: RelayConfig) -> None:
-    """The checks that import torch (the trainer's registries) and transformers (the tokenizer)."""
+def heavy_checks(cfg: RelayConfig, forks: ForkServer | None = None) -> None:
+    """The checks that import torch (the trainer's registries) and transformers (the tokenizer). With ``forks``
+    (``relayrl up``'s fork server) they run there (``heavy_checks_of``), where the roles' imports of torch and
+    transformers are made anyway, so this process makes none: a refusal is raised here with the same line. A
+    server that cannot answer, or an error that is not a refusal, has them run here instead, as without one."""
+    if forks is not None:
+        reply = forks.call(f"{__name__}:heavy_checks_of", dump_config(cfg))
+        if reply.get("raised") == f"{ConfigError.__module__}.{ConfigError.__qualname__}":
+            raise ConfigError(reply["message"])
+        if reply.get("ok"):
+            return
     for check in HEAVY_CHECKS:
         check(cfg)
+
+
+def heavy_checks_of(config: str) -> None:
+    """``heavy_checks`` of a config ``dump_config`` wrote (in the fork server)."""
+    heavy_checks(parse_config(yaml.safe_load(config)))
 
 
 def check_placement(cfg: RelayConfig) -> None:

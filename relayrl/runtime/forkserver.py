@@ -18,6 +18,8 @@ Contract:
 - An environment that differs from the server's in anything but ``RUNTIME_ENV`` is not forked
   (``ForkServer.spawn`` returns None and the launcher starts a fresh interpreter): libraries read some variables
   once when they load, OMP_WAIT_POLICY by libgomp when torch loads, for one.
+- The launcher may have a function run in the server (``ForkServer.call``): ``relayrl up``'s start-up checks that
+  import torch and transformers, which its roles import anyway. Its reply is what it raised, if anything.
 - Random state: CPython reseeds ``random`` in a forked child (``os.register_at_fork``); NumPy's global
   generator is reseeded here from the OS, as a fresh process's is. torch's default seed is a constant.
 """
@@ -25,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import json
@@ -219,10 +222,23 @@ def _move_stderr(path: str) -> dict:
     return {"ok": True}
 
 
+def _call(request: dict) -> dict:
+    """``request["call"]`` (``module:function``) called here with ``request["arg"]``, its prints on stderr (stdout
+    carries the replies): ``{"ok": true}``, or what it raised: ``{"raised": "module.Class", "message": str(err)}``."""
+    module, _, name = request["call"].partition(":")
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            getattr(importlib.import_module(module), name)(request["arg"])
+        except Exception as err:
+            return {"raised": f"{type(err).__module__}.{type(err).__qualname__}", "message": str(err)}
+    return {"ok": True}
+
+
 def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> int:
     """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
     ``{"error": text}``, importing what the role needs first (``Preloader``); ``{"stderr": path}`` moves the
-    server's own output there (``_move_stderr``)."""
+    server's own output there (``_move_stderr``); ``{"call": "module:function", "arg": text}`` runs that function
+    here (``_call``: relayrl up's start-up checks that import torch and transformers, which the roles need too)."""
     stop_with_parent(watchdog_s=None)  # it forks: no thread may run (_fork_role); its roles run their own
     gc.disable()  # no full collections over the growing heap while it imports (relayrl/runtime/gcfreeze.py)
     started = time.monotonic()
@@ -242,6 +258,11 @@ def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> in
             request = json.loads(line)
             if "stderr" in request:
                 reply = _move_stderr(request["stderr"])
+            elif "call" in request:
+                started = time.monotonic()
+                reply = _call(request)
+                took = time.monotonic() - started
+                print(f"fork server: ran {request['call']} in {took:.2f}s", file=sys.stderr, flush=True)
             else:
                 preloader.prepare(request["args"][0] if request["args"] else "")
                 reply = {"pid": _fork_role(request)}
@@ -340,6 +361,13 @@ class ForkServer:
             return json.loads(self.proc.stdout.readline() or b'{"error": "fork server closed its pipe"}')
         except (OSError, ValueError) as err:
             return {"error": f"{type(err).__name__}: {err}"}
+
+    def call(self, function: str, arg: str) -> dict:
+        """``function(arg)`` (``function``: ``module:name``) run in the server: its reply (``_call``), or
+        ``{"error": ...}`` when the server is gone."""
+        if self.proc.poll() is not None:
+            return {"error": f"fork server exited with code {self.proc.returncode}"}
+        return self._ask({"call": function, "arg": arg})
 
     def kill(self) -> None:
         """Stop the server now, imports in progress or not (a run refused by its start-up checks)."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from relayrl.runtime import forkserver
 from relayrl.runtime.forkserver import ROLE_PRELOAD, Preloader, env_fork_blockers, modeling_module
 
@@ -147,3 +149,41 @@ def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_
             gc.enable()
     every = [name for names in ROLE_PRELOAD.values() for name in names if name != forkserver.MODEL]
     assert events == every
+
+
+class CallsHere:
+    """``ForkServer.call`` answered by ``_call`` in this process, as the server answers it; or ``reply``."""
+
+    def __init__(self, reply: dict | None = None) -> None:
+        self.reply, self.calls = reply, []
+
+    def call(self, function: str, arg: str) -> dict:
+        self.calls.append(function)
+        return self.reply or forkserver._call({"call": function, "arg": arg})
+
+
+def test_relayrl_ups_heavy_checks_run_in_its_fork_server_and_refuse_there_as_here(make_config, monkeypatch):
+    """``heavy_checks`` with a fork server asks it to run them (on the config as ``dump_config`` writes it); its
+    refusal is the same ConfigError line; a server that cannot answer, or an error that is no refusal, has them run
+    here."""
+    from relayrl.config import ConfigError, load_config
+    from relayrl.ops import preflight
+
+    good, bad = load_config(make_config("good")), load_config(make_config("bad", algorithm={"advantage": "gea"}))
+    with pytest.raises(ConfigError) as here:
+        preflight.heavy_checks(bad)
+    server = CallsHere()
+    with pytest.raises(ConfigError) as there:
+        preflight.heavy_checks(bad, server)
+    assert str(there.value) == str(here.value) and str(here.value).startswith("algorithm.advantage: unknown")
+    assert server.calls == ["relayrl.ops.preflight:heavy_checks_of"]
+    assert forkserver._call({"call": "json:loads", "arg": "{"})["raised"] == "json.decoder.JSONDecodeError"
+    checked = []
+    monkeypatch.setattr(preflight, "HEAVY_CHECKS", (checked.append,))
+    preflight.heavy_checks(good, server)
+    assert checked == [good]  # the server's config is this one
+    preflight.heavy_checks(good, CallsHere({"ok": True}))
+    assert checked == [good]  # the server checked it: nothing ran here
+    preflight.heavy_checks(good, CallsHere({"error": "fork server closed its pipe"}))
+    preflight.heavy_checks(good, CallsHere({"raised": "builtins.OSError", "message": "no space left"}))
+    assert checked == [good] * 3
