@@ -73,6 +73,7 @@ class ProgressState:
     last_sync_seconds: float = 0.0
     last_sync_unix: float = 0.0
     desired_rollout_replicas: int = 0  # set by ScaleRollout; 0 = never set
+    desired_scorer_replicas: dict[str, int] = field(default_factory=dict)  # scorer name -> ScaleScorer's count
     exact_workers: list[str] = field(default_factory=list)  # workers verified at exact_version (streaming)
     exact_version: int = -1
     last_batch_id: str = ""  # the batch of ``trainer_step``: a repeated ReportStep of it is answered, not refused
@@ -177,7 +178,6 @@ class Controller:
         self.step_metrics: dict[str, float] = {}  # the last reported step's metrics (ReportStepRequest.metrics)
         self.repeats = RepeatedWarning(log)  # per-step warnings: once every 10 with a count
         self.drained: set[str] = set()  # worker ids an operator drained; forgotten when the id registers anew
-        self.desired_scorers: dict[str, int] = {}  # scorer name -> servers an operator asked for (ScaleScorer)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._epoch = 0  # bumped by rewind(): batches begun in an older epoch are void
@@ -884,7 +884,7 @@ class Controller:
             desired_rollout_replicas=self.progress.desired_rollout_replicas,
             drained_workers=sorted(self.drained - {w.worker_id for w in workers}),
             step_metrics=self.step_metrics,
-            desired_scorer_replicas=self.desired_scorers,
+            desired_scorer_replicas=self.progress.desired_scorer_replicas,
         )
         self.pace.fill(status, self.cfg.trainer.steps)
         if self.evaluator is not None:
@@ -947,20 +947,24 @@ class Controller:
         return clients
 
     def scale_scorer(self, name: str, replicas: int) -> controller_pb2.ScaleScorerResponse:
-        """Record the desired server count of scorer ``name`` (in memory); ``relayrl up`` actuates it."""
+        """Record the desired server count of scorer ``name`` (persisted); ``relayrl up`` actuates it."""
         clients = self._served(name)
         if replicas < 1:
             raise InvalidArgument("replicas", f"must be >= 1, got {replicas}")
         with self._cond:
-            previous = self.desired_scorers.get(name, 0)
-            self.desired_scorers[name] = replicas
+            previous = self.progress.desired_scorer_replicas.get(name, 0)
+            self.progress.desired_scorer_replicas[name] = replicas
+            self._save_progress()
         log.warning("desired servers of scorer %s: %d -> %d", name, previous, replicas)
         return controller_pb2.ScaleScorerResponse(previous=previous, replicas=replicas, servers=len(clients[0].servers))
 
     def register_scorer(self, name: str, address: str, leaving: bool) -> controller_pb2.RegisterScorerResponse:
         """Add (or, ``leaving``, remove) ``address`` to the servers scorer ``name``'s calls go to."""
-        counts = [c.remove_server(address) if leaving else c.add_server(address) for c in self._served(name)]
-        log.info("scorer %s server %s %s: %d servers", name, address, "left" if leaving else "joined", counts[0])
+        clients = self._served(name)
+        known = address in clients[0].servers  # a member joins again every few seconds: logged when it changes
+        counts = [c.remove_server(address) if leaving else c.add_server(address) for c in clients]
+        if known == leaving:
+            log.info("scorer %s server %s %s: %d servers", name, address, "left" if leaving else "joined", counts[0])
         return controller_pb2.RegisterScorerResponse(servers=counts[0])
 
     def request_sync(self, force: bool) -> controller_pb2.SyncWeightsResponse:

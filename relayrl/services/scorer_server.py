@@ -82,22 +82,31 @@ class ScorerCollector(Collector):
 
 class ControllerMembership:
     """A scorer started after its run (``relayrl scale reward``) joins the servers the controller calls
-    (RegisterScorer, retried in the background until the controller answers) and leaves them when it stops."""
+    (RegisterScorer, retried in the background until the controller answers) and leaves them when it stops. It joins
+    again every ``interval_s`` (a server the controller calls already is not added twice), so a restarted controller,
+    which calls only its config's servers, calls this one again within that interval, as a rollout worker's
+    heartbeat registers it again."""
 
-    def __init__(self, controller: str, name: str, address: str) -> None:
-        self.name, self.address = name, address
+    def __init__(self, controller: str, name: str, address: str, interval_s: float = 2.0) -> None:
+        self.name, self.address, self.interval_s = name, address, interval_s
         self._stub = controller_pb2_grpc.ControllerServiceStub(open_channel(controller))
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._join, name="scorer-join", daemon=True)
         self._thread.start()
 
     def _join(self) -> None:
         request = controller_pb2.RegisterScorerRequest(name=self.name, address=self.address)
-        try:
-            SERVICES.call(lambda left: self._stub.RegisterScorer(request, timeout=min(left, 10)), deadline_s=600)
-        except grpc.RpcError as err:
-            log.error("scorer %s could not join the controller: %s: %s", self.name, err.code().name, err.details())
+        while not self._stop.is_set():
+            try:
+                SERVICES.call(lambda left: self._stub.RegisterScorer(request, timeout=min(left, 10)), deadline_s=600)
+            except grpc.RpcError as err:
+                log.error("scorer %s could not join the controller: %s: %s", self.name, err.code().name, err.details())
+            self._stop.wait(self.interval_s)
 
     def leave(self) -> None:
+        """Stop joining, then leave the servers the controller calls."""
+        self._stop.set()
+        self._thread.join(timeout=10)
         request = controller_pb2.RegisterScorerRequest(name=self.name, address=self.address, leaving=True)
         with contextlib.suppress(grpc.RpcError):
             self._stub.RegisterScorer(request, timeout=5)

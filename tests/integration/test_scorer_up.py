@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -29,6 +30,7 @@ from .jobs import finish, ledger_fates, running_up, start_up, supervised_roles, 
 
 pytestmark = pytest.mark.slow
 
+RESTARTED = "controller restarted before the prompt was trained"  # the ledger's reason (controller/core.py)
 SHAPE = {"prompts_per_gen_batch": 4, "train_batch_groups": 4, "dynamic_sampling": False}
 
 
@@ -37,13 +39,14 @@ def reward_model(tmp_path_factory):
     return write_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm", seed=3)
 
 
-def served_config(make_config, name: str, reward_model, steps: int, **scorer):
+def served_config(make_config, name: str, reward_model, steps: int, supervisor: dict | None = None, **scorer):
     return make_config(
         name,
         scorers={"rm": {"model": str(reward_model), "precision": "float32", **scorer}},
         controller={**SHAPE, "reward": {"fns": {"scorer:rm": 1.0}}},
         trainer={"steps": steps},
         rollout={"workers": 1},
+        supervisor=supervisor or {},
     )
 
 
@@ -93,6 +96,14 @@ def scorer_servers(cfg) -> list:
     return list(controller_status((cfg.run_dir / "controller.address").read_text()).scorers)
 
 
+def serving_count(cfg) -> int:
+    """How many scorer servers the run's controller calls; 0 while it does not answer (restarting)."""
+    try:
+        return len(scorer_servers(cfg))
+    except grpc.RpcError:
+        return 0
+
+
 def scale_reward(cfg, replicas: int) -> str:
     argv = [sys.executable, "-m", "relayrl.cli", "scale", "reward", str(replicas), "--name", "rm"]
     done = subprocess.run([*argv, "--run", str(cfg.run_dir)], capture_output=True, text=True, timeout=120)
@@ -103,10 +114,12 @@ def scale_reward(cfg, replicas: int) -> str:
 @pytest.mark.timeout(900)
 def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path, make_config, reward_model):
     """`relayrl scale reward 2 --name rm` mid-run: relayrl up starts reward-rm-1, which joins the servers the
-    controller calls and scores groups beside reward-rm-0; `scale reward 1` stops it and it leaves them; the run
-    completes with every prompt trained once."""
+    controller calls and scores groups beside reward-rm-0. The controller, killed with SIGKILL, is restarted with the
+    desired count it persisted (2, as `scale rollout`'s): relayrl up keeps the two replicas (none started or stopped)
+    and reward-rm-1 joins the restarted controller's servers again. `scale reward 1` stops it and it leaves them;
+    the run completes with every prompt trained at most once, the only failed ones those the restart failed."""
     steps = 12
-    config = served_config(make_config, "scaled", reward_model, steps)
+    config = served_config(make_config, "scaled", reward_model, steps, supervisor={"backoff_s": 0.5})
     cfg = load_config(config)
     with running_up(config) as up:
         wait_until(lambda: len(read_metrics(cfg.run_dir / "metrics.jsonl")) >= 1, 600, "step 1")
@@ -116,13 +129,23 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
             300,
             "two scorer servers, each scoring",
         )
+        killed = supervised_roles(cfg)["controller"]["pid"]
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: supervised_roles(cfg)["controller"]["pid"] != killed, 120, "the controller's restart")
+        wait_until(lambda: serving_count(cfg) == 2, 120, "reward-rm-1 joining the restarted controller")
+        status = controller_status((cfg.run_dir / "controller.address").read_text())
+        assert dict(status.desired_scorer_replicas) == {"rm": 2}
+        assert sorted(r for r in supervised_roles(cfg) if r.startswith("reward-")) == ["reward-rm-0", "reward-rm-1"]
         scale_reward(cfg, 1)
         wait_until(lambda: len(scorer_servers(cfg)) == 1, 120, "one scorer server again")
         code, err = finish(up)
     assert code == 0, err
     assert "scale up: starting reward-rm-1" in err and "scale down: stopping reward-rm-1" in err, err
     fates = ledger_fates(cfg)
-    assert not [pid for pid, f in fates.items() if "failed" in f or f.count("trained") > 1]
+    assert not [pid for pid, f in fates.items() if f.count("trained") > 1]
+    # the prompts the killed controller was generating are failed by its restart, as after any controller restart
+    events = [json.loads(line) for line in (cfg.run_dir / "controller" / "ledger.jsonl").read_text().splitlines()]
+    assert {e["reason"] for e in events if e.get("state") == "failed"} <= {RESTARTED}
     assert sum(f.count("trained") for f in fates.values()) == steps * SHAPE["train_batch_groups"]
 
 
