@@ -24,17 +24,25 @@ from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
 
 # Ranks are forked from multiprocessing's fork server, which imported torch, transformers and the trainer once: a
-# spawned rank (mp.spawn) imported them again in a fresh interpreter, seconds of a core each. Each rank is still its
-# own process, forked from one with no thread but its main one, never from the test's (its gloo, gRPC and OpenMP
-# threads). A session has one fork server, with the preload list set when it starts: it starts here, as the tests are
-# collected, so a later user's list (relayrl bench weightsync's receivers, the fake vLLM's engine core: each sets its
-# own at run time) does not replace this one; their modules are named here too.
-mp.get_context("forkserver").set_forkserver_preload([
+# spawned rank (mp.spawn) imported them again in a fresh interpreter, seconds of a core each. Each is still its own
+# process, forked from one with no thread but its main one, never from the test's (its gloo, gRPC and OpenMP threads).
+# A session has one fork server, started by its first user (a test here, relayrl bench weightsync's receivers, the
+# fake vLLM's engine core), not before: a run of other tests pays nothing for it. Its preload list is read when it
+# starts, and those users set their own at run time: each list is added to the ones named before (``_preload_too``),
+# so whichever starts it, it imports every list.
+PRELOAD = [
     "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "relayrl.trainer.backends.fsdp",
     "relayrl.trainer.step", "relayrl.weightsync", "relayrl.bench.weightsync",
-])  # fmt: skip
-if not getattr(mp.current_process(), "_inheriting", False):  # not in a rank importing this module as it starts
-    forkserver.ensure_running()
+]  # fmt: skip
+_set_preload = forkserver.set_forkserver_preload  # what every context's set_forkserver_preload calls
+
+
+def _preload_too(modules_names: list[str]) -> None:
+    _set_preload(list(dict.fromkeys([*forkserver._forkserver._preload_modules, *modules_names])))
+
+
+forkserver.set_forkserver_preload = _preload_too
+mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
 def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
