@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# A two-node Slurm cluster on one host, without systemd, for tests and demos.
+# A Slurm cluster of logical nodes on one host (two by default), without systemd, for tests and demos.
 #
 #   deploy/slurm/local-cluster.sh install   # apt-get install slurm-wlm munge (if missing)
-#   deploy/slurm/local-cluster.sh start     # munged + slurmctld + slurmd -N n1 + slurmd -N n2
+#   deploy/slurm/local-cluster.sh start     # munged + slurmctld + slurmd -N n1 + slurmd -N n2 (+ ...)
 #   deploy/slurm/local-cluster.sh env       # prints `export SLURM_CONF=...` for clients
 #   deploy/slurm/local-cluster.sh status    # sinfo
 #   deploy/slurm/local-cluster.sh stop      # stops exactly the daemons `start` started (pid files)
 #
-# Both logical nodes (n1, n2) live on this host: NodeAddr=127.0.0.1 with distinct Port=, one
-# `slurmd -N nX` each. A heterogeneous job needs at least two NodeNames, which this gives.
+# Every logical node (n1, n2, ...) lives on this host: NodeAddr=127.0.0.1 with distinct Port=, one
+# `slurmd -N nX` each. A heterogeneous job needs a NodeName per component (components share no node): two by
+# default, three for a third het group (RELAYRL_SLURM_NODES=3).
 # Everything (config, munge key and socket, state, spool, logs, pid files) lives under
 # $RELAYRL_SLURM_DIR (default ${TMPDIR:-/tmp}/relayrl-slurm); nothing under /etc is touched.
 #
 # Environment:
 #   RELAYRL_SLURM_DIR         base directory (created by `start`, removed by `stop --purge`)
-#   RELAYRL_SLURM_PORT_BASE   slurmctld port; the slurmds use the next two (default 16817)
+#   RELAYRL_SLURM_PORT_BASE   slurmctld port; the slurmds use the next RELAYRL_SLURM_NODES (default 16817)
+#   RELAYRL_SLURM_NODES       logical nodes n1 .. nN (default 2)
 #   RELAYRL_SLURM_CPUS        CPUs declared per logical node (default: nproc)
 #   RELAYRL_SLURM_MEM_MB      RealMemory per logical node (default 2048)
 # Must run as root (the daemons run as root; munged runs as user munge).
@@ -24,7 +26,7 @@ BASE="${RELAYRL_SLURM_DIR:-${TMPDIR:-/tmp}/relayrl-slurm}"
 PORT_BASE="${RELAYRL_SLURM_PORT_BASE:-16817}"
 CPUS="${RELAYRL_SLURM_CPUS:-$(nproc)}"
 MEM_MB="${RELAYRL_SLURM_MEM_MB:-2048}"
-NODES=(n1 n2)
+mapfile -t NODES < <(seq -f 'n%g' 1 "${RELAYRL_SLURM_NODES:-2}")
 CONF="$BASE/etc/slurm.conf"
 
 log() { printf '[local-cluster] %s\n' "$*" >&2; }
@@ -108,9 +110,10 @@ InactiveLimit=0
 Waittime=0
 SlurmdTimeout=60
 SlurmctldTimeout=60
-NodeName=n1 NodeAddr=127.0.0.1 Port=$((PORT_BASE + 1)) CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
-NodeName=n2 NodeAddr=127.0.0.1 Port=$((PORT_BASE + 2)) CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
-PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+$(for i in "${!NODES[@]}"; do
+    echo "NodeName=${NODES[$i]} NodeAddr=127.0.0.1 Port=$((PORT_BASE + i + 1)) CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN"
+  done)
+PartitionName=debug Nodes=n[1-${#NODES[@]}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 }
 
@@ -161,7 +164,7 @@ cmd_start() {
       slurmd -f "$CONF" -N "$n"
     fi
   done
-  wait_for 60 "two idle nodes" nodes_idle || {
+  wait_for 60 "${#NODES[@]} idle nodes" nodes_idle || {
     sinfo -N >&2 || true
     die "nodes did not become idle; see $BASE/log"
   }

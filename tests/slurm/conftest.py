@@ -15,7 +15,7 @@ from test_slurm_hetjob import LOCAL_CLUSTER, Cluster, _free_port_run, _install_s
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The local two-node cluster, started once for every Slurm test (a start and a stop cost seconds each)."""
+    """The local three-node cluster, started once for every Slurm test (a start and a stop cost seconds each)."""
     reason = _install_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -31,7 +31,8 @@ def cluster():
     env = {
         **os.environ,
         "RELAYRL_SLURM_DIR": str(base),
-        "RELAYRL_SLURM_PORT_BASE": str(_free_port_run(3)),
+        "RELAYRL_SLURM_PORT_BASE": str(_free_port_run(4)),  # slurmctld's, then a slurmd's per node
+        "RELAYRL_SLURM_NODES": "3",  # a het job's components share no node: a third group needs a third node
         "RELAYRL_SLURM_CPUS": str(max(4, os.cpu_count() or 1)),
         "SLURM_CONF": str(base / "etc" / "slurm.conf"),
     }

@@ -23,7 +23,8 @@ Each process records its arguments in ``<run dir>/stub/<role>-<pid>.argv.json``.
 Failure knobs: ``RELAYRL_STUB_TRAINER_EXIT=N`` makes the trainer exit N after its metrics;
 ``RELAYRL_STUB_ROLLOUT_CRASH=1`` makes rollout workers exit 7 right after registering (and the
 trainer then waits, as a real one would, until it is stopped); ``RELAYRL_STUB_TRAINER_REGISTRATIONS=N``
-makes the trainer wait for N registrations (a restarted worker registers again) before its metrics.
+makes the trainer wait for N registrations (a restarted worker registers again) before its metrics, and
+``RELAYRL_STUB_TRAINER_SCORER_JOINS=N`` for N scorer joins (a restarted scorer joins again).
 """
 
 from __future__ import annotations
@@ -146,11 +147,14 @@ def trainer_run(args: argparse.Namespace) -> int:
         print("stub trainer: weight_sync.master_address is not torchrun's master address", file=sys.stderr)
         return 5
     registrations = run_dir / "controller" / "registrations.txt"
-    wanted = int(os.environ.get("RELAYRL_STUB_TRAINER_REGISTRATIONS", "1"))
+    wanted = {
+        "register": int(os.environ.get("RELAYRL_STUB_TRAINER_REGISTRATIONS", "1")),
+        "scorer": int(os.environ.get("RELAYRL_STUB_TRAINER_SCORER_JOINS", "0")),
+    }
     deadline = time.monotonic() + 120
-    while not (registrations.exists() and rollout_registrations(registrations) >= wanted):
+    while not (registrations.exists() and all(counted(registrations, k) >= n for k, n in wanted.items())):
         if time.monotonic() > deadline:
-            print("stub trainer: no rollout worker registered", file=sys.stderr)
+            print(f"stub trainer: fewer registrations than {wanted}", file=sys.stderr)
             return 3
         time.sleep(0.2)
     with socket.create_connection(args.controller, timeout=30):
@@ -165,9 +169,10 @@ def trainer_run(args: argparse.Namespace) -> int:
     return int(os.environ.get("RELAYRL_STUB_TRAINER_EXIT", "0"))
 
 
-def rollout_registrations(path: Path) -> int:
-    """Registrations of rollout workers (``register <address>``) among the controller's lines."""
-    return sum(line.startswith("register ") for line in path.read_text().splitlines())
+def counted(path: Path, kind: str) -> int:
+    """The controller's lines of ``kind``: ``register`` (a rollout worker's ``register <address>``) or ``scorer`` (a
+    scorer's ``scorer <name> <address>``)."""
+    return sum(line.startswith(f"{kind} ") for line in path.read_text().splitlines())
 
 
 def _registering_server(roles: argparse._SubParsersAction, role: str, fn) -> argparse.ArgumentParser:

@@ -1,9 +1,10 @@
-"""Slurm deployment: a real two-node Slurm cluster on this host, heterogeneous jobs on it.
+"""Slurm deployment: a real three-node Slurm cluster on this host, heterogeneous jobs on it.
 
 The cluster comes from ``deploy/slurm/local-cluster.sh`` (Debian's slurm-wlm + munge, no systemd:
-munged as user munge, slurmctld, and ``slurmd -N n1`` / ``slurmd -N n2`` with NodeAddr=127.0.0.1 and
-distinct ports), everything under a fresh directory in /tmp: one cluster for the session, shared with
-test_slurm_scale (``cluster`` in conftest.py), torn down at its end.
+munged as user munge, slurmctld, and ``slurmd -N n1`` .. ``slurmd -N n3`` with NodeAddr=127.0.0.1 and
+distinct ports; a het job's components share no node, so a third node for a third het group), everything under
+a fresh directory in /tmp: one cluster for the session, shared with test_slurm_scale (``cluster`` in
+conftest.py), torn down at its end.
 
 There is no slurmdbd, so final job states come from ``JobCompType=jobcomp/filetxt`` (one line per het
 component), with ``scontrol show job`` used while the job runs.
@@ -130,11 +131,11 @@ class Cluster:
         pytest.fail(f"job {job_id} did not finish in {timeout:.0f}s; states {self.live_states(job_id)}")
 
 
-def test_cluster_has_two_idle_nodes(cluster: Cluster):
+def test_cluster_has_three_idle_nodes(cluster: Cluster):
     res = cluster.run("sinfo", "-h", "-N", "-o", "%N %t")
     assert res.returncode == 0, res.stderr
     nodes = dict(line.split() for line in res.stdout.splitlines())
-    assert nodes == {"n1": "idle", "n2": "idle"}
+    assert nodes == {"n1": "idle", "n2": "idle", "n3": "idle"}
 
 
 TRIVIAL_HETJOB = """#!/bin/bash
@@ -251,9 +252,9 @@ def _assert_placement(job: RelayrlJob, scorers: tuple[str, ...] = ()) -> dict[st
     return roles
 
 
-def _assert_completed(job: RelayrlJob) -> None:
+def _assert_completed(job: RelayrlJob, groups: int = 2) -> None:
     comps = job.components
-    assert len(comps) == 2, f"{comps}\n{job.diag}"
+    assert len(comps) == groups, f"{comps}\n{job.diag}"
     assert all(c["JobState"] == "COMPLETED" and c["ExitCode"] == "0:0" for c in comps), f"{comps}\n{job.diag}"
     assert json.loads((job.run_dir / "job.json").read_text())["trainer_exit_code"] == 0
 
@@ -372,27 +373,64 @@ def test_relayrl_sbatch_rollout_crash_stops_trainer(cluster: Cluster, tmp_path: 
     assert "restart 1/1" in job.diag and "after 1 restarts (budget 1); stopping the trainer" in job.diag, job.diag
 
 
+def _kill_a_step_mid_run(
+    cluster: Cluster, tmp_path: Path, stub_workdir: Path, step: str, joined: str, env: dict[str, str], args=()
+) -> RelayrlJob:
+    """Submit the stub job with ``env`` added, SIGKILL its step named ``step`` once the controller has a line starting
+    with ``joined`` (the step's first registration), and wait for the job's end."""
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    out_dir.mkdir()
+    env = {**_relayrl_env(run_dir, "config.yaml"), **env}
+    job_id = cluster.submit(SBATCH, cwd=stub_workdir, env=env, args=(f"--output={out_dir}/slurm-%j.out", *args))
+    registrations = run_dir / "controller" / "registrations.txt"
+    deadline = time.monotonic() + 180
+    while not (registrations.exists() and joined in registrations.read_text()):
+        assert time.monotonic() < deadline, _diagnostics(run_dir, out_dir)
+        time.sleep(0.5)
+    # every step of the session's cluster: a het group's steps carry that group's job id, not the leader's
+    steps = cluster.run("squeue", "-s", "-h", "-o", "%i %j").stdout.split("\n")
+    ids = [line.split()[0] for line in steps if line.endswith(f" {step}")]
+    assert len(ids) == 1, steps
+    assert cluster.run("scancel", "--signal=KILL", ids[0]).returncode == 0
+    return RelayrlJob(job_id, cluster.wait(job_id, timeout=300), run_dir, _diagnostics(run_dir, out_dir))
+
+
 def test_relayrl_sbatch_restarts_a_killed_rollout_step(cluster: Cluster, tmp_path: Path, stub_workdir: Path):
     """SIGKILL the rollout step mid-run: the batch script starts it again in het group 0, the worker registers
     again, and the job still COMPLETES; the restart is counted where `relayrl status` reads it."""
-    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
-    out_dir.mkdir()
-    env = {**_relayrl_env(run_dir, "config.yaml"), "RELAYRL_STUB_TRAINER_REGISTRATIONS": "2"}
-    job_id = cluster.submit(SBATCH, cwd=stub_workdir, env=env, args=(f"--output={out_dir}/slurm-%j.out",))
-    registrations = run_dir / "controller" / "registrations.txt"
-    deadline = time.monotonic() + 180
-    while not (registrations.exists() and registrations.read_text().strip()):
-        assert time.monotonic() < deadline, _diagnostics(run_dir, out_dir)
-        time.sleep(0.5)
-    steps = cluster.run("squeue", "-s", "-h", "-j", job_id, "-o", "%i %j").stdout.split("\n")
-    rollout = [line.split()[0] for line in steps if line.endswith(" relayrl-rollout")]
-    assert len(rollout) == 1, steps
-    assert cluster.run("scancel", "--signal=KILL", rollout[0]).returncode == 0
-    job = RelayrlJob(job_id, cluster.wait(job_id, timeout=300), run_dir, _diagnostics(run_dir, out_dir))
+    env = {"RELAYRL_STUB_TRAINER_REGISTRATIONS": "2"}
+    job = _kill_a_step_mid_run(cluster, tmp_path, stub_workdir, "relayrl-rollout", "register ", env)
     _assert_completed(job)
     assert "restart 1/" in job.diag
-    assert json.loads((run_dir / "supervisor.json").read_text())["roles"]["rollout"]["restarts"] == 1
-    assert {r["het_group"] for r in _roles(run_dir)["rollout"]} == {0}
+    assert json.loads((job.run_dir / "supervisor.json").read_text())["roles"]["rollout"]["restarts"] == 1
+    assert {r["het_group"] for r in _roles(job.run_dir)["rollout"]} == {0}
+
+
+def test_relayrl_sbatch_serves_a_scorer_in_a_third_het_group_and_restarts_it_killed(
+    cluster: Cluster, tmp_path: Path, stub_workdir: Path
+):
+    """RELAYRL_SCORER_HET_GROUP=2 with a third het group on the sbatch line: the scorer step runs in that group, its
+    address given to every role. SIGKILL it mid-run: the batch script starts it again in group 2, it joins the
+    controller again (the stub trainer waits for that second join), and the job COMPLETES; the restart is counted
+    where `relayrl status` reads it, and the restarted scorer is stopped with SIGTERM at the end."""
+    (stub_workdir / "config.yaml").write_text("run: {name: stub}\nscorers: {rm: {model: m}}\n")
+    env = {"RELAYRL_SCORER_HET_GROUP": "2", "RELAYRL_SCORER_PORT": str(_free_port())}
+    env |= {"RELAYRL_STUB_TRAINER_SCORER_JOINS": "2", "RELAYRL_RESTART_BACKOFF": "0.2"}
+    groups = (":", "--nodes=1", ":", "--nodes=1")  # a third het group, of one node, for the scorer
+    job = _kill_a_step_mid_run(cluster, tmp_path, stub_workdir, "relayrl-reward-rm", "scorer rm ", env, args=groups)
+    _assert_completed(job, groups=3)
+    assert "reward-rm step ended" in job.diag and "restart 1/" in job.diag, job.diag
+    restarts = json.loads((job.run_dir / "supervisor.json").read_text())["roles"]
+    assert {role: r["restarts"] for role, r in restarts.items()} == {"controller": 0, "rollout": 0, "reward-rm": 1}
+    (scorer,) = _roles(job.run_dir)["reward-rm"]  # the restarted task's record
+    assert (scorer["het_group"], scorer["het_group_from_nodelist"], scorer["het_size"]) == (2, 2, 3), scorer
+    assert scorer["step_nodelist"] == scorer["group_nodelist"] == scorer["slurmd_nodename"], scorer  # group 2's node
+    registered = (job.run_dir / "controller" / "registrations.txt").read_text().splitlines()
+    assert [line for line in registered if line.startswith("scorer ")] == [f"scorer rm {scorer['address']}"] * 2
+    argv = [json.loads(f.read_text())["argv"] for f in (job.run_dir / "stub").glob("*.argv.json")]
+    servers = f"scorers.rm.servers=[{scorer['address']}]"
+    assert all(servers in a for a in argv if a[0] in ("controller", "rollout", "trainer")), argv
+    assert len(list((job.run_dir / "stub").glob("reward-rm-*.stopped"))) == 1, job.diag
 
 
 def one_thread_per_role(raw: dict) -> None:

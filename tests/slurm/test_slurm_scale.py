@@ -1,5 +1,5 @@
 """`relayrl scale rollout N --slurm-job ID` on a running relayrl.sbatch het job (the real CLI, controller,
-workers and trainer on the two-node local Slurm cluster of test_slurm_hetjob)."""
+workers and trainer on the local Slurm cluster of test_slurm_hetjob)."""
 
 from __future__ import annotations
 
