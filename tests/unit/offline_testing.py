@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 import yaml
 from cli_testing import relayrl
 from safetensors.torch import load_file
+from trainer_testing import ForkedCommand
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from relayrl.models.tiny_chat import build_chat_tokenizer
@@ -64,7 +66,13 @@ def command(stage: str, *argv: str) -> list[str]:
 
 
 def train(stage: str, *argv: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(command(stage, *argv), capture_output=True, text=True, timeout=300, env=ENV)
+    """``train STAGE ARGV`` to its end (forked: ``ForkedCommand``), exit 0."""
+    proc = ForkedCommand(["train", stage, *argv], ENV)
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # when it has not ended
+    done = subprocess.CompletedProcess(command(stage, *argv), code, proc.stdout_text(), proc.stderr_text())
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -79,11 +87,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def start_until(stage: str, config: Path, run_dir: Path, step: int, *extra: str) -> subprocess.Popen:
-    """``train STAGE CONFIG EXTRA`` started and still running once its checkpoint of ``step`` is complete."""
-    proc = subprocess.Popen(
-        command(stage, str(config), *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV
-    )
+def start_until(stage: str, config: Path, run_dir: Path, step: int, *extra: str) -> ForkedCommand:
+    """``train STAGE CONFIG EXTRA`` started (forked: ``ForkedCommand``) and still running once its checkpoint of
+    ``step`` is complete."""
+    proc = ForkedCommand(["train", stage, str(config), *extra], ENV)
     deadline = time.monotonic() + 240
     while not (run_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline, f"ended before checkpoint {step}"

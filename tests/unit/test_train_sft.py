@@ -134,7 +134,7 @@ def test_a_run_stopped_by_sigterm_then_killed_resumes_to_the_uninterrupted_weigh
     killed = workdir / "runs" / "killed"
     proc = start_until(config, killed, 2)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()[-3000:]
+    assert proc.wait(timeout=240) == 0, proc.stderr_text()[-3000:]
     stopped_at = records(killed)[-1]["step"]
     assert (killed / "checkpoints" / f"step_{stopped_at}" / "trainer_state.json").exists()
     assert stopped_at < STEPS and not (killed / "final").exists()

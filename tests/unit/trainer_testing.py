@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 
 from relayrl.algorithms.partition import minibatch_groups
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from relayrl.runtime.forkserver import run_forked_command
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import exit_now
 from relayrl.trainer.backends.fsdp import FSDPBackend
@@ -23,16 +26,17 @@ from relayrl.trainer.batch import TrainBatch, to_train_batch
 from relayrl.trainer.step import train_on_batch
 from relayrl.v1 import common_pb2, controller_pb2
 
-# Ranks are forked from multiprocessing's fork server, which imported torch, transformers and the trainer once: a
-# spawned rank (mp.spawn) imported them again in a fresh interpreter, seconds of a core each. Each is still its own
-# process, forked from one with no thread but its main one, never from the test's (its gloo, gRPC and OpenMP threads).
-# A session has one fork server, started by its first user (a test here, relayrl bench weightsync's receivers, the
-# fake vLLM's engine core), not before: a run of other tests pays nothing for it. Its preload list is read when it
-# starts, and those users set their own at run time: each list is added to the ones named before (``_preload_too``),
-# so whichever starts it, it imports every list.
+# Ranks, and ``relayrl train`` commands (``ForkedCommand``), are forked from multiprocessing's fork server, which
+# imported torch, transformers and the trainer once: a spawned rank (mp.spawn) or a fresh ``python -m relayrl.cli``
+# imported them again, seconds of a core each. Each is still its own process, forked from one with no thread but its
+# main one, never from the test's (its gloo, gRPC and OpenMP threads). A session has one fork server, started by its
+# first user (a test here, relayrl bench weightsync's receivers, the fake vLLM's engine core), not before: a run of
+# other tests pays nothing for it. Its preload list is read when it starts, and those users set their own at run
+# time: each list is added to the ones named before (``_preload_too``), so whichever starts it, it imports every list.
 PRELOAD = [
     "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "relayrl.trainer.backends.fsdp",
     "relayrl.trainer.step", "relayrl.weightsync", "relayrl.bench.weightsync",
+    "relayrl.cli", "relayrl.trainer.sft", "relayrl.trainer.preference", "relayrl.trainer.reward_trainer",
 ]  # fmt: skip
 _set_preload = forkserver.set_forkserver_preload  # what every context's set_forkserver_preload calls
 
@@ -49,6 +53,50 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     """``mp.spawn(fn, args, nprocs)`` with the ranks forked from the fork server: ``fn(rank, *args)`` in each, and a
     rank that fails raises here as with mp.spawn."""
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def _run_command(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """A ``ForkedCommand`` child: its stdout and stderr into the files ``out`` and ``err``, then ``relayrl ARGV`` as
+    ``python -m relayrl.cli`` runs it with environment ``env`` (``run_forked_command``; its exit code the child's)."""
+    for path, fd in ((out, 1), (err, 2)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    run_forked_command(argv, env)
+
+
+class ForkedCommand:
+    """``python -m relayrl.cli ARGV`` with environment ``env``, forked from the fork server (torch, transformers and
+    the trainer imported already), not a fresh interpreter that imports them: what the tests use of ``subprocess.Popen``
+    (``pid``, ``poll``, ``wait``, ``send_signal``), and its output (``stdout_text``, ``stderr_text``)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self._files = tempfile.TemporaryDirectory(prefix="relayrl-command-")
+        self._out, self._err = (Path(self._files.name) / name for name in ("stdout", "stderr"))
+        self.process = mp.get_context("forkserver").Process(
+            target=_run_command, args=(argv, env, str(self._out), str(self._err))
+        )
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"relayrl {self.process.pid}", timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def stdout_text(self) -> str:
+        return self._out.read_text(errors="replace") if self._out.exists() else ""
+
+    def stderr_text(self) -> str:
+        return self._err.read_text(errors="replace") if self._err.exists() else ""
 
 
 @pytest.fixture(scope="module", autouse=True)
