@@ -405,6 +405,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "e2e": "relayrl.bench.e2e",
     "guess": "relayrl.bench.guess",
     "addition": "relayrl.bench.addition",
+    "reasoning-gym": "relayrl.bench.reasoning_gym_example",
     "rollout-correction": "relayrl.bench.rollout_correction",
     "padding": "relayrl.bench.padding",
     "trainer": "relayrl.bench.trainer",

@@ -582,6 +582,12 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "relayrl bench addition --out bench/results/addition-smollm2.json --png docs/addition-smollm2.png",
         addition,
     ),
+    "reasoning-gym": (
+        "reasoning-gym-smollm2.json",
+        "relayrl bench reasoning-gym --out bench/results/reasoning-gym-smollm2.json"
+        " --png docs/reasoning-gym-smollm2.png",
+        addition,
+    ),
     "humaneval": (
         "humaneval-smollm2.json",
         "relayrl bench humaneval --out bench/results/humaneval-smollm2.json --set eval.max_prompts=40"

@@ -48,3 +48,15 @@ def test_a_hub_dataset_subset_reaches_load_dataset(monkeypatch) -> None:
     dataset.load_rows(DataConfig(path="openai/gsm8k", subset="main", split="test"))
     dataset.load_rows(DataConfig(path="some/dataset"))
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"}), (("some/dataset", None), {"split": "train"})]
+
+
+def test_the_reasoning_gym_example_holds_out_its_own_task_from_a_seed_past_its_rows() -> None:
+    """examples/reasoning-gym-smollm2.yaml: the held-out set is the training's task at the same difficulty from a
+    seed at least the training's size away, scored by the response's last number."""
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "reasoning-gym-smollm2.yaml")
+    heldout = cfg.eval.sets["heldout"]
+    train, held = cfg.data.reasoning_gym, heldout.reasoning_gym
+    assert cfg.data.path.startswith("reasoning-gym:") and heldout.path == cfg.data.path
+    assert held.config == train.config and held.system_prompt == train.system_prompt
+    assert held.seed - train.seed >= train.size
+    assert cfg.controller.reward.fn == "last_number" and cfg.model.path == "builtin:smollm2-135m-instruct"
