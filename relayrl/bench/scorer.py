@@ -102,7 +102,7 @@ def load_in_process(scorer: ScorerConfig, threads: int):
     from relayrl.scorer.models import Classifier
 
     torch.set_num_threads(threads)
-    return Classifier(scorer)
+    return Classifier(scorer, SCORER)
 
 
 def in_process(model, requests: Sequence[list[list[dict]]]) -> tuple[dict, list[float]]:

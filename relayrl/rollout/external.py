@@ -461,8 +461,9 @@ def collect_receipts(results: Sequence[dict[str, Any]]) -> tuple[ReceiveStats, s
     return stats, first["checksum"]
 
 
-def reject_reserved_options(options: dict, reserved: Iterable[str], engine: str) -> None:
-    """``rollout.engine_options`` may not set what the adapter sets itself (ValueError naming them)."""
+def reject_reserved_options(options: dict, reserved: Iterable[str], engine: str, key: str) -> None:
+    """``options`` (the config's ``key``: ``rollout.engine_options``, a judge's ``scorers.<name>.engine_options``) may
+    not set what the adapter sets itself (ValueError naming ``key`` and them)."""
     clash = sorted(set(options) & set(reserved))
     if clash:
-        raise ValueError(f"rollout.engine_options: {', '.join(clash)} is set by the {engine} engine itself")
+        raise ValueError(f"{key}: {', '.join(clash)} is set by the {engine} engine itself")

@@ -152,15 +152,17 @@ class SGLangEngine(InferenceEngine):
         max_batch_size: int = 256,
         seed: int = 0,
         routing_replay: bool = False,
+        options_key: str = "rollout.engine_options",
         **options: Any,
     ) -> None:
         """``routing_replay`` (``algorithm.routing_replay``): ``Engine(enable_return_routed_experts=True)`` and
         ``return_routed_experts`` on every request (SGLang >= 0.5.23); each completion's
-        ``meta_info["routed_experts"]`` as its ``routed_experts``."""
-        reject_reserved_options(options, _RESERVED, "sglang")
+        ``meta_info["routed_experts"]`` as its ``routed_experts``. ``options_key``: the config key ``options`` came
+        from, named by the errors about them (a judge's ``scorers.<name>.engine_options``)."""
+        reject_reserved_options(options, _RESERVED, "sglang", options_key)
         if options.get("speculative_algorithm") is not None:
             raise ValueError(
-                "rollout.engine_options.speculative_algorithm: speculative decoding is not supported by the sglang "
+                f"{options_key}.speculative_algorithm: speculative decoding is not supported by the sglang "
                 "engine (SGLang would run relayrl's weight receive on the draft runner too); leave it unset"
             )
         sglang = import_engine("sglang")

@@ -159,11 +159,14 @@ class VLLMEngine(InferenceEngine):
         max_batch_size: int = 256,
         seed: int = 0,
         routing_replay: bool = False,
+        options_key: str = "rollout.engine_options",
         **options: Any,
     ) -> None:
         """``routing_replay`` (``algorithm.routing_replay``): ``LLM(enable_return_routed_experts=True)`` (vLLM
-        >= 0.34) and each completion's ``CompletionOutput.routed_experts`` as its ``routed_experts``."""
-        reject_reserved_options(options, _RESERVED, "vllm")
+        >= 0.34) and each completion's ``CompletionOutput.routed_experts`` as its ``routed_experts``.
+        ``options_key``: the config key ``options`` came from, named by the errors about them (a judge's
+        ``scorers.<name>.engine_options``)."""
+        reject_reserved_options(options, _RESERVED, "vllm", options_key)
         vllm = import_engine("vllm")
         from vllm.sampling_params import RequestOutputKind
 

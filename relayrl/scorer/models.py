@@ -68,12 +68,13 @@ def right_padded(rows: list[list[int]], pad_id: int, device: str) -> tuple[torch
 
 
 class ScoringModel:
-    """What every kind has: a tokenizer, a device, the checks of a request's items and a batch function."""
+    """What every kind has: a tokenizer, a device, the checks of a request's items and a batch function. ``name``:
+    the scorer's key in ``scorers`` (errors about its config name ``scorers.<name>``)."""
 
     kind = ""
 
-    def __init__(self, cfg: ScorerConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ScorerConfig, name: str) -> None:
+        self.cfg, self.name = cfg, name
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype, _ = compute_dtype(cfg.precision, self.device)
         self.tokenizer: Any = None
@@ -106,8 +107,8 @@ class ScoringModel:
 class Classifier(ScoringModel):
     kind = "classifier"
 
-    def __init__(self, cfg: ScorerConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ScorerConfig, name: str) -> None:
+        super().__init__(cfg, name)
         self.model, self.tokenizer = load_reward_model(cfg.model, dtype=self.dtype)
         self.model.to(self.device)
         self.pad_id = self.model.config.get_text_config().pad_token_id
@@ -131,14 +132,15 @@ class Classifier(ScoringModel):
 class Judge(ScoringModel):
     kind = "judge"
 
-    def __init__(self, cfg: ScorerConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ScorerConfig, name: str) -> None:
+        super().__init__(cfg, name)
         from relayrl.rollout.engine import create_engine
 
+        # hf: on this scorer's device; vllm/sglang: their errors about engine_options name this scorer's key
+        own = {"device": self.device} if cfg.engine == "hf" else {"options_key": f"scorers.{self.name}.engine_options"}
         self.engine = create_engine(
             cfg.engine, model_path=cfg.model, dtype=str(self.dtype).removeprefix("torch."),
-            max_batch_size=cfg.max_batch_size, **({"device": self.device} if cfg.engine == "hf" else {}),
-            **cfg.engine_options,
+            max_batch_size=cfg.max_batch_size, **own, **cfg.engine_options,
         )  # fmt: skip
         self.tokenizer, self.vocab_size = self.engine.tokenizer, self.engine.vocab_size
         self.params = SamplingParams(temperature=0.0, max_tokens=cfg.judge_max_tokens)  # greedy
@@ -173,8 +175,8 @@ class Teacher(ScoringModel):
 
     kind = "teacher"
 
-    def __init__(self, cfg: ScorerConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ScorerConfig, name: str) -> None:
+        super().__init__(cfg, name)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.tokenizer.pad_token = pad_token_of(self.tokenizer)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype).to(self.device).eval()
@@ -202,6 +204,7 @@ class Teacher(ScoringModel):
 KINDS: dict[str, type[ScoringModel]] = {"classifier": Classifier, "judge": Judge, "teacher": Teacher}
 
 
-def load_scoring_model(cfg: ScorerConfig) -> ScoringModel:
-    """The model of ``cfg.kind``, loaded on this machine's device in the precision ``cfg.precision`` resolves to."""
-    return KINDS[cfg.kind](cfg)
+def load_scoring_model(cfg: ScorerConfig, name: str) -> ScoringModel:
+    """The model of ``cfg.kind`` (``scorers.<name>``), loaded on this machine's device in the precision
+    ``cfg.precision`` resolves to."""
+    return KINDS[cfg.kind](cfg, name)

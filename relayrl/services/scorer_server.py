@@ -118,7 +118,7 @@ def serve_scorer(
     """Load ``scorers.<name>``'s model and serve it on ``host:port`` (and /metrics on ``metrics_port``)."""
     scorer = cfg.scorers[name]
     torch.set_num_threads(torch_threads(cfg, "rollout"))
-    worker = ScorerWorker(name, scorer, load_scoring_model(scorer))
+    worker = ScorerWorker(name, scorer, load_scoring_model(scorer, name))
     metrics = MetricsEndpoint(metrics_port)
     server = GrpcServer(
         f"{host}:{port}", interceptors=metrics.interceptors, security=cfg.security, reuse_port=False,

@@ -11,7 +11,8 @@ import pytest
 from relayrl.config import ConfigError, parse_config
 from relayrl.ops.preflight import check_registry_names
 from relayrl.rewards.served import RunningMoments
-from relayrl.scorer.models import judged_score
+from relayrl.rollout.engine import create_engine
+from relayrl.scorer.models import judged_score, load_scoring_model
 
 BASE = {"model": {"path": "m"}, "data": {"path": "d"}}
 DISTILL = {"advantage": "distill", "teacher": "rm"}
@@ -84,6 +85,25 @@ def test_running_normalisation_is_over_every_score_so_far() -> None:
 def test_a_judges_score_is_the_first_number_of_its_answer() -> None:
     assert judged_score(" 7/10, fine") == 7.0 and judged_score("score: -2.5") == -2.5
     assert str(judged_score("excellent!")) == "the judge answered 'excellent!': no number"
+
+
+@pytest.mark.parametrize(
+    ("engine", "options", "message"),
+    [
+        ("vllm", {"max_num_seqs": 4}, ".engine_options: max_num_seqs is set by the vllm engine itself"),
+        ("sglang", {"random_seed": 1}, ".engine_options: random_seed is set by the sglang engine itself"),
+        ("sglang", {"speculative_algorithm": "EAGLE"}, ".engine_options.speculative_algorithm: speculative decoding"),
+    ],
+)
+def test_an_engine_option_the_adapter_sets_itself_is_refused_naming_the_key_it_came_from(engine, options, message):
+    """A judge's engine_options are ``scorers.<name>.engine_options``, a rollout worker's ``rollout.engine_options``
+    (checked before the engine is imported or the model read)."""
+    judge = {"kind": "judge", "model": "j", "engine": engine, "engine_options": options}
+    cfg = parse_config({**BASE, "scorers": {"judge": judge}})
+    with pytest.raises(ValueError, match="^" + re.escape("scorers.judge" + message)):
+        load_scoring_model(cfg.scorers["judge"], "judge")
+    with pytest.raises(ValueError, match="^" + re.escape("rollout" + message)):
+        create_engine(engine, model_path="m", **options)
 
 
 def test_a_resume_drops_the_scorer_addresses_relayrl_up_appended(tmp_path) -> None:
