@@ -67,6 +67,7 @@ class LocalJob:
     children: dict[str, subprocess.Popen | ForkedRole] = field(default_factory=dict)
     controller_address: str = ""
     devices: dict[str, str] = field(default_factory=dict)  # role -> CUDA_VISIBLE_DEVICES (GPU nodes)
+    gpus: list[str] = field(default_factory=list)  # the node's devices shared out (ops.placement.node_devices)
     commands: dict[str, tuple[list[str], dict[str, str], bool]] = field(default_factory=dict)  # argv, env, own store
     forks: ForkServer | None = None
     keep_fds: tuple[int, ...] = ()  # held by every role it starts: the run's lock (runtime.runlock)
@@ -251,9 +252,10 @@ def start_job(
     job.forks = forks
     if forks is not None:
         forks.log_to(job.logs / "forkserver.log")
+    job.gpus = node_devices(cfg.supervisor.gpus)
+    job.devices = place(cfg, job.gpus)  # before any role starts: the scorers below are placed too
     side_roles = start_environment_servers(job)  # environment.serve: first, their addresses go into the config
     side_roles += start_scorers(job)  # scorers.<name>.replicas: likewise
-    job.devices = place(cfg, node_devices(cfg.supervisor.gpus))
     port = cfg.controller.port or free_port(cfg.controller.host)
     job.controller_address = dial_address(cfg.controller.host, port)
     common = ["--config", str(config_path)]

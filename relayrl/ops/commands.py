@@ -364,7 +364,8 @@ def cmd_scale_reward(args: argparse.Namespace) -> int:
         previous = response.previous or "unset"
         out.print(
             f"desired servers of scorer {args.name} {previous} -> {response.replicas} ({response.servers} called now); "
-            "`relayrl up` starts or stops local scorers to match"
+            "`relayrl up` starts or stops local scorers to match (on a GPU node, one no free GPU is left for is not "
+            "started: its console says so)"
         )
     return 0
 

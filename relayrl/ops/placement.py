@@ -2,15 +2,20 @@
 
 Rollout workers come first, each with as many devices as its engine spans (vLLM
 ``tensor_parallel_size x pipeline_parallel_size``, SGLang ``tp_size x pp_size``, hf 1); the trainer gets the
-next ``trainer.nproc`` devices, one per rank. Devices are the node's physical ids, or the ids the launcher's
-own ``CUDA_VISIBLE_DEVICES`` lists. A config that needs more than the node has is refused with the numbers.
+next ``trainer.nproc`` devices, one per rank; then each scorer replica ``relayrl up`` starts, as many as its engine
+spans (a judge on vLLM/SGLang: its parallel sizes; a classifier, a teacher, an hf judge: 1). Scorers come last so
+a run without them is placed as before. Devices are the node's physical ids, or the ids the launcher's own
+``CUDA_VISIBLE_DEVICES`` lists. A config that needs more than the node has is refused with the numbers; a replica
+started later (``relayrl scale reward N``) gets devices no role holds (``claim``), or is refused.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
-from relayrl.config import ConfigError, RelayConfig, RolloutConfig
+from relayrl.config import ConfigError, RelayConfig, ScorerConfig
 
 # What a GPU runtime needs on the host before torch.cuda can count a device: NVIDIA's control node, AMD's
 # ROCm kernel driver (HIP), WSL2's GPU paravirtualisation. ``relayrl up`` on a machine with none of them
@@ -24,12 +29,18 @@ PARALLEL_OPTIONS = {
 }
 
 
-def gpus_per_worker(rollout: RolloutConfig) -> int:
-    """Devices one rollout worker's engine spans: the product of its parallel sizes (1 without any)."""
+def engine_gpus(engine: str, options: Mapping[str, Any]) -> int:
+    """Devices one engine spans (a rollout worker's, a judge's): the product of its parallel sizes in ``options``
+    (1 without any; hf, a classifier and a teacher: 1)."""
     count = 1
-    for key in PARALLEL_OPTIONS[rollout.engine]:
-        count *= int(rollout.engine_options.get(key, 1))
+    for key in PARALLEL_OPTIONS[engine]:
+        count *= int(options.get(key, 1))
     return count
+
+
+def scorer_gpus(scorer: ScorerConfig) -> int:
+    """Devices one replica of ``scorer`` spans (``engine_gpus`` of its engine and engine_options)."""
+    return engine_gpus(scorer.engine, scorer.engine_options)
 
 
 def node_devices(configured: int | None) -> list[str]:
@@ -48,18 +59,43 @@ def node_devices(configured: int | None) -> list[str]:
 
 
 def place(cfg: RelayConfig, devices: list[str]) -> dict[str, str]:
-    """role -> CUDA_VISIBLE_DEVICES for ``rollout-<k>`` (k < rollout.workers) and ``trainer``; {} without devices.
+    """role -> CUDA_VISIBLE_DEVICES for ``rollout-<k>`` (k < rollout.workers), ``trainer`` and each scorer replica
+    ``reward-<name>-<i>`` (i < scorers.<name>.replicas), in that order; {} without devices.
 
-    Raises ConfigError when workers x per-worker devices + trainer ranks exceed ``len(devices)``."""
+    Raises ConfigError when workers x per-worker devices + trainer ranks + replicas x per-replica devices exceed
+    ``len(devices)``."""
     if not devices:
         return {}
-    per_worker, workers, ranks = gpus_per_worker(cfg.rollout), cfg.rollout.workers, cfg.trainer.nproc
-    needed = workers * per_worker + ranks
+    from relayrl.ops.scorers import scorer_roles  # not at import: `relayrl trainer launch` reads GPU_DRIVER_NODES
+
+    workers, ranks = cfg.rollout.workers, cfg.trainer.nproc
+    per_worker = engine_gpus(cfg.rollout.engine, cfg.rollout.engine_options)
+    sizes = {f"rollout-{k}": per_worker for k in range(workers)} | {"trainer": ranks}
+    sizes |= {role: scorer_gpus(cfg.scorers[name]) for role, (name, _) in scorer_roles(cfg).items()}
+    needed = sum(sizes.values())
     if needed > len(devices):
+        replicas = [(name, s.replicas, scorer_gpus(s)) for name, s in cfg.scorers.items() if s.replicas]
+        scorers = "".join(f" + {r} scorers.{name} replicas x {each}" for name, r, each in replicas)
         raise ConfigError(
             f"supervisor.gpus: the run needs {needed} GPUs ({workers} rollout workers x {per_worker} "
-            f"+ {ranks} trainer ranks) but the node has {len(devices)}"
+            f"+ {ranks} trainer ranks{scorers}) but the node has {len(devices)}"
         )
-    plan = {f"rollout-{k}": ",".join(devices[k * per_worker : (k + 1) * per_worker]) for k in range(workers)}
-    plan["trainer"] = ",".join(devices[workers * per_worker : needed])
+    plan, start = {}, 0
+    for role, size in sizes.items():
+        plan[role], start = ",".join(devices[start : start + size]), start + size
     return plan
+
+
+def claim(plan: dict[str, str], devices: list[str], role: str, count: int) -> str:
+    """The first ``count`` of ``devices`` no role of ``plan`` holds, for ``role`` started after ``place`` (a scale-up);
+    the caller records them in ``plan`` and drops a stopped role's entry, which frees its devices.
+
+    Raises ConfigError naming supervisor.gpus when fewer are free."""
+    held = {d for ids in plan.values() for d in ids.split(",")}
+    free = [d for d in devices if d not in held]
+    if count > len(free):
+        raise ConfigError(
+            f"supervisor.gpus: {role} needs {count} GPU{'s' if count > 1 else ''} but {len(free)} of the node's "
+            f"{len(devices)} are free"
+        )
+    return ",".join(free[:count])

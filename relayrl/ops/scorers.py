@@ -18,7 +18,8 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from relayrl.config import RelayConfig, load_config
+from relayrl.config import ConfigError, RelayConfig, load_config
+from relayrl.ops.placement import claim, scorer_gpus
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.ports import free_port
@@ -79,13 +80,16 @@ def scorers_serving(cfg: RelayConfig) -> bool:
 class ScorerScaler:
     """Scaling ``relayrl up``'s scorer replicas to ``Status.desired_scorer_replicas`` (``relayrl scale reward N
     --name NAME``), from the launcher's watch loop. Scale-up starts ``reward-<name>-<k>`` (lowest free k) on a free
-    port with ``--controller``: once serving it joins the servers the controller calls (RegisterScorer). Scale-down
-    stops the highest-numbered replicas with SIGTERM: each leaves the controller's servers first, and its calls in
-    flight finish within its grace (a call cut short is retried on another server)."""
+    port with ``--controller``: once serving it joins the servers the controller calls (RegisterScorer). On a GPU
+    node it gets devices no role holds (``placement.claim``); where too few are free it is not started, and
+    ``on_change`` says so once (it is tried again each tick: a scale-down frees devices). Scale-down stops the
+    highest-numbered replicas with SIGTERM, freeing their devices: each leaves the controller's servers first, and
+    its calls in flight finish within its grace (a call cut short is retried on another server)."""
 
     def __init__(self, job, stub, *, interval_s: float = 1.0, on_change: Callable[[str], None] = log.info) -> None:
         self.job, self.stub, self.interval_s, self.on_change = job, stub, interval_s, on_change
         self._next_tick = 0.0
+        self._refused: dict[str, str] = {}  # scorer name -> the refusal last said
 
     def replicas(self, name: str) -> list[int]:
         """Indices of scorer ``name``'s running replicas."""
@@ -103,12 +107,33 @@ class ScorerScaler:
         for name, count in desired.items():
             running = self.replicas(name)
             for k in [k for k in range(len(running) + count) if k not in running][: max(0, count - len(running))]:
-                role, port = f"{ROLE_PREFIX}{name}-{k}", free_port()
-                self.on_change(f"scale up: starting {role} on port {port}")
-                argv = ["reward", "serve", "--config", str(self.job.config_path), "--name", name, "--port", str(port)]
-                self.job.spawn(role, self.job.relay(*argv, "--controller", self.job.controller_address))
+                if not self.start(name, f"{ROLE_PREFIX}{name}-{k}"):
+                    break
+            else:
+                self._refused.pop(name, None)
             for k in running[count:] if count < len(running) else []:
                 role = f"{ROLE_PREFIX}{name}-{k}"
                 self.on_change(f"scale down: stopping {role}")
                 self.job.stop([role])
                 del self.job.children[role]
+                self.job.devices.pop(role, None)  # its GPUs are free again
+
+    def start(self, name: str, role: str) -> bool:
+        """Start ``role``, a replica of scorer ``name``, on free GPUs when the node has any; False where too few are
+        free (said once)."""
+        if self.job.gpus:
+            try:
+                self.job.devices[role] = claim(
+                    self.job.devices, self.job.gpus, role, scorer_gpus(self.job.cfg.scorers[name])
+                )
+            except ConfigError as err:
+                if self._refused.get(name) != str(err):
+                    self.on_change(f"scale up: {role} not started: {err}")
+                    self._refused[name] = str(err)
+                return False
+        port = free_port()
+        placed = f" (CUDA_VISIBLE_DEVICES={self.job.devices[role]})" if role in self.job.devices else ""
+        self.on_change(f"scale up: starting {role} on port {port}{placed}")
+        argv = ["reward", "serve", "--config", str(self.job.config_path), "--name", name, "--port", str(port)]
+        self.job.spawn(role, self.job.relay(*argv, "--controller", self.job.controller_address))
+        return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 
@@ -118,7 +119,8 @@ def serve_scorer(
     """Load ``scorers.<name>``'s model and serve it on ``host:port`` (and /metrics on ``metrics_port``)."""
     scorer = cfg.scorers[name]
     torch.set_num_threads(torch_threads(cfg, "rollout"))
-    worker = ScorerWorker(name, scorer, load_scoring_model(scorer, name))
+    model = load_scoring_model(scorer, name)
+    worker = ScorerWorker(name, scorer, model)
     metrics = MetricsEndpoint(metrics_port)
     server = GrpcServer(
         f"{host}:{port}", interceptors=metrics.interceptors, security=cfg.security, reuse_port=False,
@@ -131,5 +133,7 @@ def serve_scorer(
     )
     server.start()
     metrics.start(ScorerCollector(worker))
-    log.info("scorer %s (%s, %s) serving on %s:%d", name, scorer.kind, scorer.model, host, server.port)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # where relayrl up placed it (ops/placement.py)
+    where = model.device if visible is None else f"{model.device}, CUDA_VISIBLE_DEVICES={visible}"
+    log.info("scorer %s (%s, %s, on %s) serving on %s:%d", name, scorer.kind, scorer.model, where, host, server.port)
     return server, worker

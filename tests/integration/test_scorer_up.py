@@ -114,12 +114,16 @@ def scale_reward(cfg, replicas: int) -> str:
 @pytest.mark.timeout(900)
 def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path, make_config, reward_model):
     """`relayrl scale reward 2 --name rm` mid-run: relayrl up starts reward-rm-1, which joins the servers the
-    controller calls and scores groups beside reward-rm-0. The controller, killed with SIGKILL, is restarted with the
-    desired count it persisted (2, as `scale rollout`'s): relayrl up keeps the two replicas (none started or stopped)
-    and reward-rm-1 joins the restarted controller's servers again. `scale reward 1` stops it and it leaves them;
-    the run completes with every prompt trained at most once, the only failed ones those the restart failed."""
+    controller calls and scores groups beside reward-rm-0. On a node of 4 GPUs (``supervisor.gpus``, on this CPU
+    machine: the ids placed, not used) each scorer gets its own: rollout-0 holds 0, the trainer 1, reward-rm-0 2 and
+    reward-rm-1 3, so `scale reward 3` finds none for reward-rm-2, which is not started (said once). The controller,
+    killed with SIGKILL, is restarted with the desired count it persisted (3, as `scale rollout`'s): relayrl up keeps
+    the two replicas (none started or stopped) and reward-rm-1 joins the restarted controller's servers again.
+    `scale reward 1` stops it and it leaves them; the run completes with every prompt trained at most once, the only
+    failed ones those the restart failed."""
     steps = 12
-    config = served_config(make_config, "scaled", reward_model, steps, supervisor={"backoff_s": 0.5})
+    supervisor = {"backoff_s": 0.5, "gpus": 4}
+    config = served_config(make_config, "scaled", reward_model, steps, supervisor=supervisor)
     cfg = load_config(config)
     with running_up(config) as up:
         wait_until(lambda: len(read_metrics(cfg.run_dir / "metrics.jsonl")) >= 1, 600, "step 1")
@@ -129,18 +133,28 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
             300,
             "two scorer servers, each scoring",
         )
+        for replica, device in (("reward-rm-0", "2"), ("reward-rm-1", "3")):  # as each scorer logs where it serves
+            assert (
+                f"on cpu, CUDA_VISIBLE_DEVICES={device}) serving"
+                in (cfg.run_dir / "logs" / f"{replica}.log").read_text()
+            )
+        assert "desired servers of scorer rm 2 -> 3" in scale_reward(cfg, 3)
         killed = supervised_roles(cfg)["controller"]["pid"]
         os.kill(killed, signal.SIGKILL)
         wait_until(lambda: supervised_roles(cfg)["controller"]["pid"] != killed, 120, "the controller's restart")
         wait_until(lambda: serving_count(cfg) == 2, 120, "reward-rm-1 joining the restarted controller")
         status = controller_status((cfg.run_dir / "controller.address").read_text())
-        assert dict(status.desired_scorer_replicas) == {"rm": 2}
+        assert dict(status.desired_scorer_replicas) == {"rm": 3}
         assert sorted(r for r in supervised_roles(cfg) if r.startswith("reward-")) == ["reward-rm-0", "reward-rm-1"]
         scale_reward(cfg, 1)
         wait_until(lambda: len(scorer_servers(cfg)) == 1, 120, "one scorer server again")
         code, err = finish(up)
     assert code == 0, err
     assert "scale up: starting reward-rm-1" in err and "scale down: stopping reward-rm-1" in err, err
+    refused = (
+        "scale up: reward-rm-2 not started: supervisor.gpus: reward-rm-2 needs 1 GPU but 0 of the node's 4 are free"
+    )
+    assert err.count(refused) == 1, err
     fates = ledger_fates(cfg)
     assert not [pid for pid, f in fates.items() if f.count("trained") > 1]
     # the prompts the killed controller was generating are failed by its restart, as after any controller restart

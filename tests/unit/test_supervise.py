@@ -13,7 +13,8 @@ import yaml
 
 from relayrl.config import ConfigError, SupervisorConfig, parse_config
 from relayrl.launcher import LocalJob
-from relayrl.ops.placement import place
+from relayrl.ops.placement import claim, place
+from relayrl.ops.scorers import ScorerScaler, start_scorers
 from relayrl.ops.supervise import RestartBudget, RestartBudgetExhausted, RunStopped, Supervisor, read_restarts
 
 GPU_RUN = {
@@ -65,6 +66,97 @@ def test_tensor_parallel_workers_that_do_not_fit_are_refused_with_the_numbers():
     with pytest.raises(ConfigError, match=r"needs 12 GPUs \(4 rollout workers x 2 \+ 4 trainer ranks\).*has 8"):
         place(gpu_config(tensor_parallel_size=2), [str(i) for i in range(8)])
     assert place(gpu_config(), []) == {}  # a CPU node: nothing placed
+
+
+SCORED_RUN = {
+    **GPU_RUN,
+    "rollout": {**GPU_RUN["rollout"], "workers": 2},
+    "trainer": {"nproc": 2},
+    "scorers": {
+        "rm": {"model": "rm", "replicas": 2},
+        "judge": {"kind": "judge", "model": "j", "engine": "vllm", "engine_options": {"tensor_parallel_size": 2}},
+        "elsewhere": {"model": "rm", "replicas": 0, "servers": ["10.0.0.9:50053"]},
+    },
+}
+
+
+def test_each_scorer_replica_gets_its_own_devices_after_the_trainer_a_judge_its_engines_parallel_size():
+    devices = [str(i) for i in range(8)]
+    assert place(parse_config(SCORED_RUN), devices) == {
+        "rollout-0": "0",
+        "rollout-1": "1",
+        "trainer": "2,3",
+        "reward-rm-0": "4",
+        "reward-rm-1": "5",
+        "reward-judge-0": "6,7",  # vLLM tensor_parallel_size 2; `elsewhere` (replicas 0) is started by no one here
+    }
+    assert place(parse_config({k: v for k, v in SCORED_RUN.items() if k != "scorers"}), devices) == {
+        "rollout-0": "0",
+        "rollout-1": "1",
+        "trainer": "2,3",
+    }  # without scorers: the plan of a run before scorers were placed
+
+
+def test_a_scorer_that_does_not_fit_is_refused_with_the_numbers():
+    sglang = {"kind": "judge", "model": "j", "engine": "sglang", "engine_options": {"tp_size": 2, "pp_size": 2}}
+    cfg = parse_config({**SCORED_RUN, "scorers": {"teacher": {"kind": "teacher", "model": "t"}, "sj": sglang}})
+    assert place(cfg, [str(i) for i in range(9)])["reward-sj-0"] == "5,6,7,8"  # tp_size x pp_size
+    numbers = (
+        r"needs 9 GPUs \(2 rollout workers x 1 \+ 2 trainer ranks \+ 1 scorers.teacher replicas x 1 "
+        r"\+ 1 scorers.sj replicas x 4\) but the node has 8$"
+    )
+    with pytest.raises(ConfigError, match=r"^supervisor.gpus: the run " + numbers):
+        place(cfg, [str(i) for i in range(8)])
+
+
+def test_a_scaled_up_scorer_claims_free_devices_only():
+    node = [str(i) for i in range(10)]
+    plan = place(parse_config(SCORED_RUN), node)
+    assert claim(plan, node, "reward-judge-1", 2) == "8,9"
+    with pytest.raises(ConfigError, match=r"^supervisor.gpus: reward-judge-1 needs 2 GPUs but 0 of the node's 8 are"):
+        claim(plan, node[:8], "reward-judge-1", 2)
+    del plan["reward-rm-0"]  # stopped by a scale-down: its device is free again
+    assert claim(plan, node[:8], "reward-rm-2", 1) == "4"
+
+
+class ShownJob(LocalJob):
+    """A LocalJob whose every role prints the CUDA_VISIBLE_DEVICES it was started with, then exits."""
+
+    def relay(self, *args: str) -> list[str]:
+        return [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+
+
+def test_scorers_start_and_scale_up_on_their_own_devices_and_a_scale_beyond_the_free_ones_is_refused(tmp_path):
+    """start_scorers and ScorerScaler (relayrl up's and `relayrl scale reward N`'s) give each scorer child the
+    devices its plan names; a replica no free device is left for is not started and said once; a scale-down frees."""
+    config = tmp_path / "config.yaml"
+    raw = {**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "workers": 1}, "trainer": {"nproc": 1}}
+    config.write_text(yaml.safe_dump({**raw, "scorers": {"rm": {"model": "rm"}}}))
+    (tmp_path / "logs").mkdir()
+    job = ShownJob(parse_config(yaml.safe_load(config.read_text())), config, tmp_path / "logs", gpus=list("0123"))
+    job.devices = place(job.cfg, job.gpus)
+    assert start_scorers(job) == ["reward-rm-0"]
+    desired = {"rm": 3}
+    stub = SimpleNamespace(Status=lambda request, timeout: SimpleNamespace(desired_scorer_replicas=desired))
+    said: list[str] = []
+    scaler = ScorerScaler(job, stub, interval_s=0.0, on_change=said.append)
+    scaler.tick()
+    scaler.tick()  # reward-rm-2 still finds no free device: not said again
+    assert said[0].startswith("scale up: starting reward-rm-1 on port") and said[0].endswith("(CUDA_VISIBLE_DEVICES=3)")
+    assert said[1:] == [
+        "scale up: reward-rm-2 not started: supervisor.gpus: reward-rm-2 needs 1 GPU but 0 of the node's 4 are free"
+    ]
+    for proc in job.children.values():
+        proc.wait(timeout=60)
+    seen = {role: (tmp_path / "logs" / f"{role}.log").read_text().split() for role in job.children}
+    assert seen == {"reward-rm-0": ["2"], "reward-rm-1": ["3"]}  # rollout-0 holds 0, the trainer 1
+    desired["rm"] = 1
+    scaler.tick()
+    assert "reward-rm-1" not in job.children and "reward-rm-1" not in job.devices
+    desired["rm"] = 2
+    scaler.tick()
+    job.children["reward-rm-1"].wait(timeout=60)
+    assert (tmp_path / "logs" / "reward-rm-1.log").read_text().split() == ["3", "3"]  # the freed device, again
 
 
 def test_relayrl_up_refuses_over_subscription_before_starting_anything(tmp_path):
