@@ -74,8 +74,8 @@ class ForkedCommand:
         self._files = tempfile.TemporaryDirectory(prefix="relayrl-command-")
         self._out, self._err = (Path(self._files.name) / name for name in ("stdout", "stderr"))
         self.process = mp.get_context("forkserver").Process(
-            target=_run_command, args=(argv, env, str(self._out), str(self._err))
-        )
+            target=_run_command, args=(argv, env, str(self._out), str(self._err)), daemon=True
+        )  # daemon: one a failed test left running gets SIGTERM when pytest exits, which would wait for it otherwise
         self.process.start()
         self.pid = self.process.pid
 
