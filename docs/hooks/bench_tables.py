@@ -533,6 +533,40 @@ def heldout(result: dict) -> str:
     return table(header, rows) + note
 
 
+def tta(result: dict) -> str:
+    """``relayrl bench tta`` (relayrl/bench/tta.py): every run's time and samples to the held-out target, with the
+    machine around it, then the medians over seeds per system and the ratios TRL / relayrl."""
+    settings = result["settings"]
+    cap = settings["max_steps"]
+    rows = []
+    for run in sorted(result["runs"], key=lambda r: (r["system"], r["seed"])):
+        hit, m = run["to_target"], run["machine"]
+        evals = ", ".join(f"v{v}: {f(value)}" for v, value, _ in hit["curve"])
+        reached = f"yes, version {hit['version']}" if hit["reached"] else f"no (lower bound: not by step {cap})"
+        load = f"{f(m['loadavg_at_start'][0], 1)} → {f(m['loadavg_at_end'][0], 1)}"
+        rewards = ", ".join(f(r) for r in run["reward_curve"])
+        rows.append([f"`{run['system']}`", run["seed"], reached, evals, f(hit["wall_s"], 1), hit["samples"] or "–",
+                     rewards, load, m["git"]["commit"][:7]])  # fmt: skip
+    header = ["system", "seed", "reached", "held-out evals (mean@1)", "wall s to target", "samples to target",
+              "training reward by step", "load start → end", "commit"]  # fmt: skip
+    medians = [
+        [f"`{name}`", ", ".join(map(str, s["seeds"])), s["seeds_reached"], f(s["wall_s_to_target"], 1),
+         f(s["samples_to_target"], 0)]
+        for name, s in result["systems"].items()
+    ]  # fmt: skip
+    ratios = [
+        [f"`{pair}`", f"**{f(r['wall_s_to_target'])}×**", f(r["samples_to_target"])]
+        for pair, r in result["trl_over_relayrl"].items()
+    ]
+    return "\n\n".join([
+        table(header, rows),
+        table(["system", "seeds", "reached", "median wall s to target", "median samples to target"], medians),
+        table(["TRL ÷ relayrl", "wall s to target", "samples to target"], ratios),
+        f"Target: held-out `{settings['eval_set']}` {settings['metric']} ≥ {settings['target']}, evaluated every "
+        f"{settings['every']} steps of {settings['prompts_per_step']} prompts × {settings['n']} samples.",
+    ])  # fmt: skip
+
+
 TABLES: dict[str, tuple[str, str, Callable]] = {
     "heldout-digits": ("heldout-digits.json", "relayrl bench heldout --out bench/results/heldout-digits.json", heldout),
     "e2e-gen-heavy": ("e2e.json", "make bench-e2e", e2e_gen_heavy),
@@ -594,6 +628,7 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         " --set eval.max_tokens=256 --set controller.generate_timeout_s=7200",
         humaneval,
     ),
+    "e2e-tta": ("e2e-tta.json", "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta.json", tta),
     "rollout-correction": (
         "rollout-correction.json",
         "relayrl bench rollout-correction --out bench/results/rollout-correction.json"

@@ -44,7 +44,14 @@ def test_the_configuration_reference_lists_every_key_of_relay_config(site: Path)
 
 def test_the_performance_page_shows_the_committed_bench_results(site: Path) -> None:
     page = (site / "performance" / "index.html").read_text()
-    for source in ("e2e.json", "weightsync.json", "weightsync_verify.json", "controller.json", "rollout.json"):
+    for source in (
+        "e2e.json",
+        "e2e-tta.json",
+        "weightsync.json",
+        "weightsync_verify.json",
+        "controller.json",
+        "rollout.json",
+    ):
         assert f"bench/results/{source}" in page
 
 
