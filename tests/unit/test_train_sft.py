@@ -51,10 +51,6 @@ def write_config(root: Path, name: str, **data) -> Path:
     return offline_testing.write_config(root, name, STEPS, data=data)
 
 
-def command(*argv: str) -> list[str]:
-    return offline_testing.command("sft", *argv)
-
-
 def train(*argv: str) -> subprocess.CompletedProcess:
     return offline_testing.train("sft", *argv)
 
