@@ -8,12 +8,19 @@ response's first fenced code block, else the response (``relayrl.rewards.code.co
 the problems where they disagree, the command, the machine and the engine's precision (``rollout.weight_dtype``
 as resolved on this CPU). ``--report`` scores a saved
 ``relayrl eval --generations`` report instead of running the eval.
+
+``--versus-generate N`` measures instead where the eval's generation time goes: the first N prompts of the set, as
+the eval renders them, decoded greedily in this process by the hf engine (built as the eval's rollout worker builds
+it: weight dtype, decode runner, intra-op threads) and by transformers' batched ``model.generate`` (left-padded, no
+sampling, the same thread count), one after the other: each side's seconds, tokens and tokens/s, the ratio, and how
+many rows' tokens are identical.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,6 +29,7 @@ from pathlib import Path
 
 from relayrl.bench.record import ROOT, machine_record
 from relayrl.config import load_config
+from relayrl.ops.args import positive_int
 from relayrl.rewards.code import completion_of
 from relayrl.runtime.humaneval import problems
 from relayrl.runtime.precision import engine_dtype_name
@@ -39,6 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", help="a saved `relayrl eval --generations` report to score (default: run the eval)")
     p.add_argument("--out", help="write the JSON here (default: stdout only)")
     p.add_argument("--timeout-s", type=float, default=7200.0)
+    p.add_argument("--versus-generate", type=positive_int, metavar="N", help="time the engine vs model.generate")
     return p.parse_args(argv)
 
 
@@ -95,12 +104,106 @@ def summarize(rows: list[dict], report: dict) -> dict:
     }
 
 
+def set_prompts(cfg, count: int) -> list[list[int]]:
+    """The eval set's first ``count`` prompts' token ids, rendered as the eval renders them."""
+    from transformers import AutoTokenizer
+
+    from relayrl.controller.evaluation import load_eval_sets
+    from relayrl.models.assets import prepare_assets
+
+    prepare_assets(cfg)
+    cfg.eval.max_prompts = count
+    sets = {s.name: s for s in load_eval_sets(cfg, AutoTokenizer.from_pretrained(cfg.model.path))}
+    return [list(r.token_ids) for r in sets[EVAL_SET].records]
+
+
+def engine_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
+    """Greedy responses of the hf engine, built as ``relayrl rollout serve`` builds it, all prompts in one call."""
+    import torch
+
+    from relayrl.rollout.hf import HFEngine
+    from relayrl.wire.sampling import SamplingParams
+
+    torch.set_num_threads(1)  # as the worker: only the engine's scheduler thread computes multithreaded
+    engine = HFEngine(
+        cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, decode=cfg.rollout.hf_decode,
+        threads=threads, prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
+        attn_implementation=cfg.model.attn_implementation,
+    )  # fmt: skip
+    try:
+        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return [c.token_ids for c in sorted(done, key=lambda c: c.prompt_index)]
+    finally:
+        engine.close()
+
+
+def generate_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
+    """Greedy responses of transformers' batched ``model.generate`` (prompts left-padded), each cut after its first
+    end-of-sequence token, as the engine's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relayrl.rollout.hf import eos_token_ids
+    from relayrl.rollout.padding import left_pad
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, dtype)).eval()
+    eos = eos_token_ids(AutoTokenizer.from_pretrained(cfg.model.path), model.generation_config)
+    input_ids, mask = left_pad(prompts, torch.device("cpu"))
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+            pad_token_id=min(eos), eos_token_id=sorted(eos),
+        )  # fmt: skip
+    responses = []
+    for row in out[:, input_ids.shape[1] :].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        responses.append(row[:end])
+    return responses
+
+
+def versus_generate(cfg, count: int) -> dict:
+    """``--versus-generate``: the engine and ``model.generate`` on the same prompts, one after the other."""
+    from relayrl.cores.threads import torch_threads
+
+    prompts = set_prompts(cfg, count)
+    dtype = engine_dtype_name(cfg.rollout.weight_dtype, cfg.trainer.precision, "cpu")
+    max_tokens, threads = cfg.eval.max_tokens or cfg.rollout.max_tokens, torch_threads(cfg, "rollout")
+    sides, tokens = {}, {}
+    for name, side in (("engine", engine_side), ("generate", generate_side)):
+        start = time.monotonic()
+        tokens[name] = side(cfg, prompts, max_tokens, dtype, threads)
+        seconds, count_tokens = time.monotonic() - start, sum(map(len, tokens[name]))
+        sides[name] = {"seconds": seconds, "tokens": count_tokens, "tokens_per_s": count_tokens / seconds}
+    identical = sum(a == b for a, b in zip(tokens["engine"], tokens["generate"], strict=True))
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "max_tokens": max_tokens,
+        "threads": threads,
+        **sides,
+        "engine_speedup": sides["generate"]["seconds"] / sides["engine"]["seconds"],
+        "identical_rows": identical,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     # the engine's weights: rollout.weight_dtype, with "auto" the trainer's compute dtype on this CPU
     precision = engine_dtype_name(cfg.rollout.weight_dtype, cfg.trainer.precision, "cpu")
     machine = machine_record({"relayrl": {"precision": precision, "attn_implementation": None}})
+    if args.versus_generate is not None:
+        result = {
+            "bench": "humaneval-versus-generate",
+            "command": f"relayrl bench humaneval --versus-generate {args.versus_generate}"
+            + "".join(f" --set {s}" for s in args.overrides),
+            "config": str(Path(args.config).resolve().relative_to(ROOT)),
+            "machine": machine,
+            **versus_generate(cfg, args.versus_generate),
+        }
+        machine["loadavg_at_end"] = list(os.getloadavg())
+        return write(result, args.out)
     if args.report:
         report, wall_s = json.loads(Path(args.report).read_text()), None
     else:
@@ -117,8 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         "eval_wall_s": wall_s,
         **summarize(library_verdicts(report), report),
     }
+    return write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> int:
+    """Print the JSON, and write it to ``out`` when given."""
     text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     print(text)
     return 0

@@ -107,3 +107,18 @@ def test_bench_humaneval_scores_a_saved_report_with_the_librarys_harness(rows, t
     assert (result["problems"], result["pass@1_relayrl"], result["pass@1_library"]) == (2, 1.0, 0.5)
     assert result["disagreements"] == [{"task_id": "HumanEval/1", "relayrl": 1.0, "library": "failed: "}]
     assert capsys.readouterr().out.strip() == (tmp_path / "result.json").read_text().strip()
+
+
+def test_bench_humaneval_versus_generate_decodes_the_same_greedy_tokens(tmp_path) -> None:
+    """``relayrl bench humaneval --versus-generate``: the hf engine, built as the eval's worker builds it, and
+    transformers' batched ``model.generate`` answer the eval's own prompts (left-padded, of different lengths) with
+    the same greedy tokens, row for row."""
+    from relayrl.bench.humaneval import main
+
+    sets = ["model.path=builtin:tiny-chat", "eval.max_tokens=6", f"run.dir={tmp_path}/runs"]
+    out = tmp_path / "versus.json"
+    assert main(["--versus-generate", "3", *[a for s in sets for a in ("--set", s)], "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["prompts"], result["identical_rows"], result["max_tokens"]) == (3, 3, 6)
+    assert result["engine"]["tokens"] == result["generate"]["tokens"] > 0
+    assert result["command"].startswith("relayrl bench humaneval --versus-generate 3 --set model.path=")
