@@ -33,11 +33,10 @@ from relayrl.cores.threads import COLOCATED_ENV, trainer_env
 from relayrl.errors import RUN_STOPPED_DETAIL
 from relayrl.models.assets import prepare_assets
 from relayrl.ops.environments import environment_roles, environments_serving, start_environment_servers
-from relayrl.ops.placement import GPU_DRIVER_NODES, node_devices, place
+from relayrl.ops.placement import GPU_DRIVER_NODES, SCORER_ROLE_PREFIX, node_devices, place
 from relayrl.ops.resume import record_changes
 from relayrl.ops.run_record import RunEnd
 from relayrl.ops.scaler import LocalScaler
-from relayrl.ops.scorers import ROLE_PREFIX as SCORER_ROLE_PREFIX
 from relayrl.ops.scorers import ScorerScaler, scorers_serving, start_scorers
 from relayrl.ops.supervise import RestartBudgetExhausted, RunStopped, Supervisor, last_error, logged_failure
 from relayrl.rpc.channels import open_channel

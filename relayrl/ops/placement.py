@@ -29,6 +29,14 @@ PARALLEL_OPTIONS = {
 }
 
 
+SCORER_ROLE_PREFIX = "reward-"
+
+
+def scorer_roles(cfg: RelayConfig) -> dict[str, tuple[str, int]]:
+    """role -> (scorer name, replica index) of every scorer replica ``relayrl up`` starts."""
+    return {f"{SCORER_ROLE_PREFIX}{name}-{i}": (name, i) for name, s in cfg.scorers.items() for i in range(s.replicas)}
+
+
 def engine_gpus(engine: str, options: Mapping[str, Any]) -> int:
     """Devices one engine spans (a rollout worker's, a judge's): the product of its parallel sizes in ``options``
     (1 without any; hf, a classifier and a teacher: 1)."""
@@ -66,8 +74,6 @@ def place(cfg: RelayConfig, devices: list[str]) -> dict[str, str]:
     ``len(devices)``."""
     if not devices:
         return {}
-    from relayrl.ops.scorers import scorer_roles  # not at import: `relayrl trainer launch` reads GPU_DRIVER_NODES
-
     workers, ranks = cfg.rollout.workers, cfg.trainer.nproc
     per_worker = engine_gpus(cfg.rollout.engine, cfg.rollout.engine_options)
     sizes = {f"rollout-{k}": per_worker for k in range(workers)} | {"trainer": ranks}

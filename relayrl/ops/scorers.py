@@ -19,20 +19,13 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
-from relayrl.ops.placement import claim, scorer_gpus
+from relayrl.ops.placement import SCORER_ROLE_PREFIX, claim, scorer_gpus, scorer_roles
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.ports import free_port
 from relayrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
-
-ROLE_PREFIX = "reward-"
-
-
-def scorer_roles(cfg: RelayConfig) -> dict[str, tuple[str, int]]:
-    """role -> (scorer name, replica index) of every scorer replica ``relayrl up`` starts."""
-    return {f"{ROLE_PREFIX}{name}-{i}": (name, i) for name, s in cfg.scorers.items() for i in range(s.replicas)}
 
 
 def add_scorer_servers(config_path: Path, addresses: dict[str, list[str]]) -> RelayConfig:
@@ -93,7 +86,7 @@ class ScorerScaler:
 
     def replicas(self, name: str) -> list[int]:
         """Indices of scorer ``name``'s running replicas."""
-        prefix = f"{ROLE_PREFIX}{name}-"
+        prefix = f"{SCORER_ROLE_PREFIX}{name}-"
         return sorted(int(r.removeprefix(prefix)) for r in self.job.children if r.startswith(prefix))
 
     def tick(self) -> None:
@@ -107,12 +100,12 @@ class ScorerScaler:
         for name, count in desired.items():
             running = self.replicas(name)
             for k in [k for k in range(len(running) + count) if k not in running][: max(0, count - len(running))]:
-                if not self.start(name, f"{ROLE_PREFIX}{name}-{k}"):
+                if not self.start(name, f"{SCORER_ROLE_PREFIX}{name}-{k}"):
                     break
             else:
                 self._refused.pop(name, None)
             for k in running[count:] if count < len(running) else []:
-                role = f"{ROLE_PREFIX}{name}-{k}"
+                role = f"{SCORER_ROLE_PREFIX}{name}-{k}"
                 self.on_change(f"scale down: stopping {role}")
                 self.job.stop([role])
                 del self.job.children[role]
