@@ -210,11 +210,12 @@ def trained_counts(cfg) -> Counter:
     return Counter(pid for pid, fates in ledger_fates(cfg).items() for state in fates if state == "trained")
 
 
-def finish(proc: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str]:
-    """Wait for ``relayrl up`` (reading its stderr, so it never blocks on a full pipe); its code and stderr's end."""
+def finish(proc: subprocess.Popen, timeout_s: float = 600, tail: int = 3000) -> tuple[int, str]:
+    """Wait for ``relayrl up`` (reading its stderr, so it never blocks on a full pipe); its code and stderr's last
+    ``tail`` characters."""
     try:
         _, err = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
-    return proc.returncode, err.decode(errors="replace")[-3000:]
+    return proc.returncode, err.decode(errors="replace")[-tail:]

@@ -121,7 +121,7 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
     the two replicas (none started or stopped) and reward-rm-1 joins the restarted controller's servers again.
     `scale reward 1` stops it and it leaves them; the run completes with every prompt trained at most once, the only
     failed ones those the restart failed."""
-    steps = 12
+    steps = 120  # a tiny model's step takes ~0.2 s on a quiet machine: the run outlasts two scale calls and a restart
     supervisor = {"backoff_s": 0.5, "gpus": 4}
     config = served_config(make_config, "scaled", reward_model, steps, supervisor=supervisor)
     cfg = load_config(config)
@@ -148,8 +148,8 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
         assert sorted(r for r in supervised_roles(cfg) if r.startswith("reward-")) == ["reward-rm-0", "reward-rm-1"]
         scale_reward(cfg, 1)
         wait_until(lambda: len(scorer_servers(cfg)) == 1, 120, "one scorer server again")
-        code, err = finish(up)
-    assert code == 0, err
+        code, err = finish(up, tail=10**6)  # the scale lines are far above the last steps' lines
+    assert code == 0, err[-3000:]
     assert "scale up: starting reward-rm-1" in err and "scale down: stopping reward-rm-1" in err, err
     refused = (
         "scale up: reward-rm-2 not started: supervisor.gpus: reward-rm-2 needs 1 GPU but 0 of the node's 4 are free"
