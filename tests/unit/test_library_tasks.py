@@ -19,8 +19,9 @@ from relayrl.models.assets import prepare_assets
 from relayrl.models.tiny_chat import build_chat_tokenizer
 from relayrl.ops.preflight import check_data, check_reward, check_tokenizer
 from relayrl.rewards import RewardRaised, load_reward, reward_signature
+from relayrl.rewards.builtin import last_number
 from relayrl.rewards.call import GroupInputs, RewardCaller
-from relayrl.rewards.libraries import MathVerify
+from relayrl.rewards.libraries import MathVerify, verify_answer
 from relayrl.runtime import reasoning_gym
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +105,13 @@ def test_math_verify_equal_unequal_and_a_hung_parse(tmp_path) -> None:
         caller(hung)
     assert time.monotonic() - start < 60  # killed at its deadline, not left running
     assert caller(GroupInputs([r"\boxed{2}"], "2", "", {}, [[]], [None])) == [1.0]  # a new worker took its place
+
+
+def test_math_verify_credits_the_question_restated_and_last_number_does_not() -> None:
+    """Why examples/reasoning-gym-smollm2.yaml scores chain_sum by its last number: math-verify evaluates the
+    response's final expression, so "6 - 9" (the question, no sum done) passes for -3."""
+    assert [verify_answer(r, "-3") for r in ("6 - 9", "The answer is 6 - 9.", "6 - 9 = 4")] == [1.0, 1.0, 0.0]
+    assert [last_number(r, "-3") for r in ("6 - 9", "6 - 9 = -3", "The answer is -3.")] == [0.0, 1.0, 1.0]
 
 
 def test_relayrl_check_on_the_example() -> None:
