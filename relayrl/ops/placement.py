@@ -32,9 +32,14 @@ PARALLEL_OPTIONS = {
 SCORER_ROLE_PREFIX = "reward-"
 
 
+def scorer_role(name: str, index: int) -> str:
+    """The role of replica ``index`` of scorer ``name``: ``reward-<name>-<index>``."""
+    return f"{SCORER_ROLE_PREFIX}{name}-{index}"
+
+
 def scorer_roles(cfg: RelayConfig) -> dict[str, tuple[str, int]]:
     """role -> (scorer name, replica index) of every scorer replica ``relayrl up`` starts."""
-    return {f"{SCORER_ROLE_PREFIX}{name}-{i}": (name, i) for name, s in cfg.scorers.items() for i in range(s.replicas)}
+    return {scorer_role(name, i): (name, i) for name, s in cfg.scorers.items() for i in range(s.replicas)}
 
 
 def engine_gpus(engine: str, options: Mapping[str, Any]) -> int:

@@ -19,7 +19,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relayrl.config import ConfigError, RelayConfig, load_config
-from relayrl.ops.placement import SCORER_ROLE_PREFIX, claim, scorer_gpus, scorer_roles
+from relayrl.ops.placement import SCORER_ROLE_PREFIX, claim, scorer_gpus, scorer_role, scorer_roles
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.files import atomic_write
 from relayrl.runtime.ports import free_port
@@ -100,12 +100,12 @@ class ScorerScaler:
         for name, count in desired.items():
             running = self.replicas(name)
             for k in [k for k in range(len(running) + count) if k not in running][: max(0, count - len(running))]:
-                if not self.start(name, f"{SCORER_ROLE_PREFIX}{name}-{k}"):
+                if not self.start(name, scorer_role(name, k)):
                     break
             else:
                 self._refused.pop(name, None)
             for k in running[count:] if count < len(running) else []:
-                role = f"{SCORER_ROLE_PREFIX}{name}-{k}"
+                role = scorer_role(name, k)
                 self.on_change(f"scale down: stopping {role}")
                 self.job.stop([role])
                 del self.job.children[role]
