@@ -303,10 +303,10 @@ def watch(job: LocalJob, metrics_path: Path) -> None:
     lines = StepLines(steps) if progress is None else None
     with progress or nullcontext():
         say = progress.console.print if progress is not None else console.print
-        scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=say)
-        scorers = ScorerScaler(job, stub, on_change=say)
+        scaler = LocalScaler(job, lambda k: spawn_rollout(job, k), stub, on_change=supervisor_log(job, say))
+        scorers = ScorerScaler(job, stub, on_change=supervisor_log(job, say))
         supervisor = Supervisor(
-            job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, say),
+            job, job.cfg.supervisor, job.cfg.run_dir, on_event=supervisor_log(job, say, label="supervisor"),
             run_stopped=lambda: run_stopped(job),
         )  # fmt: skip
         task = progress.add_task("train", total=steps, reward="-", version=0, sps="-") if progress else None
@@ -392,11 +392,12 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0]
 
 
-def supervisor_log(job: LocalJob, say: Callable[[str], None]):
-    """Restart events go to the console (``say``) and to ``<logs>/supervisor.log``, timestamped."""
+def supervisor_log(job: LocalJob, say: Callable[[str], None], label: str = ""):
+    """Restart and scale events go to the console (``say``; a ``label`` prefixes the line, in yellow) and to
+    ``<logs>/supervisor.log``, timestamped."""
 
     def on_event(message: str) -> None:
-        say(f"[yellow]supervisor: {message}[/yellow]")
+        say(f"[yellow]{label}: {message}[/yellow]" if label else message)
         with (job.logs / "supervisor.log").open("a") as out:
             out.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 

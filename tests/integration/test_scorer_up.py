@@ -104,11 +104,21 @@ def serving_count(cfg) -> int:
         return 0
 
 
+def supervisor_log(cfg) -> str:
+    """The run's ``logs/supervisor.log``: its restart and scale events; empty before the first."""
+    path = cfg.run_dir / "logs" / "supervisor.log"
+    return path.read_text() if path.exists() else ""
+
+
 def scale_reward(cfg, replicas: int) -> str:
     argv = [sys.executable, "-m", "relayrl.cli", "scale", "reward", str(replicas), "--name", "rm"]
     done = subprocess.run([*argv, "--run", str(cfg.run_dir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+# 4 GPUs: rollout-0, the trainer, reward-rm-0 and reward-rm-1 hold one each
+REFUSED = "scale up: reward-rm-2 not started: supervisor.gpus: reward-rm-2 needs 1 GPU but 0 of the node's 4 are free"
 
 
 @pytest.mark.timeout(900)
@@ -139,6 +149,7 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
                 in (cfg.run_dir / "logs" / f"{replica}.log").read_text()
             )
         assert "desired servers of scorer rm 2 -> 3" in scale_reward(cfg, 3)
+        wait_until(lambda: REFUSED in supervisor_log(cfg), 120, "reward-rm-2 refused")  # before the controller dies
         killed = supervised_roles(cfg)["controller"]["pid"]
         os.kill(killed, signal.SIGKILL)
         wait_until(lambda: supervised_roles(cfg)["controller"]["pid"] != killed, 120, "the controller's restart")
@@ -151,10 +162,7 @@ def test_relayrl_scale_reward_adds_a_scorer_that_serves_and_removes_it(tmp_path,
         code, err = finish(up, tail=10**6)  # the scale lines are far above the last steps' lines
     assert code == 0, err[-3000:]
     assert "scale up: starting reward-rm-1" in err and "scale down: stopping reward-rm-1" in err, err
-    refused = (
-        "scale up: reward-rm-2 not started: supervisor.gpus: reward-rm-2 needs 1 GPU but 0 of the node's 4 are free"
-    )
-    assert err.count(refused) == 1, err
+    assert err.count(REFUSED) == 1 and supervisor_log(cfg).count(REFUSED) == 1, err
     fates = ledger_fates(cfg)
     assert not [pid for pid, f in fates.items() if f.count("trained") > 1]
     # the prompts the killed controller was generating are failed by its restart, as after any controller restart
