@@ -41,6 +41,7 @@ from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TERMINA
 from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
+from relayrl.cores.threads import evals_first
 from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.data.vocab import check_teacher_vocab
 from relayrl.episodes.runner import EpisodeRunner
@@ -168,8 +169,11 @@ class Controller:
         )
         # held-out evals, each at one policy version (relayrl/controller/evaluation.py)
         self.evaluator = None
-        if cfg.eval:  # not while a streamed batch generates: the trainer trains it meanwhile, the workers are busy
-            defer = self._batch_generating_from if not cfg.streams else lambda version: False
+        self._evals_first = bool(cfg.eval) and evals_first(cfg)  # the trainer waits for them (cores.threads)
+        if cfg.eval:  # deferred past the generation of an unstreamed batch trained from its version, unless the
+            # trainer waits for it (``_evals_first``: it then runs beside that generation instead)
+            deferred = not cfg.streams and not self._evals_first
+            defer = self._batch_generating_from if deferred else lambda version: False
             self.evaluator = Evaluator(cfg, self.registry, self.tokenizer, self.state_dir, defer)
         self.state = "running"
         self.error = ""
@@ -684,7 +688,18 @@ class Controller:
                 raise Unavailable(f"{NOT_READY_DETAIL} {step} within {timeout_s:.0f}s; retry")
             self._cond.wait(min(remaining, 1.0))
 
+    def _evals_before(self, step: int, timeout_s: float) -> float:
+        """With ``_evals_first``, wait (at most half of ``timeout_s``) until no eval of a version before ``step``
+        is queued or running, so that the trainer does not train step ``step`` on the cores an eval decodes on;
+        the time left of ``timeout_s``."""
+        if not self._evals_first:
+            return timeout_s
+        began = time.monotonic()
+        self.evaluator.hold(step, timeout_s / 2)
+        return max(0.0, timeout_s - (time.monotonic() - began))
+
     def pull_batch(self, step: int, timeout_s: float) -> controller_pb2.Batch:
+        timeout_s = self._evals_before(step, timeout_s)
         with self._cond:
             self._wait_for(step, timeout_s, lambda: step in self._batches)
             batch = self._batches[step]
@@ -694,6 +709,7 @@ class Controller:
     def stream_batch(self, step: int, timeout_s: float) -> Iterator[controller_pb2.BatchPart]:
         """Step ``step``'s batch as parts (see StreamBatch): its kept groups as they are kept when it is being
         built streamed, else all at once once it is built; then the batch without samples."""
+        timeout_s = self._evals_before(step, timeout_s)
         with self._cond:
             self._wait_for(step, timeout_s, lambda: step in self._batches or step in self._streams)
             streamed = step not in self._batches

@@ -8,7 +8,9 @@ token it sampled is checked to come from v (an eval that saw another version is 
 Training stalls only for the part of the eval's generation that outlasts the trainer's next step. An eval of v
 also waits (``defer``) while the batch trained from v generates (step v + 1, not streamed): at K = 0 the workers
 are idle while the trainer trains that batch, so the eval runs then instead of sharing the engines with the batch
-and delaying it (the eval before training delayed step 1 by its own length).
+and delaying it (the eval before training delayed step 1 by its own length). Not where the trainer waits for the
+evals (``relayrl.cores.threads.evals_first``: ``relayrl up`` at K = 0 on shared cores): there the eval of v runs
+beside that generation, and the trainer takes the batch once the eval is done (``Controller.pull_batch``).
 
 Results: ``<state dir>/evals.jsonl`` (EvalResult as protobuf JSON), one line per set and version, what survives a
 restart: an eval recorded there is not run again; one cut by a kill is not there and runs again whole while its

@@ -126,6 +126,18 @@ def torch_threads(cfg: RelayConfig, role: Role, *, cores: int | None = None, col
     return max(1, cores // processes)
 
 
+def evals_first(cfg: RelayConfig, *, colocated: bool | None = None) -> bool:
+    """Whether the trainer waits for the held-out evals before it takes a batch: under ``relayrl up`` at K = 0 with
+    the workers and the trainer on the same cores. There a rollout worker decodes on every core, so an eval that
+    generates while a step trains slows both by several times (each of decode's many short OpenMP regions waits for
+    whichever thread the kernel handed to the trainer); alone, one after the other, each runs at full speed. The
+    eval of v runs beside the generation of the batch trained from v (the engine batches both), and the trainer
+    takes that batch once the eval is done (``Controller.pull_batch``)."""
+    if colocated is None:
+        colocated = os.environ.get(COLOCATED_ENV) == "1"
+    return colocated and cfg.controller.max_staleness == 0 and shares_cores(cfg)
+
+
 def trainer_env(cfg: RelayConfig) -> dict[str, str]:
     """The OpenMP environment of a trainer started beside its rollout workers (module docstring)."""
     env = {"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))}

@@ -18,7 +18,7 @@ import pytest
 from relayrl.config import load_config
 from relayrl.runtime.procs import kill_tree
 from relayrl.runtime.runlock import RunLock
-from relayrl.trainer.metrics import read_evals
+from relayrl.trainer.metrics import read_evals, read_metrics
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,10 @@ def test_up_without_a_terminal_prints_a_line_per_step_and_the_held_out_result_be
         assert any(
             line.startswith(f"eval heldout at version {version}: mean@1 {record['mean@1']:.3f}") for line in lines
         )
+    steps = {r["step"]: r for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    for version in (0, 2):  # K = 0 on shared cores: step v + 1 trains once the eval of v is done (evals_first)
+        began = steps[version + 1]["time"] - steps[version + 1]["train_seconds"] - steps[version + 1]["sync_seconds"]
+        assert evals[version]["time"] <= began, (version, evals[version], steps[version + 1])
 
     assert "reward, first 2 steps" in text and "reward, last 2 steps" in text and "10 steps" not in text
     before, after = evals[0]["mean@1"], evals[STEPS]["mean@1"]

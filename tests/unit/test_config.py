@@ -238,6 +238,24 @@ def test_an_overlapped_trainer_waits_passively_unless_told_otherwise(monkeypatch
     assert trainer_env(cfg)["OMP_NUM_THREADS"] == "8"
 
 
+@pytest.mark.parametrize(
+    ("staleness", "colocated", "cpus", "first"),
+    [
+        (0, True, {}, True),  # relayrl up at K = 0: a step never trains while an eval decodes on its cores
+        (1, True, {}, False),  # overlapped: the trainer waits passively and the workers have half the cores
+        (0, False, {}, False),  # roles on machines of their own: the eval runs while the step trains
+        (0, True, {"rollout": {"cpus": "0"}, "trainer": {"cpus": "1"}}, False),  # pinned apart: no shared core
+        (0, True, {"rollout": {"cpus": "0-1"}, "trainer": {"cpus": "1"}}, True),  # one core shared
+    ],
+)
+def test_the_trainer_waits_for_evals_only_where_they_share_its_cores_at_k0(staleness, colocated, cpus, first) -> None:
+    from relayrl.cores.threads import evals_first
+
+    sections = {"model": {"path": "m"}, "data": {"path": "d"}, "controller": {"max_staleness": staleness}}
+    cfg = RelayConfig.model_validate(sections | cpus)
+    assert evals_first(cfg, colocated=colocated) is first
+
+
 def test_megatron_data_parallel_is_what_tp_and_pp_leave() -> None:
     cfg = parse_config(
         with_sections(
