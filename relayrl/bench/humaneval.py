@@ -122,14 +122,13 @@ def engine_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, thre
     import torch
 
     from relayrl.rollout.hf import HFEngine
+    from relayrl.services.rollout_server import hf_engine_options
     from relayrl.wire.sampling import SamplingParams
 
     torch.set_num_threads(1)  # as the worker: only the engine's scheduler thread computes multithreaded
     engine = HFEngine(
-        cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, decode=cfg.rollout.hf_decode,
-        threads=threads, prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
-        attn_implementation=cfg.model.attn_implementation,
-    )  # fmt: skip
+        cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, **hf_engine_options(cfg, threads)
+    )
     try:
         done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return [c.token_ids for c in sorted(done, key=lambda c: c.prompt_index)]
@@ -162,12 +161,12 @@ def generate_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, th
     return responses
 
 
-def versus_generate(cfg, count: int) -> dict:
-    """``--versus-generate``: the engine and ``model.generate`` on the same prompts, one after the other."""
+def versus_generate(cfg, count: int, dtype: str) -> dict:
+    """``--versus-generate``: the engine and ``model.generate`` on the same prompts in ``dtype``, one after the
+    other."""
     from relayrl.cores.threads import torch_threads
 
     prompts = set_prompts(cfg, count)
-    dtype = engine_dtype_name(cfg.rollout.weight_dtype, cfg.trainer.precision, "cpu")
     max_tokens, threads = cfg.eval.max_tokens or cfg.rollout.max_tokens, torch_threads(cfg, "rollout")
     sides, tokens = {}, {}
     for name, side in (("engine", engine_side), ("generate", generate_side)):
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f" --set {s}" for s in args.overrides),
             "config": str(Path(args.config).resolve().relative_to(ROOT)),
             "machine": machine,
-            **versus_generate(cfg, args.versus_generate),
+            **versus_generate(cfg, args.versus_generate, precision),
         }
         machine["loadavg_at_end"] = list(os.getloadavg())
         return write(result, args.out)

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+from typing import Any
 
 import grpc
 import torch
@@ -126,6 +127,20 @@ class Heartbeat:
                 )
 
 
+def hf_engine_options(cfg: RelayConfig, threads: int) -> dict[str, Any]:
+    """A rollout worker's options of the hf engine alone (decode runner, intra-op ``threads``, in-flight updates,
+    prefix cache, attention); none for vLLM and SGLang, which compute in their own processes."""
+    if cfg.rollout.engine != "hf":
+        return {}
+    return {
+        "decode": cfg.rollout.hf_decode,
+        "threads": threads,
+        "partial": cfg.rollout.partial,
+        "prefix_cache_tokens": cfg.rollout.prefix_cache_tokens,
+        "attn_implementation": cfg.model.attn_implementation,
+    }
+
+
 def serve_rollout(
     cfg: RelayConfig,
     *,
@@ -155,17 +170,7 @@ def serve_rollout(
         max_batch_size=cfg.rollout.max_batch_size,
         # each worker its own random stream: its id (relayrl up names them), else where it serves from
         seed=worker_seed(cfg.run.seed, worker_id or advertise or f"{socket.gethostname()}:{port}:{os.getpid()}"),
-        **(
-            {
-                "decode": cfg.rollout.hf_decode,
-                "threads": threads,
-                "partial": cfg.rollout.partial,
-                "prefix_cache_tokens": cfg.rollout.prefix_cache_tokens,
-                "attn_implementation": cfg.model.attn_implementation,
-            }
-            if cfg.rollout.engine == "hf"
-            else {}
-        ),
+        **hf_engine_options(cfg, threads),
         routing_replay=cfg.algorithm.routing_replay,
         **cfg.rollout.engine_options,
     )
