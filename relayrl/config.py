@@ -209,6 +209,36 @@ class GenerationLimitsConfig(Section):
     max_text_chars: int = Field(65536, ge=1)  # prompt text, reference answers, pause reasons
 
 
+# what relayrl passes an engine adapter itself (``create_engine``'s callers), by engine ("*": every one), and the
+# key it comes from: set in ``engine_options`` too, the adapter would get it twice (a TypeError at start)
+ROLLOUT_ENGINE_ARGUMENTS: dict[str, dict[str, str]] = {
+    "*": {
+        "model_path": "model.path", "dtype": "rollout.weight_dtype", "max_batch_size": "rollout.max_batch_size",
+        "seed": "run.seed", "routing_replay": "algorithm.routing_replay",
+    },
+    "hf": {
+        "decode": "rollout.hf_decode", "threads": "rollout.threads", "partial": "rollout.partial",
+        "prefix_cache_tokens": "rollout.prefix_cache_tokens",
+    },
+    "vllm": {"options_key": "the config"}, "sglang": {"options_key": "the config"},
+}  # fmt: skip
+JUDGE_ENGINE_ARGUMENTS: dict[str, dict[str, str]] = {
+    "*": {"model_path": "model", "dtype": "precision", "max_batch_size": "max_batch_size"},
+    "hf": {"device": "the scorer's placement"},
+    "vllm": {"options_key": "the config"}, "sglang": {"options_key": "the config"},
+}  # fmt: skip
+
+
+def reject_engine_arguments(
+    options: dict[str, Any], arguments: dict[str, dict[str, str]], engine: str, key: str
+) -> None:
+    """ValueError naming ``key.<option>`` where ``options`` sets what relayrl passes the ``engine`` itself."""
+    given = {**arguments["*"], **arguments.get(engine, {})}
+    if clash := sorted(set(options) & set(given)):
+        sources = ", ".join(f"{key}.{option} (from {given[option]})" for option in clash)
+        raise ValueError(f"{sources}: set by relayrl itself, not an engine option")
+
+
 class RolloutConfig(Section):
     """The rollout workers: their engine, how many ``relayrl up`` starts, how they sample (docs/engines.md)."""
 
@@ -302,6 +332,7 @@ class RolloutConfig(Section):
                 "rollout.engine_options.attn_implementation: set model.attn_implementation instead (the hf engine "
                 "and the trainer both load the model with it)"
             )
+        reject_engine_arguments(self.engine_options, ROLLOUT_ENGINE_ARGUMENTS, self.engine, "rollout.engine_options")
         return self
 
     @model_validator(mode="after")
@@ -955,6 +986,7 @@ class ScorerConfig(Section):
         if self.kind != "judge" and (self.engine != "hf" or self.engine_options):
             key = "engine" if self.engine != "hf" else "engine_options"
             raise ValueError(f"{key}: only a judge generates on an engine; a {self.kind} takes engine hf, no options")
+        reject_engine_arguments(self.engine_options, JUDGE_ENGINE_ARGUMENTS, self.engine, "engine_options")
         return self
 
 

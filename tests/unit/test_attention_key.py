@@ -66,6 +66,16 @@ def test_the_engine_option_is_refused_for_the_documented_key(make_config) -> Non
     assert load_config(make_config(), ["model.attn_implementation=eager"]).model.attn_implementation == "eager"
 
 
+@pytest.mark.parametrize(
+    ("engine", "option", "source"),
+    [("hf", "dtype", "rollout.weight_dtype"), ("hf", "threads", "rollout.threads"), ("vllm", "seed", "run.seed")],
+)
+def test_an_engine_option_relayrl_passes_itself_is_refused_naming_its_key(make_config, engine, option, source) -> None:
+    """Given twice, the adapter would die of a TypeError at start; refused at load instead, naming where it is set."""
+    with pytest.raises(ConfigError, match=rf"rollout\.engine_options\.{option} \(from {source}\): set by relayrl"):
+        load_config(make_config(), [f"rollout.engine={engine}", f"rollout.engine_options.{option}=1"])
+
+
 @pytest.mark.parametrize(("family", "trained"), [("gemma2", "eager"), ("qwen2", FLOAT32_SDPA)])
 def test_bf16_compute_on_a_cpu_keeps_an_eager_models_attention(family_dirs, family, trained) -> None:
     """Under bf16 compute on a CPU the trainer runs an SDPA model's attention in float32 (precision.FLOAT32_SDPA);

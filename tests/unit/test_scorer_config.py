@@ -37,6 +37,11 @@ def config(fns: dict, fn: str = "exact_match", **scorer) -> dict:
         (config({"scorer:rm": 1.0}, max_wait_ms=-1), "scorers.rm.max_wait_ms"),
         (config({"scorer:rm": 1.0}, engine="vllm"), "scorers.rm: engine: only a judge generates on an engine"),
         (config({"scorer:rm": 1.0}, engine_options={"tp_size": 2}), "scorers.rm: engine_options: only a judge"),
+        (
+            config({"scorer:rm": 1.0}, kind="judge", engine_options={"dtype": "float16", "device": "cpu"}),
+            "scorers.rm: engine_options.device (from the scorer's placement), engine_options.dtype (from precision): "
+            "set by relayrl itself",
+        ),
         ({**config({}), "algorithm": {"advantage": "distill"}}, "algorithm.teacher: set exactly when"),
         ({**config({}), "algorithm": {"teacher": "rm"}}, "algorithm.teacher: set exactly when"),
         (
