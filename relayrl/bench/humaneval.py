@@ -7,7 +7,7 @@ check program, its 3 s timeout, as ``evaluate_functional_correctness`` runs it) 
 response's first fenced code block, else the response (``relayrl.rewards.code.completion_of``). The JSON has both,
 the problems where they disagree, the command, the machine and the engine's precision (``rollout.weight_dtype``
 as resolved on this CPU). ``--report`` scores a saved
-``relayrl eval --generations`` report instead of running the eval.
+``relayrl eval --generations`` report instead of running the eval; ``--save-report`` keeps the report a run made.
 
 ``--versus-generate N`` measures instead where the eval's generation time goes: the first N prompts of the set, as
 the eval renders them, decoded greedily in this process by the hf engine (built as the eval's rollout worker builds
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], dest="overrides", help="key=value config overrides")
     p.add_argument("--report", help="a saved `relayrl eval --generations` report to score (default: run the eval)")
     p.add_argument("--out", help="write the JSON here (default: stdout only)")
+    p.add_argument("--save-report", help="also write the eval's report (every completion) here, for --report")
     p.add_argument("--timeout-s", type=float, default=7200.0)
     p.add_argument("--versus-generate", type=positive_int, metavar="N", help="time the engine vs model.generate")
     return p.parse_args(argv)
@@ -207,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         report, wall_s = json.loads(Path(args.report).read_text()), None
     else:
         report, wall_s = run_eval(args.config, args.overrides, args.timeout_s)
+        if args.save_report:
+            Path(args.save_report).write_text(json.dumps(report, indent=1) + "\n")
     result = {
         "bench": "humaneval",
         "command": COMMAND + "".join(f" --set {s}" for s in args.overrides),
         "eval_command": " ".join(eval_argv(args.config, args.overrides, "<tmp>")),
-        "report": args.report,
+        "report": args.report or args.save_report,
         "config": str(Path(args.config).resolve().relative_to(ROOT)),
         "overrides": args.overrides,
         "sampling": {"temperature": cfg.eval.temperature, "n": cfg.eval.n, "max_tokens": cfg.eval.max_tokens},

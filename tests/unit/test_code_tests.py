@@ -88,7 +88,7 @@ def test_a_missing_package_is_one_line_naming_the_pip_install(tmp_path, monkeypa
         check_data(parse_config(config(tmp_path)))
 
 
-def test_bench_humaneval_scores_a_saved_report_with_the_librarys_harness(rows, tmp_path, capsys) -> None:
+def test_bench_humaneval_scores_a_saved_report_with_the_librarys_harness(rows, tmp_path, capsys, monkeypatch) -> None:
     """``relayrl bench humaneval --report``: relayrl's rewards beside the library's verdicts on the same completions;
     a reward the library does not confirm is listed as a disagreement."""
     from relayrl.bench.humaneval import main
@@ -107,6 +107,16 @@ def test_bench_humaneval_scores_a_saved_report_with_the_librarys_harness(rows, t
     assert (result["problems"], result["pass@1_relayrl"], result["pass@1_library"]) == (2, 1.0, 0.5)
     assert result["disagreements"] == [{"task_id": "HumanEval/1", "relayrl": 1.0, "library": "failed: "}]
     assert capsys.readouterr().out.strip() == (tmp_path / "result.json").read_text().strip()
+    # a run's report kept with --save-report is what --report scores again, to the same figures
+    monkeypatch.setattr("relayrl.bench.humaneval.run_eval", lambda config, overrides, timeout_s: (saved, 1.0))
+    kept = tmp_path / "kept.json"
+    assert main(["--save-report", str(kept), "--out", str(tmp_path / "run.json")]) == 0
+    assert json.loads(kept.read_text()) == saved and json.loads((tmp_path / "run.json").read_text())["report"] == str(
+        kept
+    )
+    assert main(["--report", str(kept), "--out", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert (again["pass@1_relayrl"], again["pass@1_library"]) == (1.0, 0.5)
 
 
 def test_bench_humaneval_versus_generate_decodes_the_same_greedy_tokens(tmp_path) -> None:
