@@ -624,8 +624,8 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
     ),
     "humaneval": (
         "humaneval-smollm2.json",
-        "relayrl bench humaneval --out bench/results/humaneval-smollm2.json --set eval.max_prompts=40"
-        " --set eval.max_tokens=256 --set controller.generate_timeout_s=7200",
+        "relayrl bench humaneval --out bench/results/humaneval-smollm2.json"
+        " --save-report bench/results/humaneval-smollm2-report.json",
         humaneval,
     ),
     "e2e-tta": ("e2e-tta.json", "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta.json", tta),
