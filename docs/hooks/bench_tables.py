@@ -542,26 +542,32 @@ def tta(result: dict) -> str:
     for run in sorted(result["runs"], key=lambda r: (r["system"], r["seed"])):
         hit, m = run["to_target"], run["machine"]
         evals = ", ".join(f"v{v}: {f(value)}" for v, value, _ in hit["curve"])
-        reached = f"yes, version {hit['version']}" if hit["reached"] else f"no (lower bound: not by step {cap})"
+        if hit["reached"]:
+            reached = f"yes, version {hit['version']}"
+        elif run.get("ended") == "timeout":
+            reached = f"no (lower bound: stopped by --timeout-s after step {run['steps']})"
+        else:
+            reached = f"no (lower bound: not by step {cap})"
         load = f"{f(m['loadavg_at_start'][0], 1)} → {f(m['loadavg_at_end'][0], 1)}"
         rewards = ", ".join(f(r) for r in run["reward_curve"])
         rows.append([f"`{run['system']}`", run["seed"], reached, evals, f(hit["wall_s"], 1), hit["samples"] or "–",
-                     rewards, load, m["git"]["commit"][:7]])  # fmt: skip
+                     f(run["samples_per_s"], 3), f(run["response_len_mean"], 0), rewards, load,
+                     m["git"]["commit"][:7]])  # fmt: skip
     header = ["system", "seed", "reached", "held-out evals (mean@1)", "wall s to target", "samples to target",
-              "training reward by step", "load start → end", "commit"]  # fmt: skip
+              "samples/s", "mean response tokens", "training reward by step", "load start → end", "commit"]  # fmt: skip
     medians = [
         [f"`{name}`", ", ".join(map(str, s["seeds"])), s["seeds_reached"], f(s["wall_s_to_target"], 1),
          f(s["samples_to_target"], 0)]
         for name, s in result["systems"].items()
     ]  # fmt: skip
     ratios = [
-        [f"`{pair}`", f"**{f(r['wall_s_to_target'])}×**", f(r["samples_to_target"])]
+        [f"`{pair}`", f"**{f(r['wall_s_to_target'])}×**", f(r["samples_to_target"]), f"{f(r['samples_per_s'])}×"]
         for pair, r in result["trl_over_relayrl"].items()
     ]
     return "\n\n".join([
         table(header, rows),
         table(["system", "seeds", "reached", "median wall s to target", "median samples to target"], medians),
-        table(["TRL ÷ relayrl", "wall s to target", "samples to target"], ratios),
+        table(["TRL ÷ relayrl", "wall s to target", "samples to target", "samples/s (relayrl ÷ TRL)"], ratios),
         f"Target: held-out `{settings['eval_set']}` {settings['metric']} ≥ {settings['target']}, evaluated every "
         f"{settings['every']} steps of {settings['prompts_per_step']} prompts × {settings['n']} samples.",
     ])  # fmt: skip
@@ -629,6 +635,13 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         humaneval,
     ),
     "e2e-tta": ("e2e-tta.json", "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta.json", tta),
+    "e2e-reasoning": (
+        "e2e-reasoning.json",
+        "relayrl bench tta --config examples/reasoning-smollm2.yaml --system SYSTEM --seed SEED"
+        " --out bench/results/e2e-reasoning.json --prompts 2 --n 8 --target 0.60 --every 2 --max-steps 20"
+        " --set controller.generate_timeout_s=1800 --timeout-s 1200",
+        tta,
+    ),
     "rollout-correction": (
         "rollout-correction.json",
         "relayrl bench rollout-correction --out bench/results/rollout-correction.json"
