@@ -220,12 +220,11 @@ ROLLOUT_ENGINE_ARGUMENTS: dict[str, dict[str, str]] = {
         "decode": "rollout.hf_decode", "threads": "rollout.threads", "partial": "rollout.partial",
         "prefix_cache_tokens": "rollout.prefix_cache_tokens",
     },
-    "vllm": {"options_key": "the config"}, "sglang": {"options_key": "the config"},
 }  # fmt: skip
 JUDGE_ENGINE_ARGUMENTS: dict[str, dict[str, str]] = {
     "*": {"model_path": "model", "dtype": "precision", "max_batch_size": "max_batch_size"},
     "hf": {"device": "the scorer's placement"},
-    "vllm": {"options_key": "the config"}, "sglang": {"options_key": "the config"},
+    "vllm": {"options_key": "the scorer's name"}, "sglang": {"options_key": "the scorer's name"},
 }  # fmt: skip
 
 

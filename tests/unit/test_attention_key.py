@@ -76,6 +76,16 @@ def test_an_engine_option_relayrl_passes_itself_is_refused_naming_its_key(make_c
         load_config(make_config(), [f"rollout.engine={engine}", f"rollout.engine_options.{option}=1"])
 
 
+def test_every_hf_option_a_rollout_worker_passes_is_refused_in_engine_options(make_config) -> None:
+    """The refusal's table (config.ROLLOUT_ENGINE_ARGUMENTS) covers what serve_rollout gives the hf engine itself
+    (rollout_server.hf_engine_options), attn_implementation refused with its own line above."""
+    from relayrl.config import ROLLOUT_ENGINE_ARGUMENTS
+    from relayrl.services.rollout_server import hf_engine_options
+
+    passed = set(hf_engine_options(load_config(make_config()), threads=1)) - {"attn_implementation"}
+    assert passed == set(ROLLOUT_ENGINE_ARGUMENTS["hf"])
+
+
 @pytest.mark.parametrize(("family", "trained"), [("gemma2", "eager"), ("qwen2", FLOAT32_SDPA)])
 def test_bf16_compute_on_a_cpu_keeps_an_eager_models_attention(family_dirs, family, trained) -> None:
     """Under bf16 compute on a CPU the trainer runs an SDPA model's attention in float32 (precision.FLOAT32_SDPA);
