@@ -510,6 +510,10 @@ class TrainerConfig(Section):
     # where that saves >= 25 % of the rows' positions and every group's layout fits pack_token_budget (the mask is
     # dense), "on" every forward, "off" none. FSDP only: Megatron forwards each row.
     shared_prefix: Literal["auto", "on", "off"] = "auto"
+    # Leave rows of zero advantage out of the forward and backward (relayrl/trainer/step.py): under a loss linear in
+    # the advantage with nothing else reading the row (no KL or entropy term, no rejecting correction, no critic),
+    # their gradient is exactly zero; the update is the same, the step computes only the rows that move the policy.
+    skip_zero_advantage: bool = True
 
     @field_validator("stream", "padding_free", "shared_prefix", mode="before")
     @classmethod

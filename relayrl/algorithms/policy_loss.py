@@ -23,6 +23,9 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 LOG_RATIO_CLAMP = 20.0
+# losses whose every token's loss is its advantage times a finite function of the logprobs (PPO's clipped ratio,
+# with the dual clip; GSPO's clipped sequence ratio): a token of zero advantage has zero loss and zero gradient
+ADVANTAGE_LINEAR_LOSSES = frozenset({"ppo_clip", "gspo"})
 
 
 def _check_shapes(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:

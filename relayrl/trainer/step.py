@@ -26,10 +26,18 @@ update. The decision is per mini-batch and the same on every rank (each holds th
 collectives stay matched. ``logprob_mismatch`` (|trainer - engine| on the response tokens) stays measured:
 from the trainer's old logprobs, or from the first mini-batch's forward, which runs at the step's starting
 weights.
+
+Rows of zero advantage (``trainer.skip_zero_advantage``): where the loss is the advantage times a finite function
+of the logprobs at every token and nothing else reads a row (``zero_advantage_blocker``), a row whose advantage is
+0 at every token (a GRPO group whose samples all scored alike) has zero loss and zero gradient, so it is neither
+forwarded nor backwarded (``gradient_rows``). The loss keeps the whole mini-batch's counts, so the update is the
+same up to float rounding; the token-weighted metrics (entropy, clip fraction, KL, logprob mismatch) are then those
+of the rows trained, and ``zero_advantage_skipped`` is the share of the batch's rows left out.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,11 +54,13 @@ from relayrl.algorithms import (
     with_task_advantage,
 )
 from relayrl.algorithms.partition import split_sizes
+from relayrl.algorithms.policy_loss import ADVANTAGE_LINEAR_LOSSES
 from relayrl.config import TRAINER_ANCHORED_LOSSES, AlgorithmConfig, CriticConfig, TrainerConfig
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.correction import CorrectionMetrics, correct_rows, kept_row_tokens
 from relayrl.trainer.critic_step import CriticUpdate, gae_targets
 
+log = logging.getLogger(__name__)
 METRIC_SUMS = ("clip_frac", "dual_clip_frac", "ppo_kl", "entropy")  # token-weighted means
 SHARES = ("loss", "ref_kl")  # aggregated with the mini-batch's global counts: each rank holds a share
 
@@ -70,6 +80,43 @@ def shard_rows(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Data-parallel rank ``rank``'s rows of ``rows`` (a mini-batch's, groups contiguous in batch order): the
     ``rank``-th of ``world`` contiguous runs, their sizes differing by at most one."""
     return torch.tensor_split(rows, world)[rank]
+
+
+def zero_advantage_blocker(alg: AlgorithmConfig, tcfg: TrainerConfig, *, critic: bool) -> str | None:
+    """Why rows of zero advantage must be trained (module docstring); None: they may be left out."""
+    checks = [
+        (tcfg.skip_zero_advantage, "trainer.skip_zero_advantage is off"),
+        (alg.policy_loss in ADVANTAGE_LINEAR_LOSSES, f"algorithm.policy_loss {alg.policy_loss} is not linear in A"),
+        (alg.kl_coef == 0, "algorithm.kl_coef > 0: the reference KL term has a gradient on every row"),
+        (alg.entropy_coef == 0, "algorithm.entropy_coef > 0: the entropy bonus has a gradient on every row"),
+        (not alg.correction.rejects, "the rollout correction rejects by the trainer's logprobs of every row"),
+        (not critic, "the critic trains on every row"),
+    ]
+    return next((why for ok, why in checks if not ok), None)
+
+
+_LOGGED: set[str | None] = set()
+
+
+def log_zero_advantage(blocker: str | None) -> None:
+    """Say once per process whether rows of zero advantage are left out, and why not."""
+    if blocker not in _LOGGED:
+        _LOGGED.add(blocker)
+        said = "not forwarded (zero gradient)" if blocker is None else f"trained ({blocker})"
+        log.info("rows of zero advantage: %s", said)
+
+
+def gradient_rows(rows: torch.Tensor, advantages: torch.Tensor, world: int) -> torch.Tensor:
+    """``rows`` in order but those whose advantage is 0 at every token (their loss and its gradient are zero),
+    keeping at least ``world`` rows (the first zero-advantage ones put back): every data-parallel rank forwards
+    one, and a mini-batch with no gradient still steps the optimizer on a gradient of exact zeros, as it would
+    on all its rows."""
+    adv = advantages[rows]
+    keep = adv != 0 if adv.dim() == 1 else (adv != 0).any(-1)
+    missing = world - int(keep.sum())
+    if missing > 0:
+        keep[torch.nonzero(~keep).flatten()[:missing]] = True
+    return rows[keep]
 
 
 def loss_mask(batch: TrainBatch, overlong_filter: bool) -> torch.Tensor:
@@ -158,6 +205,7 @@ class StepMetrics:
         self.mismatch_max = torch.zeros(1, dtype=torch.float64)
         self.mismatch_sums = torch.zeros(2, dtype=torch.float64)  # (|gap| summed over tokens, tokens) where measured
         self.grad_norms: list[float] = []
+        self.rows = [0, 0]  # (rows of the step, rows left out for zero advantage): alike on every rank
         self.engine_old: list[bool] = []  # per mini-batch: old logprobs from the engine
         self.correction = CorrectionMetrics()
 
@@ -169,6 +217,10 @@ class StepMetrics:
         self.sums[:-1] += torch.tensor([float(v) * tokens for v in values], dtype=torch.float64)
         self.sums[-1] += tokens
         self._open_shares += torch.tensor([pieces["loss"], pieces["ref_kl"]], dtype=torch.float64)
+
+    def add_rows(self, rows: int, trained: int) -> None:
+        self.rows[0] += rows
+        self.rows[1] += rows - trained
 
     def add_mismatch(self, trainer_old: torch.Tensor, rollout: torch.Tensor, m: torch.Tensor) -> None:
         """|trainer - engine| logprobs of the behaviour policy on these rows."""
@@ -202,6 +254,7 @@ class StepMetrics:
         metrics["logprob_mismatch_max"] = float(self.mismatch_max)  # max |trainer - engine| logprob, behaviour policy
         metrics["old_logprobs_from_engine"] = sum(self.engine_old) / max(len(self.engine_old), 1)  # of mini-batches
         metrics |= self.correction.finish()
+        metrics["zero_advantage_skipped"] = self.rows[1] / max(self.rows[0], 1)  # share of rows not forwarded
         metrics["kl"] = metrics["ref_kl"] if alg.kl_coef > 0 else metrics["ppo_kl"]
         padding = backend.padding_free.take()  # this rank's forwards: positions computed, tokens, forwards, packed,
         dist.all_reduce(padding)  # the rows' tokens
@@ -270,6 +323,12 @@ def train_on_batch(
         on_advantages(sample_advantages(advantages, mask))
 
     metrics = StepMetrics()
+    blocker = zero_advantage_blocker(alg, tcfg, critic=critic is not None)
+    log_zero_advantage(blocker)
+    trained = [rows if blocker else gradient_rows(rows, advantages, world) for rows in minibatches]
+    shards = [shard_rows(rows, rank, world) for rows in trained]
+    for rows, kept in zip(minibatches, trained, strict=True):
+        metrics.add_rows(len(rows), len(kept))
     if critic is not None and critic_only:  # the critic's warmup: the policy is neither forwarded nor stepped
         for _ in range(tcfg.epochs):
             for rows, shard in zip(minibatches, shards):

@@ -40,7 +40,16 @@ from relayrl.errors import PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.retry import RETRYABLE
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.correction import kept_row_tokens
-from relayrl.trainer.step import StepMetrics, backward_rows, loss_mask, minibatch_counts, shard_rows
+from relayrl.trainer.step import (
+    StepMetrics,
+    backward_rows,
+    gradient_rows,
+    log_zero_advantage,
+    loss_mask,
+    minibatch_counts,
+    shard_rows,
+    zero_advantage_blocker,
+)
 from relayrl.v1 import controller_pb2
 
 log = logging.getLogger(__name__)
@@ -164,7 +173,12 @@ class StreamedStep:
         advantages = compute_advantages(alg.advantage, chunk.rewards, chunk.group_ids, norm_by_std=alg.norm_by_std)
         self._advantages.append(advantages.float())
         mask = loss_mask(chunk, alg.overlong_filter)
-        shard = shard_rows(torch.arange(len(chunk)), backend.dp_rank, backend.dp_size)
+        rows = torch.arange(len(chunk))
+        blocker = zero_advantage_blocker(alg, self.tcfg, critic=False)  # a streamed step has no critic
+        log_zero_advantage(blocker)
+        trained = rows if blocker else gradient_rows(rows, advantages, backend.dp_size)
+        self.metrics.add_rows(len(rows), len(trained))
+        shard = shard_rows(trained, backend.dp_rank, backend.dp_size)
         ref = None
         if alg.kl_coef > 0:
             with torch.no_grad():
