@@ -28,10 +28,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from relayrl.config import RelayConfig, dump_config
+from relayrl.config import BUILTIN_MODELS, RelayConfig, dump_config
 from relayrl.cores.threads import COLOCATED_ENV, trainer_env
 from relayrl.errors import RUN_STOPPED_DETAIL
-from relayrl.models.assets import prepare_assets
+from relayrl.models.assets import builtin_model_path, prepare_assets
 from relayrl.ops.environments import environment_roles, environments_serving, start_environment_servers
 from relayrl.ops.placement import GPU_DRIVER_NODES, SCORER_ROLE_PREFIX, node_devices, place
 from relayrl.ops.resume import record_changes
@@ -217,10 +217,16 @@ def start_forks(cfg: RelayConfig, keep_fds: tuple[int, ...] = ()) -> ForkServer 
         console.print("[dim]GPU host: roles start as fresh interpreters (no fork server)[/dim]")
         return None
     try:
-        return ForkServer.start(cfg.model.path, keep_fds)
+        return ForkServer.start(modeling_source(cfg), keep_fds)
     except OSError as err:
         console.print(f"[yellow]roles start as fresh interpreters: {err}[/yellow]")
         return None
+
+
+def modeling_source(cfg: RelayConfig) -> str:
+    """The model directory whose config.json names the modeling module the fork server preloads: a ``builtin:``
+    model's cached build (none yet on the run that builds it), else ``model.path``."""
+    return str(builtin_model_path(cfg)) if cfg.model.path in BUILTIN_MODELS else cfg.model.path
 
 
 def dial_address(host: str, port: int) -> str:

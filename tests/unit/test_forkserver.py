@@ -14,6 +14,9 @@ import textwrap
 
 import pytest
 
+from relayrl.config import RelayConfig, parse_config
+from relayrl.launcher import modeling_source
+from relayrl.models.assets import prepare_assets
 from relayrl.runtime import forkserver
 from relayrl.runtime.forkserver import ROLE_PRELOAD, Preloader, env_fork_blockers, modeling_module
 
@@ -70,6 +73,15 @@ def test_runtime_variables_fork_and_load_time_ones_do_not():
 def test_the_modeling_module_comes_from_the_model_type(tiny_model_dir, tmp_path):
     assert modeling_module(tiny_model_dir) == "transformers.models.qwen2.modeling_qwen2"
     assert modeling_module(tmp_path) is None  # no config.json: nothing extra preloaded
+
+
+def test_a_builtin_model_preloads_the_modeling_module_of_its_build(tmp_path):
+    def config() -> RelayConfig:
+        return parse_config({"run": {"dir": str(tmp_path)}, "model": {"path": "builtin:tiny-qwen2"},
+                             "data": {"path": "builtin:digits"}})  # fmt: skip
+
+    prepare_assets(config())  # built once per machine (the asset cache): a later run's server reads its config.json
+    assert modeling_module(modeling_source(config())) == "transformers.models.qwen2.modeling_qwen2"
 
 
 def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
