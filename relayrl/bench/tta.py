@@ -10,10 +10,11 @@ on the checkpoint TRL saves every ``--every`` rounds, scored while TRL waits (re
 stops at the first eval whose ``--metric`` reaches ``--target``, or at ``--max-steps``.
 
 Time to target = the wall seconds from the system's launch to the end of the step whose weights first score
-``>= target`` (``first_at_target``); samples to target = the samples generated up to that step. TRL's clock is net
-of the seconds it waited for its checkpoints to be saved and scored; relayrl's includes its in-run evals (they share
-the cores with training), so the comparison errs against relayrl. samples/s: the steady steps' (after ``--warmup``),
-on the same clocks (``relayrl.bench.e2e.summarize``).
+``>= target`` (``first_at_target``); samples to target = the samples generated up to that step. Neither system
+scores its starting weights (TRL scores only the checkpoints it saves, so relayrl runs with ``eval.before_train``
+off). TRL's clock is net of the seconds it waited for its checkpoints to be saved and scored; relayrl's includes
+its in-run evals (they share the cores with training), so the comparison errs against relayrl. samples/s: the
+steady steps' (after ``--warmup``), on the same clocks (``relayrl.bench.e2e.summarize``).
 
 One invocation runs one system at one seed (``--system``, ``--seed``), so each run can hold the shared bench lock
 alone; its row is merged into ``--out`` (created, or updated when its settings match) and the medians over seeds per
@@ -93,6 +94,7 @@ def settings(args: argparse.Namespace) -> dict:
         "max_steps": args.max_steps,
         "warmup": args.warmup,
         "extra_overrides": args.set,
+        "scores_starting_weights": False,  # eval.before_train off: TRL scores only the checkpoints it saves
     }
 
 
@@ -102,7 +104,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         *UNMEASURED[1:],  # the sample logs off; the eval section stays: it is what is measured
         f"controller.prompts_per_gen_batch={args.prompts}", f"controller.train_batch_groups={args.prompts}",
         f"rollout.n={args.n}", f"run.seed={args.seed}", f"trainer.steps={args.max_steps}",
-        "trainer.checkpoint_every=0", f"eval.every={args.every}", *args.set,
+        "trainer.checkpoint_every=0", f"eval.every={args.every}", "eval.before_train=false", *args.set,
     ]  # fmt: skip
 
 
