@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NoReturn
@@ -177,13 +179,22 @@ class Preloader:
     in ``ROLE_PRELOAD`` order while the server has nothing else to do (``import_next``)."""
 
     def __init__(self, model_path: str | None) -> None:
-        self.model = modeling_module(model_path) if model_path else None
+        self.model_path = model_path
         self.done: set[str] = set()
 
-    def modules(self, role: str | None = None) -> list[str]:
+    @functools.cached_property
+    def model(self) -> str | None:
+        """MODEL's name, found when the list reaches it: naming it imports transformers' auto classes (seconds),
+        which the controller, forked first, does not wait for."""
+        return modeling_module(self.model_path) if self.model_path else None
+
+    def modules(self, role: str | None = None) -> Iterator[str]:
         """``role``'s modules (every role's, in order, for None), MODEL named, each once."""
         names = ROLE_PRELOAD.get(role, ()) if role is not None else [n for ns in ROLE_PRELOAD.values() for n in ns]
-        return [name for name in dict.fromkeys(self.model if n == MODEL else n for n in names) if name is not None]
+        for name in dict.fromkeys(names):
+            name = self.model if name == MODEL else name
+            if name is not None:
+                yield name
 
     def prepare(self, role: str) -> None:
         for name in self.modules(role):

@@ -199,3 +199,16 @@ def test_relayrl_ups_heavy_checks_run_in_its_fork_server_and_refuse_there_as_her
     preflight.heavy_checks(good, CallsHere({"error": "fork server closed its pipe"}))
     preflight.heavy_checks(good, CallsHere({"raised": "builtins.OSError", "message": "no space left"}))
     assert checked == [good] * 3
+
+
+def test_the_modeling_module_is_named_only_when_a_role_that_needs_it_comes(monkeypatch):
+    """Naming it imports transformers' auto classes: the controller, forked first, does not wait for that."""
+    named: list[str] = []
+    monkeypatch.setattr(forkserver, "modeling_module", lambda path: named.append(path) or "modeling_x")
+    monkeypatch.setattr(Preloader, "_import", lambda self, name: self.done.add(name))
+    preloader = Preloader("/models/x")
+    preloader.prepare("controller")
+    assert named == [] and preloader.done == set(ROLE_PRELOAD["controller"])
+    preloader.prepare("rollout")
+    preloader.prepare("trainer")
+    assert named == ["/models/x"] and "modeling_x" in preloader.done
