@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.config import TrainerConfig
-from relayrl.trainer.optim import adamw, materialize_state
+from relayrl.trainer.optim import adamw
 
 
 def test_fused_adamw_steps_as_the_single_tensor_loop() -> None:
@@ -26,24 +26,3 @@ def test_fused_adamw_steps_as_the_single_tensor_loop() -> None:
     for a, b, s in zip(fused_params, loop_params, start):
         assert not torch.equal(a, s)  # it trained
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-
-
-def test_state_made_before_the_first_step_leaves_the_weights_and_the_steps_unchanged() -> None:
-    cfg = TrainerConfig(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
-    torch.manual_seed(0)
-    early_params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((64, 8), (8,))]
-    lazy_params = [torch.nn.Parameter(p.detach().clone()) for p in early_params]
-    early, lazy = adamw(early_params, cfg), adamw(lazy_params, cfg)
-    materialize_state(early)
-    assert all(torch.equal(a, b) for a, b in zip(early_params, lazy_params))  # no weight moved, not even by decay
-    assert all(p.grad is None for p in early_params) and early.param_groups[0]["lr"] == cfg.lr
-    assert [float(early.state[p]["step"]) for p in early_params] == [0.0, 0.0] and not lazy.state
-    for _ in range(3):
-        for a, b in zip(early_params, lazy_params):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
-        early.step()
-        lazy.step()
-    for a, b in zip(early_params, lazy_params):
-        assert torch.equal(a, b)  # the same three steps, bit for bit
-        assert torch.equal(early.state[a]["exp_avg_sq"], lazy.state[b]["exp_avg_sq"])

@@ -50,7 +50,7 @@ from relayrl.trainer.backends.lora import (
 )
 from relayrl.trainer.batch import right_padded
 from relayrl.trainer.head import adopt_head_plan, head_plan, scored_logprobs
-from relayrl.trainer.optim import adamw, materialize_state
+from relayrl.trainer.optim import adamw
 from relayrl.trainer.packing import (
     PaddingFree,
     computed_positions,
@@ -155,7 +155,6 @@ class FSDPBackend:
         if self.reference is not None:  # the float32 policy's probe, not the reference dtype's
             adopt_head_plan(self.reference, head_plan(self.model))
         self.optimizer = adamw(self.trainable, cfg)
-        materialize_state(self.optimizer)
         # Parameter names by kind (module docstring), each with the name the rollout engines know: parameters once
         # each (tied embeddings appear once).
         names = [name for name, _ in self.model.named_parameters()]
