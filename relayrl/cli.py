@@ -413,6 +413,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "heldout": "relayrl.bench.heldout",
     "preference": "relayrl.bench.preference",
     "humaneval": "relayrl.bench.humaneval",
+    "sampling": "relayrl.bench.sampling",
     "pipeline": "relayrl.bench.pipeline",
     "sft": "relayrl.bench.sft",
     "dpo": "relayrl.bench.dpo",

@@ -132,3 +132,21 @@ def test_bench_humaneval_versus_generate_decodes_the_same_greedy_tokens(tmp_path
     assert (result["prompts"], result["identical_rows"], result["max_tokens"]) == (3, 3, 6)
     assert result["engine"]["tokens"] == result["generate"]["tokens"] > 0
     assert result["command"].startswith("relayrl bench humaneval --versus-generate 3 --set model.path=")
+
+
+def test_bench_sampling_finds_the_engine_sampling_the_models_lengths(tmp_path) -> None:
+    """``relayrl bench sampling``: the hf engine's sampled response lengths and those of ``model.generate`` with
+    TRL's sampling, on the same held-out prompts, agree within a few standard errors (a wrong temperature or a
+    greedy engine would put them far apart)."""
+    from relayrl.bench.sampling import main
+
+    sets = ["model.path=builtin:tiny-chat", "rollout.max_tokens=12", f"run.dir={tmp_path}/runs"]
+    out = tmp_path / "sampling.json"
+    config = "examples/addition-smollm2.yaml"
+    assert main(["--config", config, "--prompts", "3", "--n", "16", *[a for s in sets for a in ("--set", s)],
+                 "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    for side in ("engine", "generate"):
+        assert result[side]["samples"] == 48 and 1 <= result[side]["length_mean"] <= 12
+    assert abs(result["mean_difference_in_se"]) < 4
+    assert result["command"].startswith("relayrl bench sampling --config examples/addition-smollm2.yaml --prompts 3")
