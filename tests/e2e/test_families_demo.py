@@ -30,6 +30,7 @@ def test_the_engine_logprobs_are_the_trainers_at_every_step(family, attention, t
         f"trainer.steps={STEPS}",
         "trainer.precision=float32",
         "controller.dynamic_sampling=false",  # a random model's groups mostly score alike: no step waits on them
+        "trainer.skip_zero_advantage=false",  # and they are trained all the same: each group's prompt is shared
         "eval=null",
     ]
     run_dir = tmp_path / "runs" / "digits"

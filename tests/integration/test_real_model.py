@@ -71,6 +71,7 @@ def test_two_steps_train_it_on_the_fast_decode_path_with_shared_prompts_and_the_
         "controller.dynamic_sampling": False,
         "trainer.mini_batches": 1,
         "trainer.precision": "float32",  # and so the engine's weights: exact up to float rounding (bf16: the bench)
+        "trainer.skip_zero_advantage": False,  # every row trained, so the shared prompts show whatever the rewards
         "eval": None,
     }
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(EXAMPLE)]

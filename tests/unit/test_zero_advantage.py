@@ -13,6 +13,7 @@ from trainer_testing import full_weights, grpo_batch, one_rank_world  # noqa: F4
 
 from relayrl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from relayrl.models.families import write_family_model
+from relayrl.trainer import step as step_module
 from relayrl.trainer.backends.fsdp import FSDPBackend
 from relayrl.trainer.step import gradient_rows, train_on_batch
 
@@ -92,7 +93,8 @@ def test_a_mini_batch_with_no_gradient_still_steps_the_optimizer(family_dirs) ->
         (AlgorithmConfig(rollout_correction={"rollout_rs": "token_k3", "rollout_rs_threshold": 2.0}), "rejects"),
     ],
 )
-def test_a_term_that_reads_every_row_trains_them_all_and_says_why(alg, why, family_dirs, caplog) -> None:
+def test_a_term_that_reads_every_row_trains_them_all_and_says_why(alg, why, family_dirs, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(step_module, "_LOGGED", set())  # said once a process: another test may have said it
     batch = with_rewards(grpo_batch(), {0: [1.0] * 4})
     with caplog.at_level(logging.INFO, logger="relayrl.trainer.step"):
         backend, metrics, _ = step(family_dirs["qwen2"], batch, skip=True, alg=alg)
