@@ -119,13 +119,16 @@ def wait_for_shutdown() -> str:
     """Block until SIGTERM or SIGINT; returns the signal's name.
 
     The wait wakes every second: a process-directed signal may land on another thread, and Python runs its
-    handler only when the main thread next executes bytecode, which an untimed lock wait never does."""
+    handler only when the main thread next executes bytecode, which an untimed lock wait never does. Only the
+    first signal sets the event: a second one (the launcher's death and a stop together) can run its handler
+    inside the first's ``Event.set``, which holds the event's lock, and setting it again there never returns."""
     received: list[str] = []
     done = threading.Event()
 
     def handler(signum, _frame):
         received.append(signal.Signals(signum).name)
-        done.set()
+        if len(received) == 1:
+            done.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
