@@ -105,8 +105,8 @@ def summarize(rows: list[dict], report: dict) -> dict:
     }
 
 
-def set_prompts(cfg, count: int) -> list[list[int]]:
-    """The eval set's first ``count`` prompts' token ids, rendered as the eval renders them."""
+def set_prompts(cfg, count: int, name: str = EVAL_SET) -> list[list[int]]:
+    """Eval set ``name``'s first ``count`` prompts' token ids, rendered as the eval renders them."""
     from transformers import AutoTokenizer
 
     from relayrl.controller.evaluation import load_eval_sets
@@ -115,31 +115,40 @@ def set_prompts(cfg, count: int) -> list[list[int]]:
     prepare_assets(cfg)
     cfg.eval.max_prompts = count
     sets = {s.name: s for s in load_eval_sets(cfg, AutoTokenizer.from_pretrained(cfg.model.path))}
-    return [list(r.token_ids) for r in sets[EVAL_SET].records]
+    return [list(r.token_ids) for r in sets[name].records]
 
 
-def engine_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
-    """Greedy responses of the hf engine, built as ``relayrl rollout serve`` builds it, all prompts in one call."""
+def engine_completions(cfg, prompts: list[list[int]], params, dtype: str, threads: int) -> list:
+    """The hf engine's completions of ``prompts`` under ``params`` (a ``SamplingParams``), all in one call, in
+    prompt and sample order; the engine built as ``relayrl rollout serve`` builds it."""
     import torch
 
     from relayrl.rollout.hf import HFEngine
     from relayrl.services.rollout_server import hf_engine_options
-    from relayrl.wire.sampling import SamplingParams
 
     torch.set_num_threads(1)  # as the worker: only the engine's scheduler thread computes multithreaded
     engine = HFEngine(
         cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, **hf_engine_options(cfg, threads)
     )
     try:
-        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        return [c.token_ids for c in sorted(done, key=lambda c: c.prompt_index)]
+        return sorted(engine.generate(prompts, params), key=lambda c: (c.prompt_index, c.sample_index))
     finally:
         engine.close()
 
 
-def generate_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
-    """Greedy responses of transformers' batched ``model.generate`` (prompts left-padded), each cut after its first
-    end-of-sequence token, as the engine's."""
+def engine_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
+    """Greedy responses of the hf engine (``engine_completions``)."""
+    from relayrl.wire.sampling import SamplingParams
+
+    done = engine_completions(cfg, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), dtype, threads)
+    return [c.token_ids for c in done]
+
+
+def generate_rows(
+    cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int, **sampling
+) -> list[tuple[list[int], bool]]:
+    """Responses of transformers' batched ``model.generate`` (prompts left-padded; greedy, or ``sampling``'s
+    generate arguments), each cut after its first end-of-sequence token, as the engine's, with whether it had one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,14 +161,19 @@ def generate_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, th
     input_ids, mask = left_pad(prompts, torch.device("cpu"))
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-            pad_token_id=min(eos), eos_token_id=sorted(eos),
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens, pad_token_id=min(eos),
+            eos_token_id=sorted(eos), **({"do_sample": False} | sampling),
         )  # fmt: skip
     responses = []
     for row in out[:, input_ids.shape[1] :].tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
-        responses.append(row[:end])
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), None)
+        responses.append((row[:end] if end else row, end is not None))
     return responses
+
+
+def generate_side(cfg, prompts: list[list[int]], max_tokens: int, dtype: str, threads: int) -> list[list[int]]:
+    """Greedy responses of transformers' ``model.generate`` (``generate_rows``)."""
+    return [row for row, _ in generate_rows(cfg, prompts, max_tokens, dtype, threads)]
 
 
 def versus_generate(cfg, count: int, dtype: str) -> dict:

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from relayrl.bench.humaneval import write
+from relayrl.bench.humaneval import engine_completions, generate_rows, set_prompts, write
 from relayrl.bench.record import ROOT, machine_record
 from relayrl.config import load_config
 from relayrl.ops.args import positive_int
@@ -42,63 +42,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def held_out_prompts(cfg, count: int) -> list[list[int]]:
-    """The held-out set's first ``count`` prompts' token ids, rendered as relayrl renders them."""
-    from transformers import AutoTokenizer
-
-    from relayrl.controller.evaluation import load_eval_sets
-    from relayrl.models.assets import prepare_assets
-
-    prepare_assets(cfg)
-    cfg.eval.max_prompts = count
-    sets = {s.name: s for s in load_eval_sets(cfg, AutoTokenizer.from_pretrained(cfg.model.path))}
-    return [list(r.token_ids) for r in sets[EVAL_SET].records]
-
-
 def engine_lengths(cfg, prompts: list[list[int]], n: int, dtype: str, seed: int) -> list[tuple[int, bool]]:
     """(length, ended) of each of the hf engine's ``n`` samples a prompt (``ended``: an end-of-sequence token)."""
     import torch
 
     from relayrl.cores.threads import torch_threads
-    from relayrl.rollout.hf import HFEngine
-    from relayrl.services.rollout_server import hf_engine_options
     from relayrl.wire.sampling import SamplingParams
 
     torch.manual_seed(seed)
-    torch.set_num_threads(1)  # as the worker: only the engine's scheduler thread computes multithreaded
-    options = hf_engine_options(cfg, torch_threads(cfg, "rollout"))
-    engine = HFEngine(cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, **options)
     params = SamplingParams(n=n, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens)
-    try:
-        return [(len(c.token_ids), c.finish_reason == "stop") for c in engine.generate(prompts, params)]
-    finally:
-        engine.close()
+    done = engine_completions(cfg, prompts, params, dtype, torch_threads(cfg, "rollout"))
+    return [(len(c.token_ids), c.finish_reason == "stop") for c in done]
 
 
 def generate_lengths(cfg, prompts: list[list[int]], n: int, dtype: str, seed: int) -> list[tuple[int, bool]]:
     """(length, ended) of each of ``model.generate``'s ``n`` samples a prompt, sampled as TRL samples."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from relayrl.cores.threads import torch_threads
-    from relayrl.rollout.hf import eos_token_ids
-    from relayrl.rollout.padding import left_pad
 
     torch.manual_seed(seed)
-    torch.set_num_threads(torch_threads(cfg, "rollout"))
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, dtype)).eval()
-    eos = eos_token_ids(AutoTokenizer.from_pretrained(cfg.model.path), model.generation_config)
-    input_ids, mask = left_pad([p for p in prompts for _ in range(n)], torch.device("cpu"))
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.rollout.max_tokens, do_sample=True,
-            temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, pad_token_id=min(eos), eos_token_id=sorted(eos),
-        )  # fmt: skip
-    lengths = []
-    for row in out[:, input_ids.shape[1] :].tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in eos), None)
-        lengths.append((end or len(row), end is not None))
-    return lengths
+    rows = generate_rows(
+        cfg, [p for p in prompts for _ in range(n)], cfg.rollout.max_tokens, dtype, torch_threads(cfg, "rollout"),
+        do_sample=True, temperature=cfg.rollout.temperature, top_p=1.0, top_k=0,
+    )  # fmt: skip
+    return [(len(row), ended) for row, ended in rows]
 
 
 def side_summary(samples: list[tuple[int, bool]], seconds: float) -> dict:
@@ -123,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     dtype = engine_dtype_name(cfg.rollout.weight_dtype, cfg.trainer.precision, "cpu")
     machine = machine_record({"relayrl": {"precision": dtype, "attn_implementation": None}})
-    prompts = held_out_prompts(cfg, args.prompts)
+    prompts = set_prompts(cfg, args.prompts, EVAL_SET)
     sides = {}
     for name, side in (("engine", engine_lengths), ("generate", generate_lengths)):
         start = time.monotonic()
