@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.config import load_config
 from relayrl.runtime.procs import kill_tree
-from relayrl.trainer.metrics import read_metrics
+from relayrl.trainer.metrics import read_evals, read_metrics
 from relayrl.trainer.precision import Precision
 from relayrl.weightsync.checksum import weights_checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = 50
-STEPS = 100  # fewer than the demo's 200: the test asks for learning (last-10 >= 0.6), reached by then
+STEPS = 100  # half the demo's 200: the bars below are the FSDP demo's at step 100
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # two `relayrl up` runs, 2 trainer ranks each
 
 
@@ -69,9 +69,12 @@ def test_megatron_tp2_demo_learns_and_resumes_after_a_kill(tmp_path):
     assert resumed["data_cursor_start"] == before[CHECKPOINT - 1]["data_cursor_end"]  # the data continues
     # the policy continues: right after the resume it scores like the killed run did there, far above random
     assert mean_reward(records[CHECKPOINT : CHECKPOINT + 5]) >= 0.2 > mean_reward(records[:10])
-    # learns as the FSDP demo does, by the FSDP demo test's bar: one run's last-10 mean varies (0.83 to 0.99 seen
-    # on both backends; the sampling order of concurrent workers is not reproducible)
-    assert mean_reward(records[-10:]) >= 0.6
+    # learns as the FSDP demo does by step 100: there, in 8 FSDP runs and one Megatron run, the sampled reward's
+    # last-10 mean was 0.56 to 0.79 and the greedy held-out accuracy 0.8 to 1.0, from 0.06 and 0.0 (the sampling
+    # order of concurrent workers is not reproducible, so one run's curve varies)
+    assert mean_reward(records[-10:]) >= 0.4
+    heldout = {r["step"]: r["mean@1"] for r in read_evals(metrics) if r["eval"] == "heldout"}
+    assert heldout[0] == 0.0 and heldout[STEPS] >= 0.7, heldout
     assert all(r["workers_synced"] == 2 for r in records[CHECKPOINT:])
     # the export holds the float32 master weights; the last sync sent them cast once to the engine's dtype
     cfg = load_config(run_dir / "config.yaml")
