@@ -112,7 +112,7 @@ class LocalJob:
     def reap_orphans(self) -> None:
         """Reap exited processes reparented to this subreaper that are no role (a dead role's own children)."""
         keep = {proc.pid for proc in self.children.values()}
-        reap_orphans(keep | ({self.forks.proc.pid} if self.forks is not None else set()))
+        reap_orphans(keep | (self.forks.pids if self.forks is not None else set()))
 
     def close(self) -> None:
         if self.forks is not None:
@@ -206,11 +206,11 @@ def spawn_rollout(job: LocalJob, index: int) -> None:
 
 
 def start_forks(cfg: RelayConfig, keep_fds: tuple[int, ...] = ()) -> ForkServer | None:
-    """The run's fork server (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
-    host. There torch's imports may initialise the CUDA driver in the server (``torch.cuda.is_available``
+    """The run's fork servers (runtime.forkserver), or None: ``supervisor.fork_roles`` off, no subreaper, or a GPU
+    host. There torch's imports may initialise the CUDA driver in a server (``torch.cuda.is_available``
     does), and CUDA does not survive a fork; not yet measured on one, so roles start fresh. ``relayrl up``
-    starts it before its last start-up check (it imports while the tokenizer loads), its log in a temporary file
-    until ``start_job`` names the run's (``ForkServer.log_to``). ``keep_fds``: held by the server and its roles."""
+    starts them before its last start-up check (which runs in one), their log in temporary files until
+    ``start_job`` names the run's (``ForkServer.log_to``). ``keep_fds``: held by the servers and their roles."""
     if not cfg.supervisor.fork_roles:
         return None
     if any(os.path.exists(node) for node in GPU_DRIVER_NODES):

@@ -1,11 +1,14 @@
-"""A fork server for ``relayrl up``: roles forked from one interpreter that imported torch once.
+"""Fork servers for ``relayrl up``: roles forked from interpreters that imported torch once.
 
 Every role of a local run is a Python process that imports torch, transformers, datasets and gRPC before it
 does anything else: seconds of a core each, once per role on the way to the first step, and again at every
-restart. The fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
-forks each role from that state. A forked role is still its own OS process in its own session, with its own log,
-environment and command line (``setproctitle``, as vLLM's ``set_process_title`` in vllm/utils/system_utils.py
-names its processes); it runs ``relayrl.cli.main`` exactly as ``python -m relayrl.cli`` would.
+restart. A fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
+forks each role from that state. Two servers share the roles (``SERVER_ROLES``) and import side by side: the
+service server (the start-up checks, the controller, environments) and the model server (the roles that load
+the model: rollout workers and the trainer), so the imports on the way to the first step take two cores, not
+one. A forked role is still its own OS process in its own session, with its own log, environment and command
+line (``setproctitle``, as vLLM's ``set_process_title`` in vllm/utils/system_utils.py names its processes); it
+runs ``relayrl.cli.main`` exactly as ``python -m relayrl.cli`` would.
 
 Contract:
 - Double fork: the role is the grandchild of the server and, once the intermediate process exits, a child of
@@ -18,8 +21,8 @@ Contract:
 - An environment that differs from the server's in anything but ``RUNTIME_ENV`` is not forked
   (``ForkServer.spawn`` returns None and the launcher starts a fresh interpreter): libraries read some variables
   once when they load, OMP_WAIT_POLICY by libgomp when torch loads, for one.
-- The launcher may have a function run in the server (``ForkServer.call``): ``relayrl up``'s start-up checks that
-  import torch and transformers, which its roles import anyway. Its reply is what it raised, if anything.
+- The launcher may have a function run in the service server (``ForkServer.call``): ``relayrl up``'s start-up
+  checks that import torch and transformers, which its roles import anyway. Its reply is what it raised, if any.
 - Random state: CPython reseeds ``random`` in a forked child (``os.register_at_fork``); NumPy's global
   generator is reseeded here from the OS, as a fresh process's is. torch's default seed is a constant.
 """
@@ -53,9 +56,9 @@ ENTRY_MODULE = "relayrl.cli"  # every role's entry point, ``main(argv)``; named,
 RELAY = (sys.executable, "-m", ENTRY_MODULE)  # every role's command line: RELAY + its arguments
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
-# the run's modeling module. The server imports them all, in this order (the launcher asks for the controller
-# first, then the workers, then the trainer), from its start and between requests (``serve``); a role's request
-# waits for its own modules and at most for the one import in progress.
+# the run's modeling module. A server imports those of its roles (SERVER_ROLES), in this order (the launcher asks
+# for the controller first, then the workers, then the trainer), from its start and between requests (``serve``); a
+# role's request waits for its own modules and at most for the one import in progress.
 MODEL = "<modeling module>"
 ROLE_PRELOAD = {
     "controller": ("relayrl.services.controller_server",),
@@ -63,6 +66,8 @@ ROLE_PRELOAD = {
     "trainer": ("relayrl.trainer.loop", MODEL),
     "env": ("relayrl.env.server",),  # the environment's own module is imported by the role
 }
+# server name -> the roles it forks (by their command's first word); any other command goes to the first one
+SERVER_ROLES = {"service": ("controller", "env"), "model": ("rollout", "trainer")}
 # variables read at run time only (by relayrl, torch.distributed's env:// rendezvous, the CUDA driver at cuInit).
 # OMP_NUM_THREADS is one for a role: each sets its torch threads itself (torch.set_num_threads sets OpenMP's and
 # MKL's), and the one library left that reads it at load is NumPy's OpenBLAS, which no role does its math with.
@@ -176,10 +181,13 @@ def _fork_role(request: dict) -> int:
 
 class Preloader:
     """Imports each role's ``ROLE_PRELOAD`` once: the modules of a role that asks (``prepare``), and the next ones
-    in ``ROLE_PRELOAD`` order while the server has nothing else to do (``import_next``)."""
+    of ``roles`` (every role's by default) in ``ROLE_PRELOAD`` order while the server has nothing else to do
+    (``import_next``)."""
 
-    def __init__(self, model_path: str | None) -> None:
-        self.model_path = model_path
+    def __init__(
+        self, model_path: str | None, roles: tuple[str, ...] = tuple(ROLE_PRELOAD), label: str = "fork server"
+    ) -> None:
+        self.model_path, self.roles, self.label = model_path, roles, label  # label: its log lines' prefix
         self.done: set[str] = set()
 
     @functools.cached_property
@@ -189,8 +197,9 @@ class Preloader:
         return modeling_module(self.model_path) if self.model_path else None
 
     def modules(self, role: str | None = None) -> Iterator[str]:
-        """``role``'s modules (every role's, in order, for None), MODEL named, each once."""
-        names = ROLE_PRELOAD.get(role, ()) if role is not None else [n for ns in ROLE_PRELOAD.values() for n in ns]
+        """``role``'s modules (for None, those of every role of ``roles``, in order), MODEL named, each once."""
+        roles = [role] if role is not None else [r for r in ROLE_PRELOAD if r in self.roles]
+        names = [name for r in roles for name in ROLE_PRELOAD.get(r, ())]
         for name in dict.fromkeys(names):
             name = self.model if name == MODEL else name
             if name is not None:
@@ -215,9 +224,9 @@ class Preloader:
         try:
             importlib.import_module(name)
         except Exception as err:  # a module not preloaded is imported by the role itself
-            print(f"fork server: not preloading {name}: {err}", file=sys.stderr, flush=True)
+            print(f"{self.label}: not preloading {name}: {err}", file=sys.stderr, flush=True)
             return
-        print(f"fork server: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+        print(f"{self.label}: imported {name} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
 
 def _move_stderr(path: str) -> dict:
@@ -245,18 +254,25 @@ def _call(request: dict) -> dict:
     return {"ok": True}
 
 
-def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> int:
+def serve(
+    model_path: str | None,
+    requests: IO[bytes],
+    replies: IO[bytes],
+    roles: tuple[str, ...] = tuple(ROLE_PRELOAD),
+    label: str = "fork server",
+) -> int:
     """Answer each request line ``{"args": [...], "env": {...}, "log": path}`` with ``{"pid": n}`` or
     ``{"error": text}``, importing what the role needs first (``Preloader``); ``{"stderr": path}`` moves the
     server's own output there (``_move_stderr``); ``{"call": "module:function", "arg": text}`` runs that function
-    here (``_call``: relayrl up's start-up checks that import torch and transformers, which the roles need too)."""
+    here (``_call``: relayrl up's start-up checks that import torch and transformers, which the roles need too).
+    It preloads the modules of ``roles`` (``Preloader``); ``label`` starts its log lines."""
     stop_with_parent(watchdog_s=None)  # it forks: no thread may run (_fork_role); its roles run their own
     gc.disable()  # no full collections over the growing heap while it imports (relayrl/runtime/gcfreeze.py)
     started = time.monotonic()
     importlib.import_module(ENTRY_MODULE)
-    print(f"fork server: imported {ENTRY_MODULE} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+    print(f"{label}: imported {ENTRY_MODULE} in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
 
-    preloader = Preloader(model_path)
+    preloader = Preloader(model_path, roles, label)
     while True:
         # the launcher waits for each reply before it asks again: a line is never left in ``requests``' buffer,
         # so the pipe tells whether a request waits
@@ -273,12 +289,12 @@ def serve(model_path: str | None, requests: IO[bytes], replies: IO[bytes]) -> in
                 started = time.monotonic()
                 reply = _call(request)
                 took = time.monotonic() - started
-                print(f"fork server: ran {request['call']} in {took:.2f}s", file=sys.stderr, flush=True)
+                print(f"{label}: ran {request['call']} in {took:.2f}s", file=sys.stderr, flush=True)
             else:
                 preloader.prepare(request["args"][0] if request["args"] else "")
                 reply = {"pid": _fork_role(request)}
                 command = " ".join(request["args"][:2])
-                print(f"fork server: forked pid {reply['pid']}: {command}", file=sys.stderr, flush=True)
+                print(f"{label}: forked pid {reply['pid']}: {command}", file=sys.stderr, flush=True)
         except Exception as err:  # a failed fork is answered; the launcher starts the role itself
             reply = {"error": f"{type(err).__name__}: {err}"}
         replies.write(json.dumps(reply).encode() + b"\n")
@@ -325,29 +341,45 @@ class ForkedRole:
 
 @dataclass
 class ForkServer:
-    """The launcher's handle on the fork server (``python -m relayrl.runtime.forkserver``), started with ``env``."""
+    """The launcher's handle on the fork servers (``python -m relayrl.runtime.forkserver``, one per ``SERVER_ROLES``
+    entry), started with ``env``: a role goes to the server of its command's first word."""
 
-    proc: subprocess.Popen
+    servers: dict[str, subprocess.Popen]  # SERVER_ROLES name -> its process
     env: dict[str, str]
     refused: dict[str, list[str]] = field(default_factory=dict)  # role -> why it was started fresh
 
     @classmethod
     def start(cls, model_path: str | None, keep_fds: tuple[int, ...] = ()) -> ForkServer:
-        """Make this process a child subreaper and start the server (it imports while the caller goes on). Its
-        output goes to a temporary file until ``log_to`` names the log (the run directory may not exist yet).
-        ``keep_fds``: descriptors the server and every role it forks hold (the run's lock, runtime.runlock)."""
+        """Make this process a child subreaper and start the servers (they import while the caller goes on). Their
+        output goes to temporary files until ``log_to`` names the log (the run directory may not exist yet).
+        ``keep_fds``: descriptors the servers and every role they fork hold (the run's lock, runtime.runlock)."""
         become_subreaper()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-        argv = [sys.executable, "-m", "relayrl.runtime.forkserver", *(["--model", model_path] if model_path else [])]
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                                    start_new_session=True, pass_fds=keep_fds)  # fmt: skip
-        return cls(proc, {k: v for k, v in env.items() if k != PARENT_ENV})
+        servers = {}
+        for name, roles in SERVER_ROLES.items():
+            argv = [sys.executable, "-m", "relayrl.runtime.forkserver", "--name", name, "--roles", ",".join(roles)]
+            if model_path and set(roles) & {r for r, mods in ROLE_PRELOAD.items() if MODEL in mods}:
+                argv += ["--model", model_path]
+            with tempfile.TemporaryFile() as err:
+                servers[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                                 env=env, start_new_session=True, pass_fds=keep_fds)  # fmt: skip
+        return cls(servers, {k: v for k, v in env.items() if k != PARENT_ENV})
+
+    @property
+    def pids(self) -> set[int]:
+        return {proc.pid for proc in self.servers.values()}
 
     def log_to(self, log: Path) -> None:
-        """Append what the server wrote to its temporary file to ``log``, and its output from now on."""
-        if self.proc.poll() is None:
-            self._ask({"stderr": str(log)})
+        """Append what each server wrote to its temporary file to ``log``, and its output from now on."""
+        for proc in self.servers.values():
+            if proc.poll() is None:
+                _ask(proc, {"stderr": str(log)})
+
+    def server_for(self, args: list[str]) -> subprocess.Popen:
+        """The server of the command ``args`` (relayrl.cli's arguments): by its first word (``SERVER_ROLES``)."""
+        word = args[0] if args else ""
+        name = next((name for name, roles in SERVER_ROLES.items() if word in roles), next(iter(SERVER_ROLES)))
+        return self.servers[name]
 
     def spawn(self, role: str, argv: list[str], env: dict[str, str], log: Path) -> ForkedRole | None:
         """``argv`` (``RELAY`` + arguments) forked with ``env`` and its output appended to ``log``; None when it
@@ -355,55 +387,67 @@ class ForkServer:
         blockers = env_fork_blockers({k: v for k, v in env.items() if k != PARENT_ENV}, self.env)
         if tuple(argv[: len(RELAY)]) != RELAY:
             blockers = ["not a relayrl.cli command"]
-        if blockers or self.proc.poll() is not None:
-            self.refused[role] = blockers or [f"fork server exited with code {self.proc.returncode}"]
+        server = self.server_for(argv[len(RELAY) :])
+        if blockers or server.poll() is not None:
+            self.refused[role] = blockers or [f"fork server exited with code {server.returncode}"]
             return None
-        reply = self._ask({"args": argv[len(RELAY) :], "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)})
+        request = {"args": argv[len(RELAY) :], "env": {**env, PARENT_ENV: str(os.getpid())}, "log": str(log)}
+        reply = _ask(server, request)
         if "pid" not in reply:
             self.refused[role] = [reply["error"]]
             return None
         return ForkedRole(reply["pid"], list(argv))
 
-    def _ask(self, request: dict) -> dict:
-        """One request line, one reply line (``{"error": ...}`` when the server is gone)."""
-        try:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-            return json.loads(self.proc.stdout.readline() or b'{"error": "fork server closed its pipe"}')
-        except (OSError, ValueError) as err:
-            return {"error": f"{type(err).__name__}: {err}"}
-
     def call(self, function: str, arg: str) -> dict:
-        """``function(arg)`` (``function``: ``module:name``) run in the server: its reply (``_call``), or
+        """``function(arg)`` (``function``: ``module:name``) run in the first server: its reply (``_call``), or
         ``{"error": ...}`` when the server is gone."""
-        if self.proc.poll() is not None:
-            return {"error": f"fork server exited with code {self.proc.returncode}"}
-        return self._ask({"call": function, "arg": arg})
+        server = next(iter(self.servers.values()))
+        if server.poll() is not None:
+            return {"error": f"fork server exited with code {server.returncode}"}
+        return _ask(server, {"call": function, "arg": arg})
 
     def kill(self) -> None:
-        """Stop the server now, imports in progress or not (a run refused by its start-up checks)."""
-        self.proc.kill()
-        self.proc.wait()
+        """Stop the servers now, imports in progress or not (a run refused by its start-up checks)."""
+        for proc in self.servers.values():
+            proc.kill()
+            proc.wait()
 
     def close(self) -> None:
-        """Stop the server (roles it forked are not its children and go on)."""
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
+        """Stop the servers (roles they forked are not their children and go on)."""
+        for proc in self.servers.values():
+            if proc.poll() is None:
+                proc.stdin.close()
+        for proc in self.servers.values():
             try:
-                self.proc.wait(timeout=5)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _ask(server: subprocess.Popen, request: dict) -> dict:
+    """One request line to ``server``, one reply line (``{"error": ...}`` when the server is gone)."""
+    try:
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        server.stdin.flush()
+        return json.loads(server.stdout.readline() or b'{"error": "fork server closed its pipe"}')
+    except (OSError, ValueError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m relayrl.runtime.forkserver", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory whose modeling module is preloaded too")
+    parser.add_argument("--name", default="", help="the server's name in its log lines (SERVER_ROLES)")
+    parser.add_argument("--roles", default=",".join(ROLE_PRELOAD), help="the roles whose modules it preloads")
     args = parser.parse_args(argv)
-    return serve(args.model, sys.stdin.buffer, sys.stdout.buffer)
+    label = f"fork server ({args.name})" if args.name else "fork server"
+    roles = tuple(r for r in args.roles.split(",") if r)
+    # the launcher closed the pipe: no interpreter teardown (a collection over every torch object), nothing to flush
+    exit_now(serve(args.model, sys.stdin.buffer, sys.stdout.buffer, roles, label))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

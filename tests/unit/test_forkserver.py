@@ -18,7 +18,14 @@ from relayrl.config import RelayConfig, parse_config
 from relayrl.launcher import modeling_source
 from relayrl.models.assets import prepare_assets
 from relayrl.runtime import forkserver
-from relayrl.runtime.forkserver import ROLE_PRELOAD, Preloader, env_fork_blockers, modeling_module
+from relayrl.runtime.forkserver import (
+    ROLE_PRELOAD,
+    SERVER_ROLES,
+    ForkServer,
+    Preloader,
+    env_fork_blockers,
+    modeling_module,
+)
 
 # The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
 DRIVER = textwrap.dedent(
@@ -48,8 +55,7 @@ DRIVER = textwrap.dedent(
     stat = Path(f"/proc/{role.pid}/stat").read_text().rsplit(")", 1)[1].split()
     out["ppid"], out["sid"], out["pid"] = int(stat[1]), os.getsid(role.pid), role.pid
     out["cmdline"] = Path(f"/proc/{role.pid}/cmdline").read_bytes().replace(b"\\0", b" ").decode().strip()
-    server.proc.kill()  # the server dies; the role it forked goes on
-    server.proc.wait()
+    server.kill()  # the servers die; the role one forked goes on
     time.sleep(1.0)
     out["alive_after_server"] = role.poll() is None
     out["after_server"] = server.spawn("y", [*RELAY, "--help"], env, logs / "y.log")
@@ -111,8 +117,8 @@ def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
     assert out["code"] == 0 and "SIGTERM: shutting down the controller" in log
     # the server's own log: what it wrote before `log_to` named it (its first import), and after (each fork)
     server_log = (logs / "forkserver.log").read_text()
-    assert server_log.startswith("fork server: imported relayrl.cli in "), server_log
-    assert f"fork server: forked pid {out['pid']}: controller serve" in server_log
+    assert re.match(r"fork server \((service|model)\): imported relayrl.cli in ", server_log), server_log
+    assert f"fork server (service): forked pid {out['pid']}: controller serve" in server_log
 
 
 def test_a_gpu_host_or_the_switch_starts_roles_fresh(tmp_path, monkeypatch):
@@ -161,6 +167,30 @@ def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_
             gc.enable()
     every = [name for names in ROLE_PRELOAD.values() for name in names if name != forkserver.MODEL]
     assert events == every
+
+    events.clear()  # a server of some roles only (SERVER_ROLES) imports theirs
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as requests:
+        os.close(write_end)
+        try:
+            forkserver.serve(None, requests, io.BytesIO(), roles=("rollout", "trainer"))
+        finally:
+            gc.enable()
+    model_roles = [*ROLE_PRELOAD["rollout"], *ROLE_PRELOAD["trainer"]]
+    assert events == [name for name in dict.fromkeys(model_roles) if name != forkserver.MODEL]
+
+
+def test_the_roles_that_load_the_model_go_to_one_server_and_every_other_command_to_the_other():
+    """Two servers import side by side (SERVER_ROLES): the model server preloads the modeling module and forks the
+    rollout workers and the trainer; the service server takes the start-up checks and everything else."""
+    servers = ForkServer({name: object() for name in SERVER_ROLES}, env={})
+    assert set(SERVER_ROLES) == {"service", "model"}
+    for args, name in [(["rollout", "serve"], "model"), (["trainer", "launch"], "model"), (["trainer", "run"], "model"),
+                       (["controller", "serve"], "service"), (["env", "serve"], "service"),
+                       (["scorer", "serve"], "service"), ([], "service")]:  # fmt: skip
+        assert servers.server_for(args) is servers.servers[name], args
+    modeled = {role for role, modules in ROLE_PRELOAD.items() if forkserver.MODEL in modules}
+    assert modeled == set(SERVER_ROLES["model"]) and not modeled & set(SERVER_ROLES["service"])
 
 
 class CallsHere:
