@@ -121,7 +121,7 @@ def plot_rewards(metrics_path: Path, out_path: Path, title: str = "") -> Path | 
     ax.set_title(title or metrics_path.parent.name)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)  # fixed: tight_layout draws every label twice
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
@@ -186,8 +186,9 @@ def plot_training(
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(title or metrics_path.parent.name)
-    fig.tight_layout()
+    height = 3.2 * rows  # margins fixed in inches: tight_layout would draw every label twice to measure it
+    fig.suptitle(title or metrics_path.parent.name, y=1 - 0.25 / height)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.9 / height, wspace=0.3, hspace=0.6)
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
