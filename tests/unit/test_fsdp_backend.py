@@ -153,3 +153,30 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tiny
     assert checkpointed_calls > plain_calls, result  # each forward with a gradient ran again in the backward
     assert result["loss"] < 1e-6 and result["grad_norm"] < 1e-5, result
     assert result["weights"] < TOLERANCE, result
+
+
+def test_the_start_up_probes_run_on_one_thread_and_the_threads_come_back(tiny_model_dir, monkeypatch) -> None:
+    """The probes forward a few tokens: on one thread they do not wait in OpenMP's barriers for cores a rollout
+    worker beside them holds (``fsdp.one_thread``); the trainer's own thread count is back for training."""
+    from relayrl.trainer.backends import fsdp
+    from relayrl.trainer.precision import Precision
+
+    class Probed(Exception):
+        """Raised by the last probe: the rest of the load (the world's sharding) is not this test's."""
+
+    def last_probe(model) -> None:
+        seen.append(("layout", torch.get_num_threads()))
+        raise Probed
+
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(fsdp, "head_plan", lambda model: seen.append(("head", torch.get_num_threads())))
+    monkeypatch.setattr(fsdp, "layout_unsupported", last_probe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        precision = Precision.resolve(TrainerConfig(), "auto", torch.device("cpu"))
+        with pytest.raises(Probed):
+            fsdp.load_trained_model(str(tiny_model_dir), precision, torch.device("cpu"))
+        assert seen == [("head", 1), ("layout", 1)] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

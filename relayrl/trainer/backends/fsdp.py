@@ -15,10 +15,11 @@ Contract: every method is called by every rank (they hold collectives), except w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,19 @@ from relayrl.trainer.prefix import SharedPrefix, group_layouts, layout_unsupport
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads at 1 for the block, then as they were: for forwards of a few tokens (the start-up
+    probes), which gain nothing from more threads and, beside a process that takes every core (a rollout worker
+    loading or generating), wait in OpenMP's barriers for the threads the kernel handed to it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def load_trained_model(
     path: str,
     precision: Precision,
@@ -80,13 +94,14 @@ def load_trained_model(
     root under ``precision.fsdp_policy()``. One rank computes under ``precision.autocast`` instead (the caller's).
     Its attention: ``attn_implementation`` (``model.attn_implementation``, relayrl/runtime/attention.py), which
     ``precision.prepare`` may turn into float32 SDPA. A causal LM's fast paths are probed first, on the whole
-    float32 module (``head.head_plan``, ``prefix.layout_unsupported``).
+    float32 module (``head.head_plan``, ``prefix.layout_unsupported``), on one thread (``one_thread``).
     ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
     activation checkpointing, non-reentrant torch.utils.checkpoint)."""
     model = load_with_attention(loader, path, attn_implementation, dtype=precision.params).to(device)
     if model.get_output_embeddings() is not None:
-        head_plan(model)
-        layout_unsupported(model)
+        with one_thread():  # a few tokens each
+            head_plan(model)
+            layout_unsupported(model)
     precision.prepare(model, device)
     log.info("trainer model: %s attention (model.attn_implementation=%s)", resolved(model), attn_implementation)
     model.train(True)
