@@ -41,7 +41,7 @@ from relayrl.controller.ledger import FAILED, FILTERED, PENDING, QUEUED, TERMINA
 from relayrl.controller.pace import Pace
 from relayrl.controller.scoring import ScoredGroup, Scorer
 from relayrl.controller.weight_syncs import WeightSyncLog
-from relayrl.cores.threads import evals_first, generates_on_loaded_weights
+from relayrl.cores.threads import evals_first
 from relayrl.data.dataset import PromptDataset, PromptRecord
 from relayrl.data.vocab import check_teacher_vocab
 from relayrl.episodes.runner import EpisodeRunner
@@ -314,13 +314,13 @@ class Controller:
         so a round begun before it was generated twice (and warned about once a call). Shadow mode swaps the
         weights in between calls, and in-flight updates (``rollout.partial``) let the calls run on over the load:
         nothing is lost by starting at once. Nor in a fresh run whose workers start on the weights they loaded
-        (``generates_on_loaded_weights``): the trainer sends nothing to a worker that holds its starting weights,
-        and rewinds the run where it had to. The trainer's "initial" report, a Rewind
+        (``RelayConfig.starts_on_loaded_weights``): the trainer sends nothing to a worker that holds its starting
+        weights, and rewinds the run where it had to. The trainer's "initial" report, a Rewind
         and each ReportStep set ``exact_version`` (``_set_exact``), so it is >= 0 once the weights are out;
         ``trainer_step``: a run saved before ``exact_version`` existed."""
         progress = self.progress
         interrupts = self.cfg.weight_sync.mode == "pause" and self.cfg.rollout.partial == "off"
-        fresh = progress.trainer_step == 0 and generates_on_loaded_weights(self.cfg)
+        fresh = progress.trainer_step == 0 and self.cfg.starts_on_loaded_weights
         return progress.exact_version >= 0 or progress.trainer_step > 0 or not interrupts or fresh
 
     def _batch_generating_from(self, version: int) -> bool:

@@ -138,17 +138,6 @@ def evals_first(cfg: RelayConfig, *, colocated: bool | None = None) -> bool:
     return colocated and cfg.controller.max_staleness == 0 and shares_cores(cfg)
 
 
-def generates_on_loaded_weights(cfg: RelayConfig, *, colocated: bool | None = None) -> bool:
-    """Whether a fresh run's rollout workers generate on the weights they loaded, before the trainer's starting
-    weights are out (``RelayConfig.starts_on_loaded_weights``): not under ``relayrl up`` with the workers and the
-    trainer on the same cores. There the trainer's start-up (loading the model, its probes) ran beside a generation
-    that takes every core and was starved: on 2 cores SmolLM2-135M's trainer took 9.4 s to load instead of about
-    1.5, and step 1's training started later than when generation waited."""
-    if colocated is None:
-        colocated = os.environ.get(COLOCATED_ENV) == "1"
-    return cfg.starts_on_loaded_weights and not (colocated and shares_cores(cfg))
-
-
 def trainer_env(cfg: RelayConfig) -> dict[str, str]:
     """The OpenMP environment of a trainer started beside its rollout workers (module docstring)."""
     env = {"OMP_NUM_THREADS": str(torch_threads(cfg, "trainer", colocated=True))}

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from relayrl.algorithms.version_mix import version_mix
 from relayrl.config import RelayConfig, TrainerConfig, correction_metrics_of, dump_config
-from relayrl.cores.threads import GenerationFirst, generates_on_loaded_weights, torch_threads
+from relayrl.cores.threads import GenerationFirst, torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
@@ -396,12 +396,12 @@ def run_trainer(
         syncer.start()
 
     # The starting weights go to every worker first (base weights, or the checkpoint's when workers run newer,
-    # lost ones): each worker's load is verified, so the first step may use the engines' logprobs. Where a fresh
-    # run's workers generate on what they loaded meanwhile (generates_on_loaded_weights), one that holds the
+    # lost ones): each worker's load is verified, so the first step may use the engines' logprobs. A fresh run's
+    # workers generate on what they loaded meanwhile (RelayConfig.starts_on_loaded_weights): one that holds the
     # starting weights is sent nothing, and one that had to be sent them makes the run start over (Rewind to 0).
     if backend.lora is not None:
         stage_base(backend, syncer)
-    on_loaded = not resume and generates_on_loaded_weights(cfg)
+    on_loaded = not resume and cfg.starts_on_loaded_weights
     sync = publish_weights(backend, syncer, start_step, skip_holding=on_loaded)
     export_candidate(backend, keeper, start_step, tokenizer)
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)

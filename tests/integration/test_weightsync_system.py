@@ -7,8 +7,6 @@ import signal
 
 import pytest
 
-from relayrl.config import load_config
-from relayrl.cores.threads import generates_on_loaded_weights
 from relayrl.launcher import controller_status
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime import faults
@@ -34,17 +32,14 @@ def loaded_checksums(address: str) -> dict[int, str]:
 def test_a_fresh_run_generates_on_loaded_weights_and_starts_over_where_a_load_was_not_the_trainers(
     make_config, monkeypatch
 ):
-    """A fresh run's workers on cores of their own generate before the trainer's starting weights are out
-    (generates_on_loaded_weights; the CI machine has 2 cores: one each). The trainer sends nothing to a worker whose
-    load is its starting weights (rollout-0: no load of version 0); one whose load differs (rollout-1, its first
-    weight scaled by the rollout.start_weights fault point) is sent them and the run starts over: what the workers
-    generated before is dropped, so every row trained came from the trainer's weights (the engines' logprobs are the
-    trainer's)."""
+    """A fresh run's workers generate before the trainer's starting weights are out (starts_on_loaded_weights). The
+    trainer sends nothing to a worker whose load is its starting weights (rollout-0: no load of version 0); one whose
+    load differs (rollout-1, its first weight scaled by the rollout.start_weights fault point) is sent them and the
+    run starts over: what the workers generated before is dropped, so every row trained came from the trainer's
+    weights (the engines' logprobs are the trainer's)."""
     monkeypatch.setenv(faults.ARM, "rollout.start_weights@rollout-1")
     steps = 3
-    config = make_config("skew", trainer={"steps": steps, "cpus": "0"}, rollout={"cpus": "1"})
-    assert generates_on_loaded_weights(load_config(config), colocated=True)
-    job, cfg = launch(config)
+    job, cfg = launch(make_config("skew", trainer={"steps": steps}))
     try:
         assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
         trainer_log = (cfg.run_dir / "logs" / "trainer.log").read_text()

@@ -18,7 +18,6 @@ from relayrl.config import load_config
 from relayrl.controller.core import Controller
 from relayrl.controller.dispatch import DispatchResult
 from relayrl.controller.ledger import FAILED
-from relayrl.cores.threads import COLOCATED_ENV, generates_on_loaded_weights
 from relayrl.errors import InvalidArgument
 from relayrl.v1 import common_pb2, controller_pb2
 
@@ -69,21 +68,16 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.parametrize("opened_by", ["initial", "rewind"])
-@pytest.mark.parametrize("unchecked", ["verify off", "shared cores"])
-def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(
-    make_config, tmp_path, monkeypatch, opened_by, unchecked
-):
+def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(make_config, tmp_path, opened_by):
     """The trainer's first publish pauses every worker and aborts its calls in flight: under ``relayrl up`` each
-    clean start generated its first round twice, with a warning for each call. Where the workers do not generate on
-    the weights they loaded (``generates_on_loaded_weights``: the trainer cannot tell that a worker holds its
-    starting weights with ``weight_sync.verify: off``; under ``relayrl up`` with the trainer on the workers' cores,
-    its start-up would be starved), production waits for the trainer's "initial" report, or a Rewind (a resumed
-    trainer publishes its checkpoint's weights first); a restarted controller of that run does not wait again."""
-    checks = {"weight_sync": {"verify": "off"}} if unchecked == "verify off" else {}
-    if unchecked == "shared cores":
-        monkeypatch.setenv(COLOCATED_ENV, "1")
-    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}, **checks))
-    assert not generates_on_loaded_weights(cfg)
+    clean start generated its first round twice, with a warning for each call. Where the trainer cannot tell that a
+    worker holds its starting weights already (``weight_sync.verify: off`` here: nothing is compared), production
+    waits for the trainer's "initial" report, or a Rewind (a resumed trainer publishes its checkpoint's weights
+    first); a restarted controller of that run does not wait again."""
+    cfg = load_config(
+        make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}, weight_sync={"verify": "off"})
+    )
+    assert not cfg.starts_on_loaded_weights
     ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
     try:
         time.sleep(1.5)  # the producer polls every 0.5 s: three chances to start too early
@@ -104,7 +98,7 @@ def test_a_fresh_run_in_shadow_mode_or_on_loaded_weights_generates_at_once(make_
     pause mode where the workers start on the weights they loaded (hf engine, verified loads): the trainer sends
     nothing to a worker that holds its starting weights (tests/integration/test_weightsync_system.py)."""
     cfg = load_config(make_config(controller={"dynamic_sampling": False}, weight_sync={"mode": mode}))
-    assert generates_on_loaded_weights(cfg)  # not colocated: this process is no relayrl up role
+    assert cfg.starts_on_loaded_weights
     ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
     try:
         wait_for(lambda: ctl.batches_ready >= 1)
