@@ -1247,15 +1247,6 @@ class RelayConfig(Section):
         return self.trainer.stream != "off" and not stream_blockers(self)
 
     @property
-    def starts_on_loaded_weights(self) -> bool:
-        """A fresh run's rollout workers generate on the weights they loaded, before the trainer's starting weights
-        are out: the hf engine can fingerprint what it loaded, the trainer's first publish skips a worker that holds
-        its starting weights already and rewinds the run when it had to send them to one (the rows generated
-        before are dropped). Not with ``weight_sync.verify: off`` (nothing is compared) or a LoRA adapter (its base
-        and adapter go out apart)."""
-        return self.rollout.engine == "hf" and self.weight_sync.verify != "off" and self.model.lora is None
-
-    @property
     def run_dir(self) -> Path:
         return self.run.path
 
@@ -1371,15 +1362,6 @@ class SFTConfig(Section):
     data: SFTDataConfig
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
     eval: SFTEvalConfig | None = None  # the RL loop's eval sets on the checkpoints (absent: held-out loss only)
-
-    @property
-    def starts_on_loaded_weights(self) -> bool:
-        """A fresh run's rollout workers generate on the weights they loaded, before the trainer's starting weights
-        are out: the hf engine can fingerprint what it loaded, the trainer's first publish skips a worker that holds
-        its starting weights already and rewinds the run when it had to send them to one (the rows generated
-        before are dropped). Not with ``weight_sync.verify: off`` (nothing is compared) or a LoRA adapter (its base
-        and adapter go out apart)."""
-        return self.rollout.engine == "hf" and self.weight_sync.verify != "off" and self.model.lora is None
 
     @property
     def run_dir(self) -> Path:

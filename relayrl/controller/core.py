@@ -313,15 +313,12 @@ class Controller:
         """Rollouts wait for the trainer's starting weights in pause mode: their load aborts every call in flight,
         so a round begun before it was generated twice (and warned about once a call). Shadow mode swaps the
         weights in between calls, and in-flight updates (``rollout.partial``) let the calls run on over the load:
-        nothing is lost by starting at once. Nor in a fresh run whose workers start on the weights they loaded
-        (``RelayConfig.starts_on_loaded_weights``): the trainer sends nothing to a worker that holds its starting
-        weights, and rewinds the run where it had to. The trainer's "initial" report, a Rewind
+        nothing is lost by starting at once. The trainer's "initial" report, a Rewind
         and each ReportStep set ``exact_version`` (``_set_exact``), so it is >= 0 once the weights are out;
         ``trainer_step``: a run saved before ``exact_version`` existed."""
         progress = self.progress
         interrupts = self.cfg.weight_sync.mode == "pause" and self.cfg.rollout.partial == "off"
-        fresh = progress.trainer_step == 0 and self.cfg.starts_on_loaded_weights
-        return progress.exact_version >= 0 or progress.trainer_step > 0 or not interrupts or fresh
+        return progress.exact_version >= 0 or progress.trainer_step > 0 or not interrupts
 
     def _batch_generating_from(self, version: int) -> bool:
         """The batch trained from ``version`` (step ``version`` + 1) generates now, or may start to."""

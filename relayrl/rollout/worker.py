@@ -121,16 +121,6 @@ def fault_injection(worker_id: str, version: int):
     return die
 
 
-def skew_loaded_weights(engine: InferenceEngine) -> None:
-    """The ``rollout.start_weights`` fault point (relayrl/runtime/faults.py): the engine's first weight scaled by 1.5,
-    so that what the worker loaded is not the trainer's starting weights."""
-    name, weight = next(iter(engine.named_weights()))
-    with torch.no_grad():
-        weight.mul_(1.5)
-    engine.weights_changed()
-    log.error("fault point rollout.start_weights: %s scaled by 1.5 after loading", name)
-
-
 class RolloutWorker:
     """Engine + version + admission control. Thread-safe; the servicer is a thin layer over it."""
 
@@ -165,8 +155,6 @@ class RolloutWorker:
         self.engine_receives = bool(getattr(engine, "receives_weights_itself", False))
         if self.engine_receives and mode != "pause":
             raise ValueError(f"weight_sync.mode: the {engine.name} engine supports 'pause' only, got {mode!r}")
-        if faults.armed("rollout.start_weights", worker_id):
-            skew_loaded_weights(engine)
 
     @property
     def reported_version(self) -> int:

@@ -1,4 +1,4 @@
-"""Fault points: the places where a test may make a role die or go wrong on purpose. Off unless a test arms one.
+"""Fault points: the places where a test may make a role die on purpose. Off unless a test arms one.
 
 A fault point is a named place in the product where a crash shows whether the rest of the system copes: a rollout
 worker dying in the middle of a weight load, the controller dying in the middle of a ledger write. Nothing happens
@@ -12,8 +12,6 @@ at a point unless the role's environment arms it:
 Points (``point``: its key; where it fires):
 
 - ``rollout.load``: ``<worker id>/<version>``; once the worker received the first chunk of that version.
-- ``rollout.start_weights``: ``<worker id>``; once the worker loaded the model, its first weight is scaled by 1.5
-  (a load that is not the trainer's starting weights). The worker does not exit: it serves on.
 - ``ledger.write``: ``<state>/<step>``; in the controller ledger's write of the events of that state and step, after
   about half of its bytes (the middle of the line holding the middle byte): a torn last line.
 
@@ -28,7 +26,7 @@ from typing import NoReturn
 
 ARM = "RELAYRL_FAULT"
 ONCE = "RELAYRL_FAULT_ONCE"
-POINTS = ("rollout.load", "rollout.start_weights", "ledger.write")
+POINTS = ("rollout.load", "ledger.write")
 EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
 
 

@@ -165,12 +165,9 @@ def save_checkpoint(backend, run_dir: Path, step: int, cursor: int, cfg: Trainer
         prune_checkpoints(directory.parent, cfg.save_total_limit)
 
 
-def publish_weights(
-    backend, syncer: OnDemandSync | None, version: int, *, skip_holding: bool = False
-) -> SyncResult | None:
+def publish_weights(backend, syncer: OnDemandSync | None, version: int) -> SyncResult | None:
     """Collective: every rank gathers the weights (with LoRA: the adapter's); rank 0 (the one with a syncer)
-    gathers them into the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks),
-    sending nothing to a worker that holds them already with ``skip_holding`` (``WeightPublisher.publish``)."""
+    gathers them into the publisher's arena and publishes ``version`` (its SyncResult; None on other ranks)."""
     if backend.lora is not None:
         gather = partial(backend.gather_weights, kind="adapter")
         if syncer is None:
@@ -180,13 +177,7 @@ def publish_weights(
     if syncer is None:
         backend.gather_weights(None)
         return None
-    return syncer.publish(version, backend.weight_specs(), backend.gather_weights, skip_holding=skip_holding)
-
-
-def say_held(held: list[str]) -> None:
-    """Log the workers the first publish sent nothing, as they held the starting weights (``skip_holding``)."""
-    if held:
-        log.info("starting weights: held by %s already (nothing sent)", ", ".join(held))
+    return syncer.publish(version, backend.weight_specs(), backend.gather_weights)
 
 
 def stage_base(backend, syncer: OnDemandSync | None) -> None:
@@ -396,27 +387,15 @@ def run_trainer(
         syncer.start()
 
     # The starting weights go to every worker first (base weights, or the checkpoint's when workers run newer,
-    # lost ones): each worker's load is verified, so the first step may use the engines' logprobs. A fresh run's
-    # workers generate on what they loaded meanwhile (RelayConfig.starts_on_loaded_weights): one that holds the
-    # starting weights is sent nothing, and one that had to be sent them makes the run start over (Rewind to 0).
+    # lost ones): each worker's load is verified, so the first step may use the engines' logprobs.
     if backend.lora is not None:
         stage_base(backend, syncer)
-    on_loaded = not resume and cfg.starts_on_loaded_weights
-    sync = publish_weights(backend, syncer, start_step, skip_holding=on_loaded)
+    sync = publish_weights(backend, syncer, start_step)
     export_candidate(backend, keeper, start_step, tokenizer)
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
         call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
-    elif rank == 0 and on_loaded and (sent := sorted(set(sync.synced) - set(sync.held))):
-        say_held(sync.held)
-        log.warning(
-            "starting weights sent to %s (its load differed): what the workers generated before is dropped (the "
-            "run starts over at step 0)", ", ".join(sent),
-        )  # fmt: skip
-        rewind = controller_pb2.RewindRequest(step=0, cursor=0, synced_worker_ids=sync.synced)
-        call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
     elif rank == 0:  # the workers whose load of the starting weights was verified: a streamed step 1 uses them
-        say_held(sync.held)
         initial = controller_pb2.ReportWeightSyncRequest(
             policy_version=start_step, seconds=sync.seconds, synced_worker_ids=sync.synced, reason="initial"
         )

@@ -67,16 +67,13 @@ class OnDemandSync:
         specs: Sequence[Spec],
         gather: Callable[[Mapping[str, torch.Tensor]], None],
         kind: str = "full",
-        *,
-        skip_holding: bool = False,
     ) -> SyncResult:
         """The per-step publish (every live worker): ``gather(views)`` fills the publisher's arena for
-        ``specs`` (of ``kind``), which is then sent (``WeightPublisher.publish``, ``skip_holding`` as there) and
-        remembered for later pushes."""
+        ``specs`` (of ``kind``), which is then sent and remembered for later pushes."""
         with self.lock:
             arena = self.publisher.arena_for(specs, kind)
             gather(dict(arena.views()))
-            result = self.publisher.publish(version, arena, kind=kind, skip_holding=skip_holding)
+            result = self.publisher.publish(version, arena, kind=kind)
             self._weights, self._version, self._kind = arena, version, kind
             self._remember(result)
         return result

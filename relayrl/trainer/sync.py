@@ -28,7 +28,6 @@ joins or restarts (a new address) later. ``SyncResult.nbytes`` counts both.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -70,7 +69,6 @@ class SyncResult:
     checksum: str
     nbytes: int  # payload bytes sent: the update's, plus the base weights' when some member needed them (LoRA)
     plan_wait_seconds: float = 0.0  # waiting for the controller's plan (a control-plane outage), not in `seconds`
-    held: list[str] = dataclasses.field(default_factory=list)  # of `synced`, those sent nothing: they held the weights
 
 
 class WeightPublisher:
@@ -164,20 +162,12 @@ class WeightPublisher:
         return {}
 
     def publish(
-        self,
-        version: int,
-        weights: WeightArena,
-        only: set[str] | None = None,
-        kind: str = "full",
-        *,
-        skip_holding: bool = False,
+        self, version: int, weights: WeightArena, only: set[str] | None = None, kind: str = "full"
     ) -> SyncResult:
         """Bring every live worker (or the workers in ``only``) to ``version`` of ``weights`` (an arena from
         ``arena_for``; ``kind`` as in its manifest: "full", or with LoRA "adapter", preceded by the base where a
         member lacks it, or "base"). Never raises for a worker's failure; reports it. ``seconds`` is the update's
-        own time: the wait for the controller's plan (it may be restarting) is ``plan_wait_seconds``.
-        ``skip_holding`` (full weights): a worker at ``version`` whose live weights already are ``weights``
-        (``_holding``) is sent nothing and counts as synced (``SyncResult.held``)."""
+        own time: the wait for the controller's plan (it may be restarting) is ``plan_wait_seconds``."""
         start = time.perf_counter()
         plan_wait, base_bytes = 0.0, 0
         manifest = weights.manifest.with_header(
@@ -190,10 +180,8 @@ class WeightPublisher:
         )
         failed: dict[str, str] = {}
         synced: list[str] = []
-        held: set[str] = set()
-        sent = False
         checksum = manifest.checksum  # out of band; in band it comes from the transfer, if one happens
-        for attempt in range(3):
+        for _attempt in range(3):
             asked = time.perf_counter()
             plan = call_with_retry(
                 partial(
@@ -209,10 +197,6 @@ class WeightPublisher:
             # a receiver that cannot be reached is left out before the broadcast, which would wait for it
             failed.update(self._unreachable({w.worker_id: w.address for w in planned}))
             members = [(w.worker_id, w.address) for w in planned if w.worker_id not in failed]
-            if skip_holding and kind == "full" and attempt == 0:
-                at_version = {w.worker_id for w in planned if w.policy_version == version}
-                held = self._holding([m for m in members if m[0] in at_version], weights)
-                members = [m for m in members if m[0] not in held]
             lacking = {wid for wid, addr in members if (wid, addr) not in self._base_holders}
             if kind == "adapter" and lacking:
                 base = self.publish(version, self._arenas["base"], only=lacking, kind="base")
@@ -222,7 +206,6 @@ class WeightPublisher:
                 members = [m for m in members if m in self._base_holders]
             if not members:
                 break
-            sent = True
             if self.cfg.transport == "filesystem":
                 write_weights(self.weights_dir, manifest, dict(weights.views()))
                 outcome, checksum = self._update(members, manifest, None, weights)
@@ -243,25 +226,7 @@ class WeightPublisher:
         for wid, reason in failed.items():
             self.repeats.warn(f"left out {wid}", "weight sync v%d: worker %s left out: %s", version, wid, reason)
         seconds = time.perf_counter() - start - plan_wait
-        nbytes = (manifest.total_bytes if sent else 0) + base_bytes
-        synced = sorted(held | set(synced))
-        return SyncResult(version, seconds, synced, failed, checksum, nbytes, plan_wait, sorted(held))
-
-    def _holding(self, members: list[tuple[str, str]], weights: WeightArena) -> set[str]:
-        """Of ``members`` (id, address), those whose live weights already are ``weights``: their full fingerprint
-        (a Stats probe with the checksum, within the probe's deadline) is the arena's. One that does not answer is
-        sent the weights as usual (and fails there if it is gone)."""
-        if not members:
-            return set()
-        own = weights_checksum(weights.views(), method="fingerprint")
-        request = rollout_pb2.StatsRequest(with_checksum=True)
-        probes = {wid: self._stub(addr).Stats.future(request, timeout=self._probe_s) for wid, addr in members}
-        held = set()
-        for wid, probe in probes.items():
-            with contextlib.suppress(grpc.RpcError):
-                if probe.result().weights_checksum == own:
-                    held.add(wid)
-        return held
+        return SyncResult(version, seconds, synced, failed, checksum, manifest.total_bytes + base_bytes, plan_wait)
 
     def _verification(self, version: int, weights: WeightArena) -> dict[str, str | int]:
         """The manifest's header fields that say how receivers check update ``version`` (module docstring)."""

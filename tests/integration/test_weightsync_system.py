@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 
 import pytest
@@ -27,33 +26,6 @@ def spawn_worker(job, name: str, env: dict[str, str] | None = None):
 def loaded_checksums(address: str) -> dict[int, str]:
     stub = rollout_pb2_grpc.RolloutServiceStub(open_channel(address))
     return {v.policy_version: v.checksum for v in stub.Stats(rollout_pb2.StatsRequest(), timeout=10).loaded}
-
-
-def test_a_fresh_run_generates_on_loaded_weights_and_starts_over_where_a_load_was_not_the_trainers(
-    make_config, monkeypatch
-):
-    """A fresh run's workers generate before the trainer's starting weights are out (starts_on_loaded_weights). The
-    trainer sends nothing to a worker whose load is its starting weights (rollout-0: no load of version 0); one whose
-    load differs (rollout-1, its first weight scaled by the rollout.start_weights fault point) is sent them and the
-    run starts over: what the workers generated before is dropped, so every row trained came from the trainer's
-    weights (the engines' logprobs are the trainer's)."""
-    monkeypatch.setenv(faults.ARM, "rollout.start_weights@rollout-1")
-    steps = 3
-    job, cfg = launch(make_config("skew", trainer={"steps": steps}))
-    try:
-        assert wait_exit(job, "trainer") == 0, tail(job, "trainer")
-        trainer_log = (cfg.run_dir / "logs" / "trainer.log").read_text()
-        assert "starting weights: held by rollout-0 already (nothing sent)" in trainer_log, trainer_log
-        assert "starting weights sent to rollout-1 (its load differed)" in trainer_log, trainer_log
-        undone = re.search(r"rewound to step 0 \(cursor 0\): (\d+) prompts undone", tail(job, "controller"))
-        assert undone and int(undone[1]) > 0  # the workers had generated before the trainer's weights were out
-        records = read_metrics(cfg.run_dir / "metrics.jsonl")
-        assert [r["step"] for r in records] == list(range(1, steps + 1)) and records[0]["data_cursor_start"] == 0
-        assert all(r["logprob_mismatch_max"] < 1e-5 for r in records), [r["logprob_mismatch_max"] for r in records]
-        workers = {w.worker_id: w.address for w in controller_status(job.controller_address).workers}
-        assert 0 not in loaded_checksums(workers["rollout-0"]) and 0 in loaded_checksums(workers["rollout-1"])
-    finally:
-        job.stop()
 
 
 def test_joining_worker_serves_the_current_version_from_its_first_trajectory(make_config):

@@ -70,14 +70,10 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 @pytest.mark.parametrize("opened_by", ["initial", "rewind"])
 def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(make_config, tmp_path, opened_by):
     """The trainer's first publish pauses every worker and aborts its calls in flight: under ``relayrl up`` each
-    clean start generated its first round twice, with a warning for each call. Where the trainer cannot tell that a
-    worker holds its starting weights already (``weight_sync.verify: off`` here: nothing is compared), production
-    waits for the trainer's "initial" report, or a Rewind (a resumed trainer publishes its checkpoint's weights
-    first); a restarted controller of that run does not wait again."""
-    cfg = load_config(
-        make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}, weight_sync={"verify": "off"})
-    )
-    assert not cfg.starts_on_loaded_weights
+    clean start generated its first round twice, with a warning for each call. Production now waits for the
+    trainer's "initial" report, or a Rewind (a resumed trainer publishes its checkpoint's weights first); a
+    restarted controller of that run does not wait again."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, trainer={"steps": 5}))
     ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
     try:
         time.sleep(1.5)  # the producer polls every 0.5 s: three chances to start too early
@@ -92,13 +88,9 @@ def test_a_fresh_run_in_pause_mode_generates_once_the_starting_weights_are_out(m
     assert json.loads((tmp_path / "state" / "state.json").read_text())["exact_version"] == 0  # what opens production
 
 
-@pytest.mark.parametrize("mode", ["shadow", "pause"])
-def test_a_fresh_run_in_shadow_mode_or_on_loaded_weights_generates_at_once(make_config, tmp_path, mode) -> None:
-    """Shadow mode swaps new weights in between calls: rows in flight are never aborted, so nothing waits. Nor in
-    pause mode where the workers start on the weights they loaded (hf engine, verified loads): the trainer sends
-    nothing to a worker that holds its starting weights (tests/integration/test_weightsync_system.py)."""
-    cfg = load_config(make_config(controller={"dynamic_sampling": False}, weight_sync={"mode": mode}))
-    assert cfg.starts_on_loaded_weights
+def test_a_fresh_run_in_shadow_mode_generates_at_once(make_config, tmp_path) -> None:
+    """Shadow mode swaps new weights in between calls: rows in flight are never aborted, so nothing waits."""
+    cfg = load_config(make_config(controller={"dynamic_sampling": False}, weight_sync={"mode": "shadow"}))
     ctl = started(cfg, tmp_path, ScriptedDispatcher(cfg.rollout.n), published=False)
     try:
         wait_for(lambda: ctl.batches_ready >= 1)

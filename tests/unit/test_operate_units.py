@@ -310,7 +310,7 @@ class FakePublisher:
     def arena_for(self, specs, kind="full"):
         return WeightArena(build_manifest(specs, version=0))
 
-    def publish(self, version, weights, only=None, kind="full", skip_holding=False):
+    def publish(self, version, weights, only=None, kind="full"):
         self.calls.append((version, only))
         return SyncResult(version, 0.01, sorted(only or {"w0", "w1"}), {}, "sum", 8)
 
@@ -355,7 +355,7 @@ def test_on_demand_pushes_joiners_once_and_answers_operator_requests():
 
 def test_on_demand_backs_off_from_a_joiner_that_fails():
     publisher, stub = FakePublisher(), mock.MagicMock()
-    publisher.publish = lambda version, weights, only=None, kind="full", skip_holding=False: SyncResult(
+    publisher.publish = lambda version, weights, only=None, kind="full": SyncResult(
         version, 0.0, [], {"bad": "refused"}, "", 0
     )
     syncer = OnDemandSync(publisher, stub, interval_s=30.0)
