@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -257,7 +258,9 @@ class WeightPublisher:
         }
         send_error, expected = None, manifest.checksum
         with ThreadPoolExecutor(1, thread_name_prefix="update-watch") as pool:
-            watch = pool.submit(self._answers, futures, dict(members))
+            # a member whose call fails mid-broadcast (a receiver that died) closes the group: the others, waiting
+            # for chunks a dead relay will never pass on, fail now instead of at the group's timeout
+            watch = pool.submit(self._answers, futures, dict(members), group.close if group is not None else None)
             if group is not None:
                 try:
                     expected = self.sender.send(group, manifest, weights).checksum or expected
@@ -287,12 +290,13 @@ class WeightPublisher:
         return outcome, expected
 
     def _answers(
-        self, calls: dict[str, grpc.Future], addresses: dict[str, str]
+        self, calls: dict[str, grpc.Future], addresses: dict[str, str], on_failure: Callable[[], None] | None = None
     ) -> dict[str, rollout_pb2.UpdateWeightsResponse | str]:
         """Each member's UpdateWeights answer, or why it has none. While calls are out, the members that have
         not answered by the end of each probe period are probed (``_unreachable``); one that misses its probe
         is left out at once, its call cancelled: a worker frozen during an update costs at most two probe
-        periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe."""
+        periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe. ``on_failure`` is called
+        once, when a call fails while others are still out."""
         answered = threading.Event()
         for call in calls.values():
             call.add_done_callback(lambda _call: answered.set())
@@ -303,6 +307,9 @@ class WeightPublisher:
             answered.clear()
             for wid in [wid for wid, call in pending.items() if call.done()]:
                 answers[wid] = _answer(pending.pop(wid))
+                if isinstance(answers[wid], str) and pending and on_failure is not None:
+                    on_failure()
+                    on_failure = None
             if not pending or answered.wait(max(0.0, next_probe - time.monotonic())):
                 continue  # a call ended: collect it; the probe period runs on
             for wid, why in self._unreachable({wid: addresses[wid] for wid in pending}).items():

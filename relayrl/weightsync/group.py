@@ -156,7 +156,7 @@ class WeightBroadcastGroup:
         options.rootTensor = 0
         options.timeout = self._timeout
         try:
-            return self._pg.broadcast([tensor], options)
+            return self._live().broadcast([tensor], options)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
 
@@ -179,7 +179,7 @@ class WeightBroadcastGroup:
         options.reduceOp = dist.ReduceOp.MAX
         options.timeout = self._timeout
         try:
-            work = self._pg.allreduce([flag], options)
+            work = self._live().allreduce([flag], options)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
         self.wait(work)
@@ -190,21 +190,31 @@ class WeightBroadcastGroup:
         self.all_ok(True)
 
     def close(self) -> None:
-        """Abort the backend's connections and drop the store; the group is unusable afterwards."""
-        if self._pg is not None:
-            self._pg.abort()
-        self._pg = None
-        self._store = None
+        """Abort the backend's connections and drop the store; the group is unusable afterwards. Another thread
+        may call it while one sends: that send fails (WeightSyncError) instead of waiting for the timeout."""
+        pg, self._pg = self._pg, None
         self.broken = True
+        if pg is not None:
+            pg.abort()
+        self._store = None
 
     def _check_usable(self) -> None:
         if self.broken or self._pg is None:
             raise WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
 
+    def _live(self):
+        """The backend, or WeightSyncError when the group was closed meanwhile (by another thread)."""
+        pg = self._pg
+        if pg is None:
+            raise WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
+        return pg
+
     def _fail(self, exc: RuntimeError) -> WeightSyncError:
         """Abort the backend (unblocks its threads, fails pending work) and classify the error."""
         self.broken = True
-        self._pg.abort()
+        pg = self._pg
+        if pg is not None:
+            pg.abort()
         return _classify(f"weight group {self.group_name!r} rank {self.rank}", exc)
 
     def __enter__(self) -> WeightBroadcastGroup:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -371,3 +372,50 @@ def test_manifest_builder_reuses_the_layout_until_the_specs_change() -> None:
     assert second.layout_id == first.layout_id == build_manifest(SPECS, version=5, bucket_bytes=512).layout_id
     changed = builder.build([*SPECS[:-1], ("k", (4, 9), torch.bfloat16)], version=3)
     assert changed.layout_id != first.layout_id
+
+
+class CallFailed(grpc.RpcError):
+    """A failed UpdateWeights call, as grpc reports one (``code``, ``details``)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Socket closed"
+
+
+def test_a_call_that_fails_while_others_are_out_closes_the_group_once_and_theirs_end() -> None:
+    """A receiver that died mid-broadcast fails its call at once, while a live one may wait for chunks a dead relay
+    never passes on: ``_answers`` calls ``on_failure`` (the publisher closes the group), once, so that the live
+    receiver fails now instead of at the group's timeout; with nothing left out, or no failure, it is not called."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from relayrl.trainer.sync import WeightPublisher
+    from relayrl.v1 import rollout_pb2
+
+    publisher = SimpleNamespace(_probe_s=30.0, _unreachable=lambda workers: {})  # no probe period ends here
+
+    def answers(outcomes: dict[str, object], closes: list[str]) -> dict:
+        calls = {wid: Future() for wid in outcomes}
+
+        def close() -> None:  # the live receivers' calls end once the group is gone
+            closes.append("close")
+            for wid, outcome in outcomes.items():
+                if not calls[wid].done():
+                    calls[wid].set_exception(CallFailed()) if outcome == "blocked" else calls[wid].set_result(outcome)
+
+        for wid, outcome in outcomes.items():
+            if isinstance(outcome, Exception):
+                calls[wid].set_exception(outcome)
+            elif outcome != "blocked":
+                calls[wid].set_result(outcome)
+        return WeightPublisher._answers(publisher, calls, dict.fromkeys(outcomes, "addr"), close)
+
+    closes: list[str] = []
+    got = answers({"dead": CallFailed(), "live": "blocked"}, closes)
+    assert got == {"dead": "UNAVAILABLE: Socket closed", "live": "UNAVAILABLE: Socket closed"} and closes == ["close"]
+    closes.clear()
+    loaded = rollout_pb2.UpdateWeightsResponse(policy_version=1)
+    assert answers({"a": loaded, "b": loaded}, closes) == {"a": loaded, "b": loaded} and closes == []
+    assert answers({"only": CallFailed()}, closes) == {"only": "UNAVAILABLE: Socket closed"} and closes == []
