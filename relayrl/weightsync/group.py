@@ -150,13 +150,13 @@ class WeightBroadcastGroup:
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start broadcasting ``tensor`` from rank ``src``; finish it with ``wait``."""
-        self._check_usable()
+        pg = self._live()
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
         options.timeout = self._timeout
         try:
-            return self._live().broadcast([tensor], options)
+            return pg.broadcast([tensor], options)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
 
@@ -173,13 +173,13 @@ class WeightBroadcastGroup:
 
     def all_ok(self, ok: bool) -> bool:
         """Collective vote: True iff every rank passed ok=True (an allreduce-MAX of failure flags)."""
-        self._check_usable()
+        pg = self._live()
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         options.timeout = self._timeout
         try:
-            work = self._live().allreduce([flag], options)
+            work = pg.allreduce([flag], options)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
         self.wait(work)
@@ -198,14 +198,11 @@ class WeightBroadcastGroup:
             pg.abort()
         self._store = None
 
-    def _check_usable(self) -> None:
-        if self.broken or self._pg is None:
-            raise WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
-
     def _live(self):
-        """The backend, or WeightSyncError when the group was closed meanwhile (by another thread)."""
+        """The backend, or WeightSyncError when the group is broken or closed. A ``close`` on another thread after
+        this aborts the backend, so the collective begun on it fails (``_fail``) rather than hangs."""
         pg = self._pg
-        if pg is None:
+        if self.broken or pg is None:
             raise WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
         return pg
 
