@@ -399,11 +399,11 @@ def test_a_call_that_fails_while_others_are_out_closes_the_group_once_and_theirs
     def answers(outcomes: dict[str, object], closes: list[str]) -> dict:
         calls = {wid: Future() for wid in outcomes}
 
-        def close() -> None:  # the live receivers' calls end once the group is gone
+        def close() -> None:  # the blocked receivers' calls fail once the group is gone
             closes.append("close")
-            for wid, outcome in outcomes.items():
-                if not calls[wid].done():
-                    calls[wid].set_exception(CallFailed()) if outcome == "blocked" else calls[wid].set_result(outcome)
+            for call in calls.values():
+                if not call.done():
+                    call.set_exception(CallFailed())
 
         for wid, outcome in outcomes.items():
             if isinstance(outcome, Exception):
