@@ -60,6 +60,8 @@ def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConf
         _refuse_busy(port_flag, cfg.controller.host, cfg.controller.port)
     elif port_flag is not None:
         _refuse_busy(port_flag, getattr(args, "host", cfg.controller.host), args.port)
+    if getattr(args, "metrics_port", None):
+        _refuse_busy("--metrics-port", "0.0.0.0", args.metrics_port)  # MetricsEndpoint's host
     for path in prepare_assets(cfg):
         print(f"built {path}", file=sys.stderr)
     configure_client(cfg.security)

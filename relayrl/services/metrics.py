@@ -19,6 +19,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from relayrl.config import ConfigError
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0)
 
 
@@ -234,7 +236,10 @@ class MetricsEndpoint:
         if not self.port:
             return
         self.registry.register(collector)
-        self._http, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        try:
+            self._http, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        except OSError as err:  # taken since the start-up check (relayrl/cli.py): the same one line
+            raise ConfigError(f"--metrics-port: {self.host}:{self.port} is in use ({err.strerror})") from None
 
     def stop(self) -> None:
         if self._http is not None:

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_slurm_hetjob import LOCAL_CLUSTER, Cluster, _free_port_run, _install_skip_reason
+from test_slurm_hetjob import LOCAL_CLUSTER, Cluster, _install_skip_reason
+
+from relayrl.runtime.ports import free_port
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +33,7 @@ def cluster():
     env = {
         **os.environ,
         "RELAYRL_SLURM_DIR": str(base),
-        "RELAYRL_SLURM_PORT_BASE": str(_free_port_run(4)),  # slurmctld's, then a slurmd's per node
+        "RELAYRL_SLURM_PORT_BASE": str(free_port("0.0.0.0", count=4)),  # slurmctld's, then a slurmd's per node
         "RELAYRL_SLURM_NODES": "3",  # a het job's components share no node: a third group needs a third node
         "RELAYRL_SLURM_CPUS": str(max(4, os.cpu_count() or 1)),
         "SLURM_CONF": str(base / "etc" / "slurm.conf"),

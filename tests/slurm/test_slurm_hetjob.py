@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from relayrl.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CLUSTER = REPO / "deploy" / "slurm" / "local-cluster.sh"
@@ -59,30 +60,6 @@ def _install_skip_reason() -> str | None:
     if shutil.which("apt-get") is None:
         return "Slurm is not installed and there is no apt-get to install it with"
     return None
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free (slurmctld, then one port per slurmd)."""
-    for _ in range(200):
-        p = _free_port()
-        if p + n < 65536 and all(_port_free(p + i) for i in range(n)):
-            return p
-    raise RuntimeError("no run of free ports found")
 
 
 @dataclass
@@ -185,11 +162,11 @@ def _relayrl_env(run_dir: Path, config: str) -> dict[str, str]:
         "RELAYRL_CONFIG": config,
         "RELAYRL_RUN_DIR": str(run_dir),
         "RELAYRL_PYTHON": sys.executable,
-        "RELAYRL_CONTROLLER_PORT": str(_free_port()),
-        "RELAYRL_CONTROLLER_METRICS_PORT": str(_free_port()),
-        "RELAYRL_ROLLOUT_PORT": str(_free_port_run(2)),
-        "RELAYRL_ROLLOUT_METRICS_PORT": str(_free_port_run(2)),
-        "RELAYRL_MASTER_PORT": str(_free_port()),
+        "RELAYRL_CONTROLLER_PORT": str(free_port("0.0.0.0")),
+        "RELAYRL_CONTROLLER_METRICS_PORT": str(free_port("0.0.0.0")),
+        "RELAYRL_ROLLOUT_PORT": str(free_port("0.0.0.0", count=2)),
+        "RELAYRL_ROLLOUT_METRICS_PORT": str(free_port("0.0.0.0", count=2)),
+        "RELAYRL_MASTER_PORT": str(free_port("0.0.0.0")),
         "RELAYRL_STOP_GRACE": "30",
     }
 
@@ -414,7 +391,7 @@ def test_relayrl_sbatch_serves_a_scorer_in_a_third_het_group_and_restarts_it_kil
     controller again (the stub trainer waits for that second join), and the job COMPLETES; the restart is counted
     where `relayrl status` reads it, and the restarted scorer is stopped with SIGTERM at the end."""
     (stub_workdir / "config.yaml").write_text("run: {name: stub}\nscorers: {rm: {model: m}}\n")
-    env = {"RELAYRL_SCORER_HET_GROUP": "2", "RELAYRL_SCORER_PORT": str(_free_port())}
+    env = {"RELAYRL_SCORER_HET_GROUP": "2", "RELAYRL_SCORER_PORT": str(free_port("0.0.0.0"))}
     env |= {"RELAYRL_STUB_TRAINER_SCORER_JOINS": "2", "RELAYRL_RESTART_BACKOFF": "0.2"}
     groups = (":", "--nodes=1", ":", "--nodes=1")  # a third het group, of one node, for the scorer
     job = _kill_a_step_mid_run(cluster, tmp_path, stub_workdir, "relayrl-reward-rm", "scorer rm ", env, args=groups)
@@ -461,7 +438,7 @@ def test_relayrl_hetjob(cluster: Cluster, tmp_path: Path):
     # as many rollout workers as `relayrl up` would start, all on the rollout node
     workers = (raw.get("rollout") or {}).get("workers", 1)
     sizes = (f"--ntasks-per-node={workers}", ":", "--nodes=1")
-    env = {"RELAYRL_SCORER_PORT": str(_free_port()), "RELAYRL_SCORER_METRICS_PORT": str(_free_port())}
+    env = {"RELAYRL_SCORER_PORT": str(free_port("0.0.0.0")), "RELAYRL_SCORER_METRICS_PORT": str(free_port("0.0.0.0"))}
     for role in ("controller", "rollout"):  # the sbatch drops --metrics-port when its port is ""
         if "--metrics-port" not in _cli_help(role):
             env[f"RELAYRL_{role.upper()}_METRICS_PORT"] = ""

@@ -564,12 +564,29 @@ def test_a_busy_port_is_one_line_before_anything_is_built(tmp_path: Path, busy_p
             "controller.port",
         ),
         (["rollout", "serve", "--config", str(DEMO), "--port", str(busy_port), *sets], "--port"),
+        (["rollout", "serve", "--config", str(DEMO), "--metrics-port", str(busy_port), *sets], "--metrics-port"),
     ]
     with ThreadPoolExecutor(len(cases)) as pool:  # role commands: each a process of its own (ROLES)
         lines = list(pool.map(lambda case: relayrl_process(*case[0], cwd=tmp_path), cases))
     for (_, flag), line in zip(cases, lines, strict=True):
-        assert f"{flag}: 127.0.0.1:{busy_port} is in use" in line
+        host = "0.0.0.0" if flag == "--metrics-port" else "127.0.0.1"  # the metrics endpoint binds every address
+        assert f"{flag}: {host}:{busy_port} is in use" in line, line
     assert not any(tmp_path.iterdir())
+
+
+def test_a_metrics_port_taken_after_the_start_up_check_is_the_same_one_line(busy_port: int) -> None:
+    """The endpoint binds after the model is loaded: a port taken meanwhile is a ConfigError naming the flag."""
+    from prometheus_client.registry import Collector
+
+    from relayrl.config import ConfigError
+    from relayrl.services.metrics import MetricsEndpoint
+
+    class Nothing(Collector):
+        def collect(self):
+            return iter(())
+
+    with pytest.raises(ConfigError, match=rf"--metrics-port: 0\.0\.0\.0:{busy_port} is in use \(Address already"):
+        MetricsEndpoint(busy_port).start(Nothing())
 
 
 @pytest.mark.parametrize(
