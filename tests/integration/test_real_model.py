@@ -55,6 +55,19 @@ def test_the_builtin_is_a_plain_llama_chat_directory(model_dir: Path) -> None:
     assert unsupported_reason(model) is None  # the hf engine's fast decode runner serves it
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
+    # the weights are the model's, q and k in the Hugging Face rotary layout: an answer's mean NLL was 1.97 with
+    # them and 4.54 with q and k left as the GGUF stores them
+    turns = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes along "
+    answer += "the river Seine."
+    prompt_ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=True)["input_ids"]
+    turns.append({"role": "assistant", "content": answer})
+    ids = torch.tensor([tokenizer.apply_chat_template(turns, return_dict=True)["input_ids"]])
+    labels = ids.clone()
+    labels[:, : len(prompt_ids)] = -100
+    with torch.no_grad():
+        assert model(ids, labels=labels).loss.item() < 3.0
+
 
 def test_two_steps_train_it_on_the_fast_decode_path_with_shared_prompts_and_the_trainers_logprobs(
     tmp_path: Path, model_dir
