@@ -109,7 +109,7 @@ def write_smollm2(path: str | Path) -> Path:
     """De-quantise the package's GGUF to float32 and save model (safetensors), config and tokenizer in ``path``.
 
     The weights and the config are read with gguf's reader, once: each tensor de-quantised and renamed
-    (``hf_name``), q and k back in the Hugging Face rotary layout (``unpermute_rotary``), the tied lm_head left out;
+    (``hf_name``), q and k back in the Hugging Face rotary layout (``unpermute_rotary``; a tied model has no lm_head);
     the tokenizer is transformers' conversion of the GGUF's vocabulary, merges and chat template."""
     import numpy
     import torch
