@@ -10,9 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from test_slurm_hetjob import DIGITS_SLURM, REPO, SBATCH, Cluster, _diagnostics, _relayrl_env, one_thread_per_role
+
+from relayrl.client import RelayClient
+from relayrl.ops.render import to_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one Slurm cluster on this host: one xdist worker
 
@@ -24,9 +28,14 @@ def _cli(slurm: Cluster, *args: str, timeout: float = 120) -> subprocess.Complet
     return subprocess.run(cmd, cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=timeout)
 
 
-def _status(slurm: Cluster, controller: str) -> dict | None:
-    res = _cli(slurm, "status", "--json", "--controller", controller, "--timeout", "5", "--attempts", "1")
-    return json.loads(res.stdout) if res.returncode == 0 else None
+def _status(controller: str) -> dict | None:
+    """What `relayrl status --json` prints, from the SDK in this process: a CLI process per poll took a core's
+    worth of CPU from the job it polls."""
+    try:
+        with RelayClient(controller, timeout_s=5, attempts=1) as client:
+            return to_dict(client.status())
+    except grpc.RpcError:
+        return None
 
 
 def _wait_for(what: str, fn, timeout: float, diag):
@@ -35,7 +44,7 @@ def _wait_for(what: str, fn, timeout: float, diag):
         value = fn()
         if value:
             return value
-        time.sleep(0.25)  # each poll is a CLI process already
+        time.sleep(0.25)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{diag()}")
 
 
@@ -64,7 +73,7 @@ def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
         controller = json.loads((run_dir / "job.json").read_text())["controller"]
 
         def trained_with(n: int):
-            s = _status(cluster, controller)
+            s = _status(controller)
             ok = s and len(s["workers"]) == n and int(s["policy_version"]) >= 1
             return s if ok else None
 
@@ -79,7 +88,7 @@ def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
         assert EXTRA in _steps(cluster, job)
 
         def joined():  # the third worker registered and serves the current policy version
-            s = _status(cluster, controller)
+            s = _status(controller)
             if not s or s["desired_rollout_replicas"] != 3:
                 return None
             w = next((w for w in s["workers"] if w["worker_id"] == EXTRA), None)
@@ -90,7 +99,7 @@ def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
         print(f"\n{EXTRA} joined in {time.monotonic() - t0:.1f}s: {worker}", file=sys.stderr)
 
         def serving():  # it gets Generate calls
-            s = _status(cluster, controller) or {"workers": []}
+            s = _status(controller) or {"workers": []}
             return any(w["worker_id"] == EXTRA and w["tokens_per_second"] > 0 for w in s["workers"])
 
         _wait_for(f"{EXTRA} to generate", serving, 60, diag)
@@ -109,7 +118,7 @@ def test_scale_rollout_slurm_job(cluster: Cluster, tmp_path: Path):
         assert {"relayrl-rollout", "relayrl-controller", "relayrl-trainer"} <= _steps(cluster, job)  # untouched
 
         def left():
-            s = _status(cluster, controller)
+            s = _status(controller)
             ids = [w["worker_id"] for w in s["workers"]] if s else None
             return s if s and EXTRA not in ids and len(ids) == 2 and s["desired_rollout_replicas"] == 2 else None
 
