@@ -44,7 +44,7 @@ from relayrl.ops.parser import add_operator_commands
 from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
-from relayrl.runtime.procs import announce, exit_now, stop_with_parent
+from relayrl.runtime.procs import announce, exit_now, log_native_crashes, stop_with_parent
 from relayrl.runtime.runlock import RunHeld, RunLockUnsupported, refuse_if_held
 
 
@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s",
     )
     stop_with_parent()  # a child of `relayrl up` stops when the launcher dies
+    log_native_crashes()
     try:
         if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, answered below

@@ -98,6 +98,14 @@ def stop_with_parent(*, watchdog_s: float | None = ORPHAN_GRACE_S) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def log_native_crashes() -> None:
+    """Every thread's Python stack to stderr (a role's log) when the process dies of a native crash: SIGSEGV, or
+    SIGABRT from glibc's heap checks, which alone say one line (faulthandler). Not where stderr is no file (a
+    caller that captures it in memory)."""
+    with contextlib.suppress(AttributeError, ValueError):  # io.UnsupportedOperation is a ValueError
+        faulthandler.enable(all_threads=True)
+
+
 def _kill_when_orphaned(parent: int, grace_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
