@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(1200)  # 10 steps of 32 episodes; the first run on a machine also builds builtin:tiny-chat
 def test_guess_episodes_train_and_the_reward_rises(tmp_path):
-    # the fewest steps in which the rise stands clear of the noise (a step's mean over 32 episodes moves by ~0.05):
-    # 0.17 over steps 1-3 -> 0.48 over 8-10 in the recorded 40-step run, 0.18 -> 0.34 in this test on 2026-12-05
-    steps = 10
+    # a step's mean over 64 episodes moves by ~0.05; the recorded 40-step run went 0.17 over steps 1-3 -> 0.48 over
+    # 8-10. At 10 steps, 3 against 3, this test failed 2 of 9 runs on 2026-12-07 (the reward flat at 0.19 once;
+    # up to 0.44 by step 5, then back to 0.24 once): 16 steps, 4 against 4
+    steps, window = 16, 4
     evals = ["eval.sets.tasks.path=examples/guess-tasks.jsonl", "eval.max_prompts=4", "eval.n=2", "eval.k=[1,2]"]
     evals.append("eval.temperature=1.0")  # two different episodes per task
     run_dir = tmp_path / "runs" / "guess"
@@ -44,7 +45,7 @@ def test_guess_episodes_train_and_the_reward_rises(tmp_path):
         assert {k.removeprefix("episode_end/") for k in r if k.startswith("episode_end/")} <= ENDS | {"failed"}
         assert "env/solved" in r
     rewards = [r["reward_mean"] for r in records]
-    assert statistics.mean(rewards[-3:]) >= statistics.mean(rewards[:3]) + 0.05, rewards  # it learns
+    assert statistics.mean(rewards[-window:]) >= statistics.mean(rewards[:window]) + 0.05, rewards  # it learns
 
     # later turns prefill only their new tokens on the hf engine's prefix KV cache; the worker logs its counts at
     # every weight update (docs/engines.md)
