@@ -61,7 +61,9 @@ def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConf
     elif port_flag is not None:
         _refuse_busy(port_flag, getattr(args, "host", cfg.controller.host), args.port)
     if getattr(args, "metrics_port", None):
-        _refuse_busy("--metrics-port", "0.0.0.0", args.metrics_port)  # MetricsEndpoint's host
+        from relayrl.services.metrics import METRICS_HOST
+
+        _refuse_busy("--metrics-port", METRICS_HOST, args.metrics_port)
     for path in prepare_assets(cfg):
         print(f"built {path}", file=sys.stderr)
     configure_client(cfg.security)

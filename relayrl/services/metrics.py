@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from relayrl.config import ConfigError
 
+METRICS_HOST = "0.0.0.0"  # the /metrics endpoint listens on every address
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0)
 
 
@@ -226,7 +227,7 @@ class MetricsEndpoint:
     Usage: ``m = MetricsEndpoint(port)``; ``GrpcServer(..., interceptors=m.interceptors)``;
     ``m.start(collector)`` once the role's object exists. Port 0 or None: disabled (no interceptor)."""
 
-    def __init__(self, port: int | None, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int | None, host: str = METRICS_HOST) -> None:
         self.port, self.host = port or 0, host
         self.registry = new_registry()
         self.interceptors = [RpcMetricsInterceptor(self.registry)] if self.port else []
