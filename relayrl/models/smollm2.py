@@ -73,8 +73,11 @@ def unpermute_rotary(weight, heads: int):
 
 
 def _metadata(reader) -> dict:
-    """The GGUF's scalar and string fields by key (the tokenizer's arrays left out)."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.t")}
+    """The GGUF's scalar and string fields by key (its arrays, the tokenizer's vocabulary and merges among them,
+    left out)."""
+    from gguf import GGUFValueType
+
+    return {key: field.contents() for key, field in reader.fields.items() if field.types[:1] != [GGUFValueType.ARRAY]}
 
 
 def llama_config(meta: dict, tied: bool):
