@@ -295,6 +295,14 @@ class RolloutWorker:
             peak_extra_bytes=stats.peak_extra_bytes,
         )
 
+    def release_update(self, group_name: str) -> None:
+        """The caller of the update on ``group_name`` gave up on it (cancelled: the trainer saw another member fail):
+        close that group, so that a receive waiting on it for bytes that will not come fails now rather than at the
+        group's timeout. Groups of engines that receive weights themselves are theirs to end."""
+        group = self.group
+        if isinstance(group, WeightBroadcastGroup) and group.group_name == group_name:
+            group.close()
+
     def _checked_manifest(self, msg: common_pb2.WeightManifest) -> WeightManifest:
         """The manifest, refused before anything is paused or loaded when it cannot apply to this engine
         (so a bad request never leaves the worker torn)."""

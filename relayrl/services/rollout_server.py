@@ -56,7 +56,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @guarded
     def UpdateWeights(self, request, context):
         check_length("group_name", request.group_name, self.limits.max_id_chars)
-        return self.worker.update_weights(request)
+        answered = threading.Event()
+        # a cancelled update (the trainer gave up on it) ends the receive: its group is closed
+        context.add_callback(lambda: answered.is_set() or self.worker.release_update(request.group_name))
+        try:
+            return self.worker.update_weights(request)
+        finally:
+            answered.set()
 
     @guarded
     def Pause(self, request, context):

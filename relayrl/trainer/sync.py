@@ -257,16 +257,20 @@ class WeightPublisher:
             for wid, addr in members
         }
         send_error, expected = None, manifest.checksum
+        released: dict[str, str] = {}  # member -> why its call was cancelled
         with ThreadPoolExecutor(1, thread_name_prefix="update-watch") as pool:
-            # a member whose call fails mid-broadcast (a receiver that died) closes the group: the others, waiting
-            # for chunks a dead relay will never pass on, fail now instead of at the group's timeout
-            watch = pool.submit(self._answers, futures, dict(members), group.close if group is not None else None)
+            # the update is collective: one member's failure (a receiver that died) fails it for all, so the group
+            # is closed (this rank's send stops waiting) and the others are released (_answers) at once
+            watch = pool.submit(
+                self._answers, futures, dict(members), group.close if group is not None else None, released
+            )
             if group is not None:
                 try:
                     expected = self.sender.send(group, manifest, weights).checksum or expected
                 except WeightSyncError as err:
                     send_error = str(err)
-                    group.close()  # its connections go: receivers still waiting for chunks fail now, not at timeout
+                    group.close()
+                    _release(futures, f"released: this update's broadcast failed ({send_error})", released)
             answers = watch.result()
         outcome: dict[str, str | None] = {}
         for wid, answer in answers.items():
@@ -290,13 +294,23 @@ class WeightPublisher:
         return outcome, expected
 
     def _answers(
-        self, calls: dict[str, grpc.Future], addresses: dict[str, str], on_failure: Callable[[], None] | None = None
+        self,
+        calls: dict[str, grpc.Future],
+        addresses: dict[str, str],
+        on_failure: Callable[[], None] | None = None,
+        released: dict[str, str] | None = None,
     ) -> dict[str, rollout_pb2.UpdateWeightsResponse | str]:
         """Each member's UpdateWeights answer, or why it has none. While calls are out, the members that have
         not answered by the end of each probe period are probed (``_unreachable``); one that misses its probe
         is left out at once, its call cancelled: a worker frozen during an update costs at most two probe
-        periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe. ``on_failure`` is called
-        once, when a call fails while others are still out."""
+        periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe.
+
+        ``on_failure`` is given for a collective update, which no member can finish once one has failed: it is called
+        once, when a call fails or a probe leaves a member out while others are still out, and their calls are
+        cancelled. A receiver's server then closes its group, which ends its wait for bytes this update will not
+        send (gloo cannot abort one from here: relayrl.weightsync.group). ``released``: why calls were cancelled
+        (by this thread or another), their answer."""
+        released = {} if released is None else released
         answered = threading.Event()
         for call in calls.values():
             call.add_done_callback(lambda _call: answered.set())
@@ -306,17 +320,20 @@ class WeightPublisher:
         while pending:
             answered.clear()
             for wid in [wid for wid, call in pending.items() if call.done()]:
-                answers[wid] = _answer(pending.pop(wid))
-                if isinstance(answers[wid], str) and pending and on_failure is not None:
-                    on_failure()
-                    on_failure = None
-            if not pending or answered.wait(max(0.0, next_probe - time.monotonic())):
-                continue  # a call ended: collect it; the probe period runs on
-            for wid, why in self._unreachable({wid: addresses[wid] for wid in pending}).items():
-                if pending[wid].cancel():
-                    answers[wid] = f"{why} (during the update)"
-                    del pending[wid]
-            next_probe = time.monotonic() + self._probe_s
+                answer = _answer(pending.pop(wid))
+                answers[wid] = released.get(wid, answer) if answer == _CANCELLED else answer
+            failed = [wid for wid, answer in answers.items() if isinstance(answer, str) and wid not in released]
+            if failed and pending and on_failure is not None:
+                on_failure()
+                on_failure = None
+                _release(pending, f"released: {failed[0]} failed during this update ({answers[failed[0]]})", released)
+            elif pending and not answered.wait(max(0.0, next_probe - time.monotonic())):
+                # no call ended within the probe period: probe the members still out
+                for wid, why in self._unreachable({wid: addresses[wid] for wid in pending}).items():
+                    if pending[wid].cancel():
+                        answers[wid] = f"{why} (during the update)"
+                        del pending[wid]
+                next_probe = time.monotonic() + self._probe_s
         return answers
 
     def _unreachable(self, workers: dict[str, str]) -> dict[str, str]:
@@ -354,6 +371,18 @@ def _answer(call: grpc.Future) -> Message | str:
         return call.result()
     except grpc.RpcError as err:
         return rpc_error_text(err)
+    except grpc.FutureCancelledError:
+        return _CANCELLED
+
+
+_CANCELLED = "cancelled"
+
+
+def _release(calls: dict[str, grpc.Future], why: str, released: dict[str, str]) -> None:
+    """Cancel the calls still out and say ``why`` in ``released`` (a call that ended first keeps its answer)."""
+    for wid, call in list(calls.items()):
+        if call.cancel():
+            released.setdefault(wid, why)
 
 
 def _failures(calls: dict[str, grpc.Future]) -> dict[str, str]:

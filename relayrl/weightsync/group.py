@@ -9,16 +9,24 @@ Construction never blocks: gloo is built with a lazy-init device and NCCL create
 at the first collective, so rank 0 can bind port 0, read ``port`` and advertise it before any
 receiver exists; the rendezvous happens in the first collective (``barrier`` forces it).
 
-Every wait is bounded by ``timeout_s``. A failed or timed-out collective aborts the backend and
-marks the group broken: the caller drops it and forms a new one (a new ``group_name``) without the
-dead peer.
+Every wait is bounded by ``timeout_s``. A failed or timed-out collective closes the group: the caller
+drops it and forms a new one (a new ``group_name``) without the dead peer. ``close`` from another thread
+ends every wait on the group at once. It cannot rely on the backend for that with gloo: ProcessGroupGloo
+keeps Backend's no-op ``abort`` (torch 2.13, torch/csrc/distributed/c10d/ProcessGroupGloo.hpp), so a
+thread inside ``Work.wait`` stays there until the operation's timeout, and its connections close only
+when it is destroyed, whose destructor joins its threads once its queued operations have run. So a
+gloo wait is on the operation's future or the group's closing, whichever comes first, and a closed
+gloo backend is kept, with its operations still out, by a drain thread until they end: dropping it
+never blocks whoever held the last reference. NCCL's ``abort`` does abort its communicator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
+import threading
 from typing import Literal
 
 import torch
@@ -101,6 +109,28 @@ def _classify(context: str, exc: RuntimeError) -> WeightSyncError:
     return WeightSyncTimeout(message) if "timed out" in text or "timeout" in text else WeightSyncError(message)
 
 
+_PRUNE_EVERY = 64
+
+
+def _let_go(pg: dist.Backend, backend: Backend, works: list[dist.Work]) -> None:
+    """Release a closed group's backend: NCCL's ``abort`` fails its pending work; gloo's is kept by a daemon
+    thread until ``works`` (its operations still out, each bounded by the group's timeout) end."""
+    if backend == "nccl":
+        pg.abort()
+        return
+    out = [work for work in works if not work.is_completed()]
+    if out:
+        threading.Thread(target=_drain, args=(pg, out), name="weight-group-drain", daemon=True).start()
+
+
+def _drain(pg: dist.Backend, works: list[dist.Work]) -> None:
+    """Wait out ``works``; ``pg`` is held until then (the thread drops the last references when it ends). Their
+    outcomes are moot: the group was closed."""
+    for work in works:
+        with contextlib.suppress(RuntimeError):
+            work.wait()
+
+
 class WeightBroadcastGroup:
     """Rank 0 = trainer rank 0 (hosts the store); ranks 1..world_size-1 = receivers."""
 
@@ -130,6 +160,10 @@ class WeightBroadcastGroup:
             raise ValueError(f"chunk_bytes: {self.chunk_bytes} is not a positive multiple of {ALIGN}")
         self.broken = False
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._lock = threading.Lock()
+        self._waiters: set[threading.Event] = set()  # gloo waits in progress: close sets them
+        self._works: list[dist.Work] = []  # operations that may still be out (finished ones pruned now and then)
+        self._prune_at = _PRUNE_EVERY
         try:
             self._store = dist.TCPStore(
                 master_address,
@@ -156,16 +190,40 @@ class WeightBroadcastGroup:
         options.rootTensor = 0
         options.timeout = self._timeout
         try:
-            return pg.broadcast([tensor], options)
+            return self._track(pg.broadcast([tensor], options))
         except RuntimeError as exc:
             raise self._fail(exc) from exc
 
     def wait(self, work: dist.Work) -> None:
-        """Block until ``work`` completes; WeightSyncTimeout / WeightSyncError within ``timeout_s``."""
+        """Block until ``work`` completes; WeightSyncTimeout / WeightSyncError within ``timeout_s``, or at once
+        when the group is closed meanwhile (by another thread)."""
+        if self.backend == "gloo":
+            self._await(work)
         try:
             work.wait(self._timeout)
         except RuntimeError as exc:
             raise self._fail(exc) from exc
+
+    def _await(self, work: dist.Work) -> None:
+        """Return once ``work`` is done (``wait`` then collects its outcome without blocking); WeightSyncError when
+        the group is closed first, WeightSyncTimeout after ``timeout_s``."""
+        done = threading.Event()
+        with self._lock:
+            if self.broken:
+                raise self._closed()
+            self._waiters.add(done)
+        future = work.get_future()  # done just before the work counts as completed (gloo's finishWorkGloo)
+        try:
+            future.add_done_callback(lambda _future: done.set())
+            done.wait(self.timeout_s)
+        finally:
+            with self._lock:
+                self._waiters.discard(done)
+        if future.done():
+            return
+        if self.broken:
+            raise self._closed()
+        raise self._fail(RuntimeError(f"Operation timed out after {self.timeout_s:g}s"))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Blocking broadcast of ``tensor`` (in place on receivers) from rank ``src``."""
@@ -179,7 +237,7 @@ class WeightBroadcastGroup:
         options.reduceOp = dist.ReduceOp.MAX
         options.timeout = self._timeout
         try:
-            work = pg.allreduce([flag], options)
+            work = self._track(pg.allreduce([flag], options))
         except RuntimeError as exc:
             raise self._fail(exc) from exc
         self.wait(work)
@@ -190,28 +248,43 @@ class WeightBroadcastGroup:
         self.all_ok(True)
 
     def close(self) -> None:
-        """Abort the backend's connections and drop the store; the group is unusable afterwards. Another thread
-        may call it while one sends: that send fails (WeightSyncError) instead of waiting for the timeout."""
-        pg, self._pg = self._pg, None
-        self.broken = True
+        """Make the group unusable, from any thread and any number of times: every wait on it ends at once
+        (WeightSyncError), the backend is let go (module docstring: NCCL aborted, gloo drained) and the store
+        dropped."""
+        with self._lock:
+            pg, self._pg = self._pg, None
+            works, self._works = self._works, []
+            waiters, self._waiters = self._waiters, set()
+            self.broken = True
+        for waiter in waiters:
+            waiter.set()
         if pg is not None:
-            pg.abort()
+            _let_go(pg, self.backend, works)
         self._store = None
+
+    def _track(self, work: dist.Work) -> dist.Work:
+        """Remember ``work`` until it is done (``close`` hands the ones still out to the drain)."""
+        with self._lock:
+            self._works.append(work)
+            if len(self._works) >= self._prune_at:  # amortised: the list at most doubles between prunes
+                self._works = [w for w in self._works if not w.is_completed()]
+                self._prune_at = 2 * len(self._works) + _PRUNE_EVERY
+        return work
 
     def _live(self):
         """The backend, or WeightSyncError when the group is broken or closed. A ``close`` on another thread after
-        this aborts the backend, so the collective begun on it fails (``_fail``) rather than hangs."""
+        this ends the wait for the collective begun on it."""
         pg = self._pg
         if self.broken or pg is None:
-            raise WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
+            raise self._closed()
         return pg
 
+    def _closed(self) -> WeightSyncError:
+        return WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")
+
     def _fail(self, exc: RuntimeError) -> WeightSyncError:
-        """Abort the backend (unblocks its threads, fails pending work) and classify the error."""
-        self.broken = True
-        pg = self._pg
-        if pg is not None:
-            pg.abort()
+        """Close the group and classify the error."""
+        self.close()
         return _classify(f"weight group {self.group_name!r} rank {self.rank}", exc)
 
     def __enter__(self) -> WeightBroadcastGroup:

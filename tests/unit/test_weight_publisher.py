@@ -1,21 +1,30 @@
 """Trainer rank 0's publisher against real gRPC rollout services: a worker that freezes while its update is
 out is left out by a probe, not at the update call's deadline, and the others are updated without it; a
 controller that is restarting delays the plan, which the result reports apart from the update's own time; every
-planned worker is probed before each update, and one that died since the plan is left out before its update."""
+planned worker is probed before each update, and one that died since the plan is left out before its update; a
+member that fails a broadcast update with its connections open releases the others at once (a real rollout
+worker served over gRPC), and the update is redone without it."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import torch
 
 from relayrl.bench.weightsync import random_tensors
-from relayrl.config import WeightSyncConfig
+from relayrl.config import GenerationLimitsConfig, WeightSyncConfig
+from relayrl.models.tiny import write_tiny_model
+from relayrl.rollout.hf import HFEngine
+from relayrl.rollout.worker import RolloutWorker
 from relayrl.rpc.server import GrpcServer
+from relayrl.services.rollout_server import RolloutServicer
 from relayrl.trainer import sync
 from relayrl.v1 import controller_pb2, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync import WeightBroadcastGroup, weights_checksum
+from relayrl.wire.sampling import GenerationLimits
 
 SPECS = [("embed", (64, 8), torch.float32), ("bias", (8,), torch.float32)]
 
@@ -73,6 +82,32 @@ class RestartingPlan(Plan):
         if time.monotonic() < self.up_at:
             raise Unavailable()
         return super().GetWeightSyncPlan(request, timeout)
+
+
+class FailsMidUpdate(Worker):
+    """Joins the weight group, then fails its update without receiving and stops serving, its group (and so its gloo
+    connections) left open: nothing on the group's wire says it failed, and the bytes for it are never taken."""
+
+    def __init__(self) -> None:
+        super().__init__(freezes=False)
+        self.group: WeightBroadcastGroup | None = None
+        self.server: GrpcServer | None = None
+
+    def InitWeightSync(self, request, context):
+        self.group = WeightBroadcastGroup(
+            request.master_address,
+            request.master_port,
+            request.rank,
+            request.world_size,
+            request.group_name,
+            timeout_s=request.timeout_s,
+        )
+        return rollout_pb2.InitWeightSyncResponse(group_name=request.group_name)
+
+    def UpdateWeights(self, request, context):
+        self.updates += 1
+        threading.Thread(target=self.server.stop, args=(0,)).start()  # unreachable next: a probe leaves it out
+        context.abort(grpc.StatusCode.INTERNAL, "failed mid-update")
 
 
 def serve(workers: dict[str, Worker]) -> dict[str, GrpcServer]:
@@ -148,3 +183,41 @@ def test_every_worker_is_probed_and_one_dead_since_the_plan_is_left_out_before_i
             server.stop(0)
     assert result.synced == ["a"] and list(result.failed) == ["b"] and "UNAVAILABLE" in result.failed["b"]
     assert workers["a"].probes == 2 and workers["b"].updates == 1  # b: its first update only, none after it died
+
+
+def test_a_member_failing_a_broadcast_update_releases_the_others_at_once_and_it_is_redone_without_it(tmp_path) -> None:
+    """gloo cannot abort a wait, so before the release a real worker waiting for bytes that would not come (and the
+    trainer, for a member that takes none) waited out the group's timeout."""
+    timeout_s = 30.0
+    engine = HFEngine(str(write_tiny_model(tmp_path / "tiny")))
+    worker = RolloutWorker(engine, "live", mode="pause", limits=GenerationLimits())
+    settings = SimpleNamespace(
+        rollout=SimpleNamespace(limits=GenerationLimitsConfig()), weight_sync=SimpleNamespace(timeout_s=timeout_s)
+    )
+    servers = {"live": GrpcServer("127.0.0.1:0")}
+    servers["live"].add(
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+        RolloutServicer(worker, settings),
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+    )
+    servers["live"].start()
+    failing = FailsMidUpdate()
+    servers.update(serve({"failing": failing}))
+    failing.server = servers["failing"]
+    try:
+        cfg = WeightSyncConfig(transport="broadcast", verify="fingerprint", timeout_s=timeout_s)
+        plan = Plan({wid: f"127.0.0.1:{server.port}" for wid, server in servers.items()})
+        publisher = sync.WeightPublisher(cfg, controller=plan, weights_dir="")
+        weights = {name: torch.randn_like(t) for name, t in engine.named_weights()}
+        arena = publisher.arena_for(engine.weight_specs())
+        arena.load(weights.items())
+        result = publisher.publish(1, arena)
+    finally:
+        publisher.close()
+        for server in servers.values():
+            server.stop(0)
+        if failing.group is not None:
+            failing.group.close()
+    assert result.synced == ["live"] and list(result.failed) == ["failing"], result
+    assert result.seconds < timeout_s / 3  # released, not waited out (the timeout, or a probe period of 10 s)
+    assert worker.version == 1 and weights_checksum(engine.named_weights()) == weights_checksum(weights.items())
