@@ -354,7 +354,16 @@ class RolloutWorker:
             if self.group is not None:
                 self.group.close()
                 self.group = None
+            self._forget_posted_memory()
             raise
+
+    def _forget_posted_memory(self) -> None:
+        """After a failed broadcast receive: receives the closed group posted may still land (gloo runs its
+        operations out: relayrl.weightsync.group), into the arena or staging buffers they target. The next update
+        receives into fresh ones (the live arena is adopted again from the parameters), so no late write ever
+        reaches weights that serve."""
+        self._live = self._spare = None
+        self._buffers = BufferPair("cpu")
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.named_weights())
