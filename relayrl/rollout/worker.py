@@ -142,6 +142,7 @@ class RolloutWorker:
         self._cond = threading.Condition()
         self._active = 0
         self._updating = False
+        self._update_lock = threading.Lock()
         self._paused = False
         self._abort = threading.Event()
         self._buffers = BufferPair("cpu")  # staging, for weights that cannot be received in place
@@ -269,6 +270,12 @@ class RolloutWorker:
         return weights_checksum(self.engine.named_weights(), method=checksum_method(like))
 
     def update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        """One update at a time: a retry of a released update waits until the released one has unwound (its
+        receive ends once its group is closed, by the release or by the retry's InitWeightSync)."""
+        with self._update_lock:
+            return self._update_weights(request)
+
+    def _update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
         manifest = self._checked_manifest(request.manifest)
         if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
             raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
@@ -342,18 +349,20 @@ class RolloutWorker:
         load_fn = target.load if target is not None else load_fn or self.engine.load_weights
         if die is not None:
             load_fn = _then(load_fn, die)
+        group = self.group  # a newer InitWeightSync may replace it meanwhile (after this update was released)
         try:
             if self.engine_receives:
                 return self.engine.receive_update(manifest)
             if manifest.transport == "filesystem":
                 return read_weights(manifest.path, manifest, load_fn)
-            if target is not None and target.device.type == self.group.device.type:
-                return receive_into(self.group, manifest, target, progress=die)
-            return receive_weights(self.group, manifest, load_fn, buffers=self._buffers)
+            if target is not None and target.device.type == group.device.type:
+                return receive_into(group, manifest, target, progress=die)
+            return receive_weights(group, manifest, load_fn, buffers=self._buffers)
         except WeightSyncError:
-            if self.group is not None:
-                self.group.close()
-                self.group = None
+            if group is not None:
+                group.close()
+                if self.group is group:
+                    self.group = None
             self._forget_posted_memory()
             raise
 

@@ -306,8 +306,8 @@ class WeightPublisher:
         periods (timeout_s), not the call's deadline (2 x timeout_s) and then a probe.
 
         ``on_failure`` is given for a collective update, which no member can finish once one has failed: it is called
-        once, when a call fails or a probe leaves a member out while others are still out, and their calls are
-        cancelled. A receiver's server then closes its group, which ends its wait for bytes this update will not
+        once, when a call fails or a probe leaves a member out (this rank's send is then ended), and the calls still
+        out are cancelled. A receiver's server then closes its group, which ends its wait for bytes this update will not
         send (gloo cannot abort one from here: relayrl.weightsync.group). ``released``: why calls were cancelled
         (by this thread or another), their answer."""
         released = {} if released is None else released
@@ -323,7 +323,7 @@ class WeightPublisher:
                 answer = _answer(pending.pop(wid))
                 answers[wid] = released.get(wid, answer) if answer == _CANCELLED else answer
             failed = [wid for wid, answer in answers.items() if isinstance(answer, str) and wid not in released]
-            if failed and pending and on_failure is not None:
+            if failed and on_failure is not None:  # this rank's send is out too, even when no other call is
                 on_failure()
                 on_failure = None
                 _release(pending, f"released: {failed[0]} failed during this update ({answers[failed[0]]})", released)
