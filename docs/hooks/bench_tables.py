@@ -635,6 +635,11 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         humaneval,
     ),
     "e2e-tta": ("e2e-tta.json", "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta.json", tta),
+    "e2e-tta-avx512bf16": (
+        "e2e-tta-avx512bf16.json",
+        "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta-avx512bf16.json",
+        tta,
+    ),
     "e2e-reasoning": (
         "e2e-reasoning.json",
         "relayrl bench tta --config examples/reasoning-smollm2.yaml --system SYSTEM --seed SEED"
