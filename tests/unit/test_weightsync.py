@@ -6,7 +6,9 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -384,38 +386,40 @@ class CallFailed(grpc.RpcError):
         return "Socket closed"
 
 
-def test_a_call_that_fails_while_others_are_out_closes_the_group_once_and_theirs_end() -> None:
-    """A receiver that died mid-broadcast fails its call at once, while a live one may wait for chunks a dead relay
-    never passes on: ``_answers`` calls ``on_failure`` (the publisher closes the group), once, so that the live
-    receiver fails now instead of at the group's timeout; with nothing left out, or no failure, it is not called."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
+class CallFuture(Future):
+    """A call's future as grpc's behaves once cancelled: ``result`` raises grpc.FutureCancelledError."""
 
+    def result(self, timeout: float | None = None) -> object:
+        try:
+            return super().result(timeout)
+        except CancelledError:
+            raise grpc.FutureCancelledError() from None
+
+
+def test_a_failed_call_ends_the_send_once_and_releases_the_calls_still_out() -> None:
+    """A receiver that died mid-broadcast fails its call at once, while rank 0's send and a live receiver may wait for
+    bytes that will not come: ``_answers`` calls ``on_failure`` once (the publisher closes the group: the send ends),
+    also when no other call is out, and cancels the calls still out (their servers then close their groups), each
+    answered with why; with no failure it is not called."""
     from relayrl.trainer.sync import WeightPublisher
     from relayrl.v1 import rollout_pb2
 
     publisher = SimpleNamespace(_probe_s=30.0, _unreachable=lambda workers: {})  # no probe period ends here
 
     def answers(outcomes: dict[str, object], closes: list[str]) -> dict:
-        calls = {wid: Future() for wid in outcomes}
-
-        def close() -> None:  # the blocked receivers' calls fail once the group is gone
-            closes.append("close")
-            for call in calls.values():
-                if not call.done():
-                    call.set_exception(CallFailed())
-
+        calls = {wid: CallFuture() for wid in outcomes}
         for wid, outcome in outcomes.items():
             if isinstance(outcome, Exception):
                 calls[wid].set_exception(outcome)
             elif outcome != "blocked":
                 calls[wid].set_result(outcome)
-        return WeightPublisher._answers(publisher, calls, dict.fromkeys(outcomes, "addr"), close)
+        return WeightPublisher._answers(publisher, calls, dict.fromkeys(outcomes, "addr"), lambda: closes.append("c"))
 
     closes: list[str] = []
     got = answers({"dead": CallFailed(), "live": "blocked"}, closes)
-    assert got == {"dead": "UNAVAILABLE: Socket closed", "live": "UNAVAILABLE: Socket closed"} and closes == ["close"]
+    assert got["dead"] == "UNAVAILABLE: Socket closed" and closes == ["c"]
+    assert got["live"] == "released: dead failed during this update (UNAVAILABLE: Socket closed)"
     closes.clear()
     loaded = rollout_pb2.UpdateWeightsResponse(policy_version=1)
     assert answers({"a": loaded, "b": loaded}, closes) == {"a": loaded, "b": loaded} and closes == []
-    assert answers({"only": CallFailed()}, closes) == {"only": "UNAVAILABLE: Socket closed"} and closes == []
+    assert answers({"only": CallFailed()}, closes) == {"only": "UNAVAILABLE: Socket closed"} and closes == ["c"]
