@@ -363,7 +363,7 @@ class RolloutWorker:
                 group.close()
                 if self.group is group:
                     self.group = None
-            self._forget_posted_memory()
+                self._forget_posted_memory()
             raise
 
     def _forget_posted_memory(self) -> None:

@@ -110,7 +110,7 @@ class FailsMidUpdate(Worker):
         context.abort(grpc.StatusCode.INTERNAL, "failed mid-update")
 
 
-def serve(workers: dict[str, Worker]) -> dict[str, GrpcServer]:
+def serve(workers: dict[str, rollout_pb2_grpc.RolloutServiceServicer]) -> dict[str, GrpcServer]:
     servers = {}
     for wid, servicer in workers.items():
         servers[wid] = GrpcServer("127.0.0.1:0")
@@ -194,15 +194,8 @@ def test_a_member_failing_a_broadcast_update_releases_the_others_at_once_and_it_
     settings = SimpleNamespace(
         rollout=SimpleNamespace(limits=GenerationLimitsConfig()), weight_sync=SimpleNamespace(timeout_s=timeout_s)
     )
-    servers = {"live": GrpcServer("127.0.0.1:0")}
-    servers["live"].add(
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(worker, settings),
-        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
-    )
-    servers["live"].start()
     failing = FailsMidUpdate()
-    servers.update(serve({"failing": failing}))
+    servers = serve({"live": RolloutServicer(worker, settings), "failing": failing})
     failing.server = servers["failing"]
     try:
         cfg = WeightSyncConfig(transport="broadcast", verify="fingerprint", timeout_s=timeout_s)
