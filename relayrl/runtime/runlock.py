@@ -12,7 +12,8 @@ held until the last of them has exited, not only the launcher.
 The holder writes its record (pid, host, the process's start time in clock ticks since boot from
 ``/proc/PID/stat``, and the wall time it took the lock) into the file: a refusal names the owner, and a claimant
 on the owner's host tells a dead launcher (no process with that pid and start time: a reused pid has another)
-whose processes are still stopping from a live one.
+whose processes are still stopping from a live one; that refusal also names the processes that still have the lock
+file open (``holders``: the descriptor the launcher handed down), so a run that will not stop says which one.
 
 Where ``flock`` does not hold as it does on a local disk, the filesystem (``/proc/self/mountinfo``) is named in one
 line: on NFS the kernel emulates it with a POSIX lock, which belongs to the launcher alone (its processes do not
@@ -229,8 +230,32 @@ def read_owner(path: Path) -> Owner | None:
         return None
 
 
+def holders(path: Path) -> list[str]:
+    """The processes of this host that have ``path`` open and that this user may inspect, each as
+    "pid PID (COMMAND LINE)" (``/proc/PID/fd``; the lock belongs to every descriptor of its open file)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            opened = any(os.path.samestat(os.stat(fd), target) for fd in (entry / "fd").iterdir())
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        if opened:
+            found.append(f"pid {entry.name} ({command[:120]})")
+    return found
+
+
 def refusal(run_dir: Path, owner: Owner | None) -> str:
-    """The one line a second claimant is refused with."""
+    """The one line a second claimant is refused with; for a dead launcher, with the processes still holding it."""
+    path = RunLock.path_for(run_dir)
     who = owner.describe() if owner is not None else "a process that has not written its record yet"
-    state = " (its launcher died; its processes are still stopping)" if owner is not None and owner.gone() else ""
-    return f"run {run_dir} is held by {who}{state}: one live run per run directory (lock {RunLock.path_for(run_dir)})"
+    state = ""
+    if owner is not None and owner.gone():
+        state = f" (its launcher died; its processes are still stopping: {'; '.join(holders(path)) or 'none seen'})"
+    return f"run {run_dir} is held by {who}{state}: one live run per run directory (lock {path})"

@@ -71,6 +71,23 @@ def test_a_dead_launchers_record_is_waited_for_and_then_taken(tmp_path: Path) ->
     assert json.loads(RunLock.path_for(run_dir).read_text())["start_ticks"] == process_start_ticks(os.getpid())
 
 
+def test_a_dead_launchers_refusal_names_the_processes_still_holding_its_lock(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    dead = Owner(os.getpid(), socket.gethostname(), -1, 0.0)
+    RunLock.path_for(run_dir).write_text(json.dumps(dead.__dict__))
+    role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(lock.fd,))
+    try:
+        os.close(lock.fd)  # the launcher is gone; only its child holds the lock now
+        with pytest.raises(RunHeld) as refused:
+            RunLock.take(run_dir, wait_dead_s=0.0)
+        assert f"still stopping: pid {role.pid} ({sys.executable} -c import time; time.sleep(60))" in str(refused.value)
+    finally:
+        role.kill()
+        role.wait()
+    RunLock.take(run_dir)  # the last holder gone: taken
+
+
 def test_abandon_removes_the_lock_and_the_runs_directory_it_made(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "r"
     RunLock.take(run_dir).abandon()
