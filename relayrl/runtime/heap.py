@@ -8,7 +8,7 @@ chunk, a [vocab, hidden] gradient, the gradients set to None at each step) are a
 is dearer in a virtual machine (the host may fault the page in too). ``retain_freed_memory`` sets
 
     M_MMAP_MAX       = 0        no block is mmapped: every one comes from the heap and is reused
-    M_MMAP_THRESHOLD = 32 MiB   (moot under M_MMAP_MAX = 0; set so that a libc refusing it still keeps these)
+    M_MMAP_THRESHOLD = 32 MiB   moot under M_MMAP_MAX = 0; the fallback should a libc refuse that one
     M_TRIM_THRESHOLD = 2 GiB    freed memory stays mapped (the largest value mallopt's int takes)
     M_TOP_PAD        = 256 MiB  the heap grows in large steps
 
