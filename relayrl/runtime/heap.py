@@ -41,7 +41,7 @@ def retain_freed_memory() -> bool:
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied = all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    applied = all([mallopt(param, value) == 1 for param, value in SETTINGS])  # each tried, whatever the others do
     if not applied:
         log.warning("glibc mallopt refused a setting; freed tensors may be unmapped and faulted in again")
     return applied
