@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -26,3 +27,17 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def free_space_text(path: str | os.PathLike[str]) -> str:
+    """ "N.N GiB free" (or MiB, KiB) on the filesystem holding ``path`` (its nearest existing parent), for an error
+    that a full disk may explain; "" when that cannot be read."""
+    existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
+    try:
+        free = shutil.disk_usage(existing).free if existing is not None else None
+    except OSError:
+        free = None
+    if free is None:
+        return ""
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if free >= s), ("KiB", 2**10))
+    return f"{free / scale:.1f} {unit} free"

@@ -29,7 +29,7 @@ from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
 from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
-from relayrl.runtime.files import atomic_write
+from relayrl.runtime.files import atomic_write, free_space_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.trainer.backends import create_backend
 from relayrl.trainer.batch import to_train_batch
@@ -160,7 +160,13 @@ def save_checkpoint(backend, run_dir: Path, step: int, cursor: int, cfg: Trainer
     lr), then rank 0 prunes older ones beyond ``trainer.save_total_limit`` (relayrl/trainer/retention.py)."""
     directory = run_dir / "checkpoints" / f"step_{step}"
     state = {"step": step, "policy_version": step, "data_cursor": cursor, "lr": lr_at(step, cfg)}
-    backend.save_checkpoint(directory, state)
+    try:
+        backend.save_checkpoint(directory, state)
+    except Exception as err:  # torch says "unexpected pos A vs B" of a short write: give what a full disk explains
+        lines = [line for line in str(err).splitlines() if line.strip()]  # a CheckpointException: each rank's trace
+        cause = lines[-1].strip() if lines else type(err).__name__
+        free = free_space_text(directory) or "free space unknown"
+        raise RuntimeError(f"checkpoint of step {step} into {directory} failed ({free} there): {cause}") from err
     if dist.get_rank() == 0:
         prune_checkpoints(directory.parent, cfg.save_total_limit)
 
