@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayrl.runtime.procs import child_pids, descendants
+from relayrl.runtime.procs import child_pids, command_line, descendants
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROLE_MARKERS = (("controller serve", "controller"), ("rollout serve", "rollout"), ("trainer", "trainer"))
@@ -35,7 +35,7 @@ def cpu_seconds(pid: int) -> float:
 def role_of(pid: int) -> str:
     """``controller``, ``rollout``, ``trainer`` (from the command line of a ``relayrl up`` child), else ``other``."""
     with contextlib.suppress(OSError):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cmdline = command_line(pid)
         for marker, role in ROLE_MARKERS:
             if marker in cmdline:
                 return role

@@ -22,6 +22,12 @@ def announce(line: str) -> None:
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
+def command_line(pid: int | str) -> str:
+    """``pid``'s command line, its arguments joined by spaces (/proc/<pid>/cmdline); OSError once it is gone or
+    belongs to a user this process may not inspect."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``."""
     pids: list[int] = []

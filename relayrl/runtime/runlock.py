@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from relayrl.runtime.procs import command_line
+
 POLL_S = 0.5
 
 
@@ -242,12 +244,10 @@ def holders(path: Path) -> list[str]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            opened = any(os.path.samestat(os.stat(fd), target) for fd in (entry / "fd").iterdir())
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if any(os.path.samestat(os.stat(fd), target) for fd in (entry / "fd").iterdir()):
+                found.append(f"pid {entry.name} ({command_line(entry.name)[:120]})")
         except OSError:  # gone meanwhile, or another user's
             continue
-        if opened:
-            found.append(f"pid {entry.name} ({command[:120]})")
     return found
 
 
