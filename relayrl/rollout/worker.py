@@ -277,13 +277,18 @@ class RolloutWorker:
 
     def _update_weights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
         manifest = self._checked_manifest(request.manifest)
-        if manifest.transport == "broadcast" and (self.group is None or self.group.group_name != request.group_name):
+        # the update receives on the group it names, never on a newer one: a released update that reaches its
+        # receive after the retry's InitWeightSync would otherwise take the retry's bytes and leave it waiting
+        group = self.group
+        if manifest.transport == "broadcast" and (group is None or group.group_name != request.group_name):
             raise FailedPrecondition(f"group_name: {request.group_name!r} is not this worker's weight-sync group")
         start = time.perf_counter()
         if manifest.kind == "adapter":
-            stats = self._update_adapter(manifest)
+            stats = self._update_adapter(manifest, group)
+        elif self.mode == "shadow":
+            stats = self._update_shadow(manifest, group)
         else:
-            stats = self._update_shadow(manifest) if self.mode == "shadow" else self._update_paused(manifest)
+            stats = self._update_paused(manifest, group)
         # stats.checksum: the fingerprint folded as the bytes landed, already compared with the sender's in band
         checksum = stats.checksum or ("" if manifest.verify == "off" else self._checksum(manifest.checksum))
         if manifest.checksum and checksum != manifest.checksum:
@@ -343,13 +348,15 @@ class RolloutWorker:
                 raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
         return manifest
 
-    def _receive(self, manifest: WeightManifest, target: WeightArena | None, load_fn=None) -> ReceiveStats:
-        """Bring ``manifest``'s bytes into ``target`` (None: through ``load_fn``, default ``engine.load_weights``)."""
+    def _receive(
+        self, manifest: WeightManifest, group: WeightBroadcastGroup | None, target: WeightArena | None, load_fn=None
+    ) -> ReceiveStats:
+        """Bring ``manifest``'s bytes, from ``group`` (broadcast transport), into ``target`` (None: through
+        ``load_fn``, default ``engine.load_weights``)."""
         die = fault_injection(self.worker_id, manifest.version)
         load_fn = target.load if target is not None else load_fn or self.engine.load_weights
         if die is not None:
             load_fn = _then(load_fn, die)
-        group = self.group  # a newer InitWeightSync may replace it meanwhile (after this update was released)
         try:
             if self.engine_receives:
                 return self.engine.receive_update(manifest)
@@ -377,14 +384,14 @@ class RolloutWorker:
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.named_weights())
 
-    def _update_paused(self, manifest: WeightManifest) -> ReceiveStats:
+    def _update_paused(self, manifest: WeightManifest, group: WeightBroadcastGroup | None) -> ReceiveStats:
         with self._held(abort=True, freeze=self.in_flight):
             try:
                 self.state = "loading"
                 if not self.engine_receives and (self._live is None or not self._live.fits(manifest)):
                     self._live = self._spare = None  # an old arena's bucket goes as soon as its tensors move out
                     self._live = WeightArena.adopt(manifest, self._params(), self._device())
-                stats = self._receive(manifest, self._live)
+                stats = self._receive(manifest, group, self._live)
                 self.version = self.version if manifest.kind == "base" else manifest.version
                 self.state = "serving"
                 return stats
@@ -392,12 +399,12 @@ class RolloutWorker:
                 self.state = "torn"
                 raise
 
-    def _update_shadow(self, manifest: WeightManifest) -> ReceiveStats:
+    def _update_shadow(self, manifest: WeightManifest, group: WeightBroadcastGroup | None) -> ReceiveStats:
         """Receive into the spare arena (allocated when missing or of another layout), then swap it in:
         the live arena becomes the spare of the next update (steady state: two arenas, no allocation)."""
         if self._spare is None or not self._spare.fits(manifest):
             self._spare = WeightArena(manifest, self._device())
-        stats = self._receive(manifest, self._spare)
+        stats = self._receive(manifest, group, self._spare)
         with self._held(abort=False, freeze=self.in_flight):  # re-point the parameters, O(1) per tensor
             self._spare.point(self._params())
             self._live, self._spare = self._spare, self._live
@@ -406,7 +413,7 @@ class RolloutWorker:
                 self.state = "serving"
         return stats
 
-    def _update_adapter(self, manifest: WeightManifest) -> ReceiveStats:
+    def _update_adapter(self, manifest: WeightManifest, group: WeightBroadcastGroup | None) -> ReceiveStats:
         """An adapter update (module docstring). In-process engines: the tensors are received into copies while
         calls run (a WeightSyncError or a fingerprint mismatch raises here, nothing loaded), then loaded with no
         call running (``pause``: aborted; ``shadow``: finished; in-flight updates: frozen, then continued on the
@@ -415,11 +422,11 @@ class RolloutWorker:
         ``receive_update`` (pause)."""
         if self.engine_receives:
             with self._held(abort=True, freeze=self.in_flight):
-                stats = self._receive(manifest, None)
+                stats = self._receive(manifest, group, None)
                 self.version = manifest.version
             return stats
         tensors: dict[str, torch.Tensor] = {}
-        stats = self._receive(manifest, None, lambda views: tensors.update((n, t.clone()) for n, t in views))
+        stats = self._receive(manifest, group, None, lambda views: tensors.update((n, t.clone()) for n, t in views))
         if manifest.checksum:  # checked out of band, before anything is loaded
             landed = weights_checksum(tensors.items(), method=checksum_method(manifest.checksum))
             if landed != manifest.checksum:

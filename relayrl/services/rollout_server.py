@@ -58,7 +58,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         check_length("group_name", request.group_name, self.limits.max_id_chars)
         answered = threading.Event()
         # a cancelled update (the trainer gave up on it) ends the receive: its group is closed
-        context.add_callback(lambda: answered.is_set() or self.worker.release_update(request.group_name))
+        if not context.add_callback(lambda: answered.is_set() or self.worker.release_update(request.group_name)):
+            self.worker.release_update(request.group_name)  # cancelled before this handler began: never start it
+            raise FailedPrecondition("group_name: this update was cancelled before it began")
         try:
             return self.worker.update_weights(request)
         finally:

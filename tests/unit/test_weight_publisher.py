@@ -3,7 +3,8 @@ out is left out by a probe, not at the update call's deadline, and the others ar
 controller that is restarting delays the plan, which the result reports apart from the update's own time; every
 planned worker is probed before each update, and one that died since the plan is left out before its update; a
 member that fails a broadcast update with its connections open releases the others at once (a real rollout
-worker served over gRPC), and the update is redone without it."""
+worker served over gRPC), and the update is redone without it, also when the released update reaches its receive
+only after the retry formed its group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import grpc
+import pytest
 import torch
 
 from relayrl.bench.weightsync import random_tensors
@@ -20,6 +22,7 @@ from relayrl.models.tiny import write_tiny_model
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.worker import RolloutWorker
 from relayrl.rpc.server import GrpcServer
+from relayrl.runtime.ports import free_port
 from relayrl.services.rollout_server import RolloutServicer
 from relayrl.trainer import sync
 from relayrl.v1 import controller_pb2, rollout_pb2, rollout_pb2_grpc
@@ -110,6 +113,29 @@ class FailsMidUpdate(Worker):
         context.abort(grpc.StatusCode.INTERNAL, "failed mid-update")
 
 
+class LateFirstUpdate(RolloutWorker):
+    """Its first update stalls between its group check and its receive until the next InitWeightSync has run: how a
+    released update interleaves with the retry on a busy machine. Received on the newer group, it would take the
+    retry's bytes and leave the retry waiting out the group's timeout."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rejoined = threading.Event()
+        self.joins = self.stalls = 0
+
+    def init_weight_sync(self, request) -> None:
+        super().init_weight_sync(request)
+        self.joins += 1
+        if self.joins == 2:
+            self.rejoined.set()
+
+    def _update_paused(self, manifest, group):
+        self.stalls += 1
+        if self.stalls == 1:
+            assert self.rejoined.wait(30), "the retry never formed its group"
+        return super()._update_paused(manifest, group)
+
+
 def serve(workers: dict[str, rollout_pb2_grpc.RolloutServiceServicer]) -> dict[str, GrpcServer]:
     servers = {}
     for wid, servicer in workers.items():
@@ -185,12 +211,16 @@ def test_every_worker_is_probed_and_one_dead_since_the_plan_is_left_out_before_i
     assert workers["a"].probes == 2 and workers["b"].updates == 1  # b: its first update only, none after it died
 
 
-def test_a_member_failing_a_broadcast_update_releases_the_others_at_once_and_it_is_redone_without_it(tmp_path) -> None:
+@pytest.mark.parametrize("live", [RolloutWorker, LateFirstUpdate], ids=["prompt", "released_update_late"])
+def test_a_member_failing_a_broadcast_update_releases_the_others_at_once_and_it_is_redone_without_it(
+    tmp_path, live: type[RolloutWorker]
+) -> None:
     """gloo cannot abort a wait, so before the release a real worker waiting for bytes that would not come (and the
-    trainer, for a member that takes none) waited out the group's timeout."""
+    trainer, for a member that takes none) waited out the group's timeout; and a released update that reached its
+    receive after the retry joined its group took the retry's bytes (the retry then waited out the timeout)."""
     timeout_s = 30.0
     engine = HFEngine(str(write_tiny_model(tmp_path / "tiny")))
-    worker = RolloutWorker(engine, "live", mode="pause", limits=GenerationLimits())
+    worker = live(engine, "live", mode="pause", limits=GenerationLimits())
     settings = SimpleNamespace(
         rollout=SimpleNamespace(limits=GenerationLimitsConfig()), weight_sync=SimpleNamespace(timeout_s=timeout_s)
     )
@@ -214,3 +244,39 @@ def test_a_member_failing_a_broadcast_update_releases_the_others_at_once_and_it_
     assert result.synced == ["live"] and list(result.failed) == ["failing"], result
     assert result.seconds < timeout_s / 3  # released, not waited out (the timeout, or a probe period of 10 s)
     assert worker.version == 1 and weights_checksum(engine.named_weights()) == weights_checksum(weights.items())
+
+
+class CancelledContext:
+    """grpc.ServicerContext of a call cancelled before its handler ran: ``add_callback`` answers False once the RPC
+    has terminated (grpc/_server.py, ``_Context.add_callback``), and ``abort`` raises."""
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_an_update_cancelled_before_its_handler_began_is_not_started_and_its_group_is_closed(tmp_path) -> None:
+    """No release callback can run for it, so without this its receive would wait for bytes the trainer, which gave
+    up on the update, never sends."""
+    engine = HFEngine(str(write_tiny_model(tmp_path / "tiny")))
+    worker = RolloutWorker(engine, "live", mode="pause", limits=GenerationLimits())
+    settings = SimpleNamespace(
+        rollout=SimpleNamespace(limits=GenerationLimitsConfig()), weight_sync=SimpleNamespace(timeout_s=30.0)
+    )
+    port = free_port()
+    trainer_side = WeightBroadcastGroup("127.0.0.1", port, 0, 2, "g1", timeout_s=30.0)
+    try:
+        worker.init_weight_sync(
+            rollout_pb2.InitWeightSyncRequest(
+                master_address="127.0.0.1", master_port=port, rank=1, world_size=2, group_name="g1", timeout_s=30.0
+            )
+        )
+        request = rollout_pb2.UpdateWeightsRequest(group_name="g1")
+        with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: group_name: this update was cancelled"):
+            RolloutServicer(worker, settings).UpdateWeights(request, CancelledContext())
+        assert worker.group.broken and worker.version == 0 and worker.state == "serving"
+    finally:
+        trainer_side.close()
+        worker.group.close()
