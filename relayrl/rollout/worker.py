@@ -334,10 +334,7 @@ class RolloutWorker:
             except ValueError as err:
                 raise InvalidArgument("manifest.tensors", str(err)) from None
         if manifest.kind != "adapter" and manifest.layout_id != self._checked_layout:  # checked once per layout
-            shapes = {name: shape for name, shape, _ in self.engine.weight_specs()}
-            for spec in manifest.tensors:
-                if shapes.get(spec.name) != spec.shape:
-                    raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
+            self._check_tensors(manifest)
             self._checked_layout = manifest.layout_id
         if manifest.transport == "filesystem":
             try:
@@ -347,6 +344,21 @@ class RolloutWorker:
             if published != manifest.version:
                 raise FailedPrecondition(f"manifest.path: publishes version {published}, not {manifest.version}")
         return manifest
+
+    def _check_tensors(self, manifest: WeightManifest) -> None:
+        """InvalidArgument unless every tensor of ``manifest`` is a weight of the engine, of its shape; for an
+        in-process engine, also of its dtype, and every weight in it (the update replaces them all, in place)."""
+        specs = self.engine.weight_specs()
+        if not self.engine_receives:
+            try:
+                manifest.validate_against(specs)
+            except ValueError as err:
+                raise InvalidArgument("manifest.tensors", str(err)[:300]) from None
+            return
+        shapes = {name: shape for name, shape, _ in specs}
+        for spec in manifest.tensors:
+            if shapes.get(spec.name) != spec.shape:
+                raise InvalidArgument("manifest.tensors", f"{spec.name[:200]}: no weight of that name and shape")
 
     def _receive(
         self, manifest: WeightManifest, group: WeightBroadcastGroup | None, target: WeightArena | None, load_fn=None

@@ -12,9 +12,12 @@ import yaml
 
 from relayrl.config import load_config
 from relayrl.launcher import LocalJob, controller_status, wait_until
+from relayrl.rollout.hf import HFEngine
 from relayrl.rpc.channels import open_channel
 from relayrl.runtime.ports import free_port
+from relayrl.runtime.precision import engine_dtype_name
 from relayrl.v1 import common_pb2, controller_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from relayrl.weightsync.manifest import ManifestBuilder
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +152,7 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(servers) -> None:
     assert rollout.Stats(rollout_pb2.StatsRequest(), timeout=10).state == "serving"
 
 
-def test_weight_rpcs_refuse_bad_fields_without_tearing_the_worker(servers) -> None:
+def test_weight_rpcs_refuse_bad_fields_without_tearing_the_worker(servers, tiny_model_dir, tmp_path) -> None:
     _, rollout = servers
     init = {"master_address": "127.0.0.1", "master_port": 29500, "rank": 1, "world_size": 2, "group_name": "g"}
     bad_inits = [
@@ -180,8 +183,18 @@ def test_weight_rpcs_refuse_bad_fields_without_tearing_the_worker(servers) -> No
     for manifest, field in bad_manifests:
         request = rollout_pb2.UpdateWeightsRequest(manifest=manifest)
         assert_invalid(lambda request=request: rollout.UpdateWeights(request, timeout=10), field)
-    missing = rollout_pb2.UpdateWeightsRequest(manifest=common_pb2.WeightManifest(version=7, transport="filesystem"))
-    assert refused(lambda: rollout.UpdateWeights(missing, timeout=10)).code() == grpc.StatusCode.FAILED_PRECONDITION
+    served_dtype = engine_dtype_name("auto", "auto", "cpu")  # the server's config leaves both at auto
+    specs = HFEngine(str(tiny_model_dir), dtype=served_dtype).weight_specs()
+    partial = ManifestBuilder(transport="filesystem").build(specs[1:], version=7).to_proto()
+    partial.path = str(tmp_path)
+    err = refused(lambda: rollout.UpdateWeights(rollout_pb2.UpdateWeightsRequest(manifest=partial), timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details() == f"manifest.tensors: {specs[0][0]}: missing from the manifest (version 7)", err.details()
+    full = ManifestBuilder(transport="filesystem").build(specs, version=7).to_proto()
+    full.path = str(tmp_path)  # publishes no version
+    missing = rollout_pb2.UpdateWeightsRequest(manifest=full)
+    err = refused(lambda: rollout.UpdateWeights(missing, timeout=10))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and err.details().startswith("manifest.path"), err
     stats = rollout.Stats(rollout_pb2.StatsRequest(), timeout=10)
     assert (stats.state, stats.policy_version) == ("serving", 0)
     assert len(generate(rollout, [[3, 4]])) == GOOD["n"]
