@@ -27,6 +27,7 @@ import datetime
 import ipaddress
 import os
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -184,15 +185,11 @@ class WeightBroadcastGroup:
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start broadcasting ``tensor`` from rank ``src``; finish it with ``wait``."""
-        pg = self._live()
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
         options.timeout = self._timeout
-        try:
-            return self._track(pg.broadcast([tensor], options))
-        except RuntimeError as exc:
-            raise self._fail(exc) from exc
+        return self._post(lambda pg: pg.broadcast([tensor], options))
 
     def wait(self, work: dist.Work) -> None:
         """Block until ``work`` completes; WeightSyncTimeout / WeightSyncError within ``timeout_s``, or at once
@@ -231,16 +228,11 @@ class WeightBroadcastGroup:
 
     def all_ok(self, ok: bool) -> bool:
         """Collective vote: True iff every rank passed ok=True (an allreduce-MAX of failure flags)."""
-        pg = self._live()
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         options.timeout = self._timeout
-        try:
-            work = self._track(pg.allreduce([flag], options))
-        except RuntimeError as exc:
-            raise self._fail(exc) from exc
-        self.wait(work)
+        self.wait(self._post(lambda pg: pg.allreduce([flag], options)))
         return int(flag.item()) == 0
 
     def barrier(self) -> None:
@@ -262,22 +254,30 @@ class WeightBroadcastGroup:
             _let_go(pg, self.backend, works)
         self._store = None
 
-    def _track(self, work: dist.Work) -> dist.Work:
-        """Remember ``work`` until it is done (``close`` hands the ones still out to the drain)."""
-        with self._lock:
-            self._works.append(work)
-            if len(self._works) >= self._prune_at:  # amortised: the list at most doubles between prunes
-                self._works = [w for w in self._works if not w.is_completed()]
-                self._prune_at = 2 * len(self._works) + _PRUNE_EVERY
-        return work
-
-    def _live(self):
-        """The backend, or WeightSyncError when the group is broken or closed. A ``close`` on another thread after
-        this ends the wait for the collective begun on it."""
+    def _post(self, start: Callable[[dist.Backend], dist.Work]) -> dist.Work:
+        """``start(backend)``'s collective, remembered until it is done (``close`` hands the ones still out to the
+        drain); WeightSyncError when the group is broken or closed. A ``close`` on another thread while it is being
+        posted (not holding the lock: NCCL's first collective may block, and only ``close`` aborts it) is caught
+        after: the work was not among those ``close`` handed over, so it is let go here. Otherwise the caller's
+        reference would be the gloo backend's last, and dropping it would run the destructor that waits out the
+        work (module docstring) in the caller."""
         pg = self._pg
         if self.broken or pg is None:
             raise self._closed()
-        return pg
+        try:
+            work = start(pg)
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
+        with self._lock:
+            if not self.broken:
+                self._works.append(work)
+                if len(self._works) >= self._prune_at:  # amortised: the list at most doubles between prunes
+                    self._works = [w for w in self._works if not w.is_completed()]
+                    self._prune_at = 2 * len(self._works) + _PRUNE_EVERY
+                return work
+        if self.backend == "gloo":  # NCCL's close aborted the communicator, which fails this work too
+            _let_go(pg, self.backend, [work])
+        raise self._closed()
 
     def _closed(self) -> WeightSyncError:
         return WeightSyncError(f"weight group {self.group_name!r} is broken or closed; form a new one")

@@ -1,7 +1,8 @@
 """A weight update given up on. Closing a weight group from another thread ends a wait on it at once, although gloo
 cannot abort the wait itself (ProcessGroupGloo keeps Backend's no-op ``abort``), and never blocks the closer on the
-operation still out; a rollout worker whose receive was released never serves from the memory that receive posted
-into, which the closed group's operations may still write."""
+operation still out, nor the poster of a collective the close came in the middle of; a rollout worker whose receive
+was released never serves from the memory that receive posted into, which the closed group's operations may still
+write."""
 
 from __future__ import annotations
 
@@ -56,6 +57,30 @@ def test_close_from_another_thread_ends_a_wait_for_bytes_that_will_not_come() ->
     assert member.broken
     with pytest.raises(WeightSyncError, match="broken or closed"):
         member.broadcast_async(torch.zeros(16))  # a closed group starts nothing
+    root.close()
+
+
+class ClosesWhilePosting:
+    """A group's gloo backend whose next broadcast is posted just after the group was closed: the interleaving of a
+    close on another thread between the group's check and the post, made certain by closing on the posting thread."""
+
+    def __init__(self, group: WeightBroadcastGroup) -> None:
+        self.backend, self.group = group._pg, group
+
+    def broadcast(self, tensors: list[torch.Tensor], options):
+        self.group.close()
+        return self.backend.broadcast(tensors, options)
+
+
+def test_a_close_while_a_collective_is_posted_fails_it_at_once_without_waiting_it_out() -> None:
+    """The closed group did not hand that operation to its drain: had the caller dropped the backend's last
+    reference, gloo's destructor would have waited out the operation (TIMEOUT_S) right there."""
+    root, member = joined_pair("close-post")
+    member._pg = ClosesWhilePosting(member)
+    began = time.monotonic()
+    with pytest.raises(WeightSyncError, match="broken or closed"):
+        member.broadcast_async(torch.zeros(16))  # rank 0 never sends it
+    assert time.monotonic() - began < 5.0
     root.close()
 
 
