@@ -32,11 +32,13 @@ from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.runtime.files import atomic_write, free_space_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.trainer.backends import create_backend
+from relayrl.trainer.backends.fsdp import one_thread
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.best import BestKeeper
 from relayrl.trainer.evals import EvalMirror
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
 from relayrl.trainer.on_demand import OnDemandSync
+from relayrl.trainer.optim import create_state
 from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.samples import SamplesWriter, step_samples
 from relayrl.trainer.schedule import lr_at, set_step_lrs
@@ -418,6 +420,9 @@ def run_trainer(
     stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     saved_step, stopped = start_step, False
+    with one_thread():  # beside the rollout workers, which generate the first batch meanwhile on every core
+        for optimizer in [backend.optimizer] + ([backend.critic.optimizer] if backend.critic is not None else []):
+            create_state(optimizer)  # not in step 1, on its hot path: its pages are faulted in now
     freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
