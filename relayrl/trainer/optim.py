@@ -33,14 +33,11 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     try:
         for group in optimizer.param_groups:
-            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            group["lr"] = 0.0
         optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
     for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"].zero_()
-        elif "step" in state:
-            state["step"] = 0
+        state["step"].zero_()  # a tensor in torch's AdamW
