@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,16 @@ class LaunchError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class RoleStart:
+    """What ``LocalJob.spawn`` takes for one role."""
+
+    role: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    own_store: bool = False
+
+
 @dataclass
 class LocalJob:
     cfg: RelayConfig
@@ -95,6 +106,25 @@ class LocalJob:
                                         env=child_env, pass_fds=self.keep_fds)  # fmt: skip
         self.children[role] = proc
         return proc
+
+    def spawn_side_by_side(self, starts: list[RoleStart]) -> None:
+        """``spawn`` each of ``starts``: those of one fork server in order, those of different servers side by
+        side, so that a server still importing holds up only its own roles."""
+        if self.forks is None:
+            for start in starts:
+                self.spawn(start.role, start.argv, start.env, own_store=start.own_store)
+            return
+        queues: dict[int, list[RoleStart]] = {}
+        for start in starts:
+            queues.setdefault(id(self.forks.server_for(start.argv[len(RELAY) :])), []).append(start)
+
+        def spawn_in_order(queue: list[RoleStart]) -> None:
+            for start in queue:
+                self.spawn(start.role, start.argv, start.env, own_store=start.own_store)
+
+        with ThreadPoolExecutor(len(queues), thread_name_prefix="spawn") as pool:
+            for done in [pool.submit(spawn_in_order, queue) for queue in queues.values()]:
+                done.result()
 
     def rollouts(self) -> list[str]:
         return [role for role in self.children if role.startswith("rollout")]
@@ -198,11 +228,15 @@ def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:
     return run_dir / "config.yaml"
 
 
+def rollout_argv(job: LocalJob, index: int) -> list[str]:
+    """The command line of rollout worker ``rollout-<index>``, against the job's controller."""
+    argv = ["rollout", "serve", "--config", str(job.config_path), "--controller", job.controller_address]
+    return job.relay(*argv, "--worker-id", f"rollout-{index}")
+
+
 def spawn_rollout(job: LocalJob, index: int) -> None:
     """Start rollout worker ``rollout-<index>`` against the job's controller."""
-    role = f"rollout-{index}"
-    argv = ["rollout", "serve", "--config", str(job.config_path), "--controller", job.controller_address]
-    job.spawn(role, job.relay(*argv, "--worker-id", role))
+    job.spawn(f"rollout-{index}", rollout_argv(job, index))
 
 
 def start_forks(cfg: RelayConfig, keep_fds: tuple[int, ...] = ()) -> ForkServer | None:
@@ -267,18 +301,18 @@ def start_job(
     # Every role starts at once (each spends seconds importing torch and loading the model): workers retry
     # their heartbeat and the trainer its first calls until the controller answers. A trainer that publishes
     # its starting weights before a worker registered finds it at version 0 (loaded from the model path).
-    job.spawn("controller", job.relay("controller", "serve", *common, "--port", str(port)))
+    starts = [RoleStart("controller", job.relay("controller", "serve", *common, "--port", str(port)))]
     workers = rollout_workers(cfg, resume)
-    for i in range(workers):
-        spawn_rollout(job, i)
+    starts += [RoleStart(f"rollout-{i}", rollout_argv(job, i)) for i in range(workers)]
     # One rank runs as the role itself, with what torchrun's agent would give it (relayrl.trainer.launch does
     # the same outside `relayrl up`); more ranks run under `relayrl trainer launch` (torchrun).
     rank = ["trainer", "run", *common, "--controller", job.controller_address, *(["--resume"] if resume else [])]
     if cfg.trainer.nproc == 1:
-        job.spawn("trainer", job.relay(*rank), env=trainer_env(cfg), own_store=True)
+        starts.append(RoleStart("trainer", job.relay(*rank), trainer_env(cfg), own_store=True))
     else:
         launch = ["trainer", "launch", "--standalone", f"--nproc-per-node={cfg.trainer.nproc}", "-m", "relayrl.cli"]
-        job.spawn("trainer", job.relay(*launch, *rank), env=trainer_env(cfg))
+        starts.append(RoleStart("trainer", job.relay(*launch, *rank), trainer_env(cfg)))
+    job.spawn_side_by_side(starts)
     roles = ["controller", *(f"rollout-{i}" for i in range(workers)), "trainer", *side_roles]
     wait_until(lambda: environments_serving(job.cfg), 120, "the environment servers", job, roles)
     wait_until(lambda: scorers_serving(job.cfg), 180, "the scorers", job, roles)

@@ -2,7 +2,7 @@
 
 Every role of a local run is a Python process that imports torch, transformers, datasets and gRPC before it
 does anything else: seconds of a core each, once per role on the way to the first step, and again at every
-restart. A fork server imports them once (``ROLE_PRELOAD``, the run's modeling module included), then
+restart. A fork server imports them once (``ROLE_PRELOAD``, the run's modeling and configuration modules included), then
 forks each role from that state. Two servers share the roles (``SERVER_ROLES``) and import side by side: the
 service server (the start-up checks, the controller, environments) and the model server (the roles that load
 the model: rollout workers and the trainer), so the imports on the way to the first step take two cores, not
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import gc
 import importlib
 import json
@@ -56,12 +55,15 @@ ENTRY_MODULE = "relayrl.cli"  # every role's entry point, ``main(argv)``; named,
 RELAY = (sys.executable, "-m", ENTRY_MODULE)  # every role's command line: RELAY + its arguments
 
 # what each role imports before its first step (cli.py's cmd_*), by the first word of its command; MODEL is
-# the run's modeling module. A server imports those of its roles (SERVER_ROLES), in this order (the launcher asks
-# for the controller first, then the workers, then the trainer), from its start and between requests (``serve``); a
-# role's request waits for its own modules and at most for the one import in progress.
-MODEL = "<modeling module>"
+# the run's modeling module, CONFIG its configuration module (the controller's tokenizer load imports it through
+# AutoConfig: torch.distributed.tensor and sympy come with it, a second of a core). A server imports those of its
+# roles (SERVER_ROLES) in this order, from its start and between requests (``serve``); the launcher asks each
+# server for its roles side by side (``LocalJob.spawn_side_by_side``), so a role's request waits for its own modules
+# and at most for the one import in progress of its own server.
+MODEL, CONFIG = "<modeling module>", "<configuration module>"
+MODEL_MODULES = (MODEL, CONFIG)  # named from the model's config.json (``model_module``)
 ROLE_PRELOAD = {
-    "controller": ("relayrl.services.controller_server",),
+    "controller": ("relayrl.services.controller_server", CONFIG),
     "rollout": ("relayrl.services.rollout_server", "relayrl.rollout.hf", MODEL),
     "trainer": ("relayrl.trainer.loop", MODEL),
     "env": ("relayrl.env.server",),  # the environment's own module is imported by the role
@@ -80,8 +82,9 @@ RUNTIME_ENV = frozenset({
 REPARENT_TIMEOUT_S = 5.0
 
 
-def modeling_module(model_path: str | Path) -> str | None:
-    """``transformers.models.<m>.modeling_<m>`` for the ``model_type`` in ``model_path``/config.json, if any."""
+def model_module(model_path: str | Path, kind: str = "modeling") -> str | None:
+    """``transformers.models.<m>.<kind>_<m>`` (``kind``: modeling or configuration) for the ``model_type`` in
+    ``model_path``/config.json, if any."""
     try:
         model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -89,7 +92,7 @@ def modeling_module(model_path: str | Path) -> str | None:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     name = model_type_to_module_name(model_type)
-    return f"transformers.models.{name}.modeling_{name}"
+    return f"transformers.models.{name}.{kind}_{name}"
 
 
 def env_fork_blockers(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
@@ -189,19 +192,23 @@ class Preloader:
     ) -> None:
         self.model_path, self.roles, self.label = model_path, roles, label  # label: its log lines' prefix
         self.done: set[str] = set()
+        self._named: dict[str, str | None] = {}  # MODEL_MODULES -> the module names (``named``)
 
-    @functools.cached_property
-    def model(self) -> str | None:
-        """MODEL's name, found when the list reaches it: naming it imports transformers' auto classes (seconds),
-        which the controller, forked first, does not wait for."""
-        return modeling_module(self.model_path) if self.model_path else None
+    def named(self, placeholder: str) -> str | None:
+        """MODEL's or CONFIG's name, found when the list reaches it: naming it imports transformers' auto classes
+        (a second of a core), which a role whose modules come first does not wait for."""
+        if placeholder not in self._named:
+            kind = "modeling" if placeholder == MODEL else "configuration"
+            self._named[placeholder] = model_module(self.model_path, kind) if self.model_path else None
+        return self._named[placeholder]
 
     def modules(self, role: str | None = None) -> Iterator[str]:
-        """``role``'s modules (for None, those of every role of ``roles``, in order), MODEL named, each once."""
+        """``role``'s modules (for None, those of every role of ``roles``, in order), MODEL_MODULES named, each
+        once."""
         roles = [role] if role is not None else [r for r in ROLE_PRELOAD if r in self.roles]
         names = [name for r in roles for name in ROLE_PRELOAD.get(r, ())]
         for name in dict.fromkeys(names):
-            name = self.model if name == MODEL else name
+            name = self.named(name) if name in MODEL_MODULES else name
             if name is not None:
                 yield name
 
@@ -358,7 +365,7 @@ class ForkServer:
         servers = {}
         for name, roles in SERVER_ROLES.items():
             argv = [sys.executable, "-m", "relayrl.runtime.forkserver", "--name", name, "--roles", ",".join(roles)]
-            if model_path and set(roles) & {r for r, mods in ROLE_PRELOAD.items() if MODEL in mods}:
+            if model_path and any(set(ROLE_PRELOAD.get(role, ())) & set(MODEL_MODULES) for role in roles):
                 argv += ["--model", model_path]
             with tempfile.TemporaryFile() as err:
                 servers[name] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
@@ -370,10 +377,13 @@ class ForkServer:
         return {proc.pid for proc in self.servers.values()}
 
     def log_to(self, log: Path) -> None:
-        """Append what each server wrote to its temporary file to ``log``, and its output from now on."""
-        for proc in self.servers.values():
-            if proc.poll() is None:
-                _ask(proc, {"stderr": str(log)})
+        """Append what each server wrote to its temporary file to ``log``, and its output from now on. Every server
+        is asked before any answer is read: each answers once its import in progress is done."""
+        live = [proc for proc in self.servers.values() if proc.poll() is None]
+        for proc in live:
+            _send(proc, {"stderr": str(log)})
+        for proc in live:
+            _receive(proc)
 
     def server_for(self, args: list[str]) -> subprocess.Popen:
         """The server of the command ``args`` (relayrl.cli's arguments): by its first word (``SERVER_ROLES``)."""
@@ -427,9 +437,22 @@ class ForkServer:
 
 def _ask(server: subprocess.Popen, request: dict) -> dict:
     """One request line to ``server``, one reply line (``{"error": ...}`` when the server is gone)."""
+    return _send(server, request) or _receive(server)
+
+
+def _send(server: subprocess.Popen, request: dict) -> dict | None:
+    """Write one request line to ``server``; None, or ``{"error": ...}`` when it is gone."""
     try:
         server.stdin.write(json.dumps(request).encode() + b"\n")
         server.stdin.flush()
+    except OSError as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return None
+
+
+def _receive(server: subprocess.Popen) -> dict:
+    """Read one reply line from ``server`` (``{"error": ...}`` when it is gone)."""
+    try:
         return json.loads(server.stdout.readline() or b'{"error": "fork server closed its pipe"}')
     except (OSError, ValueError) as err:
         return {"error": f"{type(err).__name__}: {err}"}

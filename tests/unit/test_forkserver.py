@@ -24,7 +24,7 @@ from relayrl.runtime.forkserver import (
     ForkServer,
     Preloader,
     env_fork_blockers,
-    modeling_module,
+    model_module,
 )
 
 # The launcher's side, run in a process of its own: it becomes a child subreaper, which a test process must not.
@@ -76,9 +76,10 @@ def test_runtime_variables_fork_and_load_time_ones_do_not():
     assert env_fork_blockers({**server, "MALLOC_ARENA_MAX": "2", "A": "1"}, server) == ["A", "MALLOC_ARENA_MAX"]
 
 
-def test_the_modeling_module_comes_from_the_model_type(tiny_model_dir, tmp_path):
-    assert modeling_module(tiny_model_dir) == "transformers.models.qwen2.modeling_qwen2"
-    assert modeling_module(tmp_path) is None  # no config.json: nothing extra preloaded
+def test_the_modeling_and_configuration_modules_come_from_the_model_type(tiny_model_dir, tmp_path):
+    assert model_module(tiny_model_dir) == "transformers.models.qwen2.modeling_qwen2"
+    assert model_module(tiny_model_dir, "configuration") == "transformers.models.qwen2.configuration_qwen2"
+    assert model_module(tmp_path) is None  # no config.json: nothing extra preloaded
 
 
 def test_a_builtin_model_preloads_the_modeling_module_of_its_build(tmp_path):
@@ -87,7 +88,7 @@ def test_a_builtin_model_preloads_the_modeling_module_of_its_build(tmp_path):
                              "data": {"path": "builtin:digits"}})  # fmt: skip
 
     prepare_assets(config())  # built once per machine (the asset cache): a later run's server reads its config.json
-    assert modeling_module(modeling_source(config())) == "transformers.models.qwen2.modeling_qwen2"
+    assert model_module(modeling_source(config())) == "transformers.models.qwen2.modeling_qwen2"
 
 
 def test_a_forked_role_is_the_launchers_own_process(make_config, tmp_path):
@@ -165,7 +166,7 @@ def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_
             forkserver.serve(None, requests, io.BytesIO())
         finally:
             gc.enable()
-    every = [name for names in ROLE_PRELOAD.values() for name in names if name != forkserver.MODEL]
+    every = [name for names in ROLE_PRELOAD.values() for name in names if name not in forkserver.MODEL_MODULES]
     assert events == every
 
     events.clear()  # a server of some roles only (SERVER_ROLES) imports theirs
@@ -177,7 +178,7 @@ def test_a_waiting_request_is_served_first_and_every_roles_modules_are_imported_
         finally:
             gc.enable()
     model_roles = [*ROLE_PRELOAD["rollout"], *ROLE_PRELOAD["trainer"]]
-    assert events == [name for name in dict.fromkeys(model_roles) if name != forkserver.MODEL]
+    assert events == [name for name in dict.fromkeys(model_roles) if name not in forkserver.MODEL_MODULES]
 
 
 def test_the_roles_that_load_the_model_go_to_one_server_and_every_other_command_to_the_other():
@@ -231,14 +232,18 @@ def test_relayrl_ups_heavy_checks_run_in_its_fork_server_and_refuse_there_as_her
     assert checked == [good] * 3
 
 
-def test_the_modeling_module_is_named_only_when_a_role_that_needs_it_comes(monkeypatch):
-    """Naming it imports transformers' auto classes: the controller, forked first, does not wait for that."""
-    named: list[str] = []
-    monkeypatch.setattr(forkserver, "modeling_module", lambda path: named.append(path) or "modeling_x")
+def test_each_model_module_is_named_only_when_a_role_that_needs_it_comes(monkeypatch):
+    """Naming one imports transformers' auto classes: a role whose modules come first does not wait for that. The
+    controller's tokenizer load imports the configuration module; the model roles import the modeling module."""
+    named: list[tuple[str, str]] = []
+    monkeypatch.setattr(forkserver, "model_module", lambda path, kind: named.append((path, kind)) or f"{kind}_x")
     monkeypatch.setattr(Preloader, "_import", lambda self, name: self.done.add(name))
     preloader = Preloader("/models/x")
+    preloader.prepare("env")
+    assert named == []
     preloader.prepare("controller")
-    assert named == [] and preloader.done == set(ROLE_PRELOAD["controller"])
+    assert named == [("/models/x", "configuration")] and "configuration_x" in preloader.done
     preloader.prepare("rollout")
     preloader.prepare("trainer")
-    assert named == ["/models/x"] and "modeling_x" in preloader.done
+    assert named == [("/models/x", "configuration"), ("/models/x", "modeling")] and "modeling_x" in preloader.done
+    assert Preloader(None).named(forkserver.CONFIG) is None  # no model directory: nothing extra preloaded
