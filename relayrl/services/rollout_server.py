@@ -86,7 +86,9 @@ class Heartbeat:
     """Registers the worker with the controller every ``interval_s``, or as often as the controller's last answer
     asked (``heartbeat_interval_s``: a large fleet beats less often); also after a controller restart. A beat is
     skipped while an answered dispatch renewed the registration within the interval: a busy fleet's beats would
-    cost the controller CPU for nothing."""
+    cost the controller CPU for nothing. Until its first answer a beat waits for the channel to connect
+    (``wait_for_ready``, gRPC's reconnect backoff: relayrl.rpc.channels), so a worker that is up before the controller
+    it starts with registers as soon as the controller serves, not a beat later."""
 
     def __init__(
         self, worker: RolloutWorker, registration: Registration, controller: str, address: str, interval_s: float = 1.0
@@ -97,6 +99,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
         self._warned = False
+        self._answered = False
 
     def start(self) -> None:
         self._thread.start()
@@ -108,7 +111,8 @@ class Heartbeat:
             engine=self.worker.engine.name,
             policy_version=self.worker.reported_version,
         )
-        response = self._stub.RegisterWorker(request, timeout=5)
+        response = self._stub.RegisterWorker(request, timeout=5, wait_for_ready=not self._answered)
+        self._answered = True
         self.next_beat_s = response.heartbeat_interval_s or self.interval_s
 
     def _loop(self) -> None:

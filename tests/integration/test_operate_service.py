@@ -285,6 +285,28 @@ def test_a_renewed_registration_sends_no_heartbeat(service):
         control.stop(deregister=True)
 
 
+def test_a_worker_up_before_its_controller_registers_once_the_controller_serves(tmp_path, tiny_model_dir, digits_path):
+    """A rollout worker loads faster than its controller starts: its first beat waits for the controller to serve
+    (an hour's interval: a beat that failed at once and waited for the next one would never register here)."""
+    port = free_port()
+    worker = SimpleNamespace(worker_id="early", engine=SimpleNamespace(name="hf"), reported_version=0)
+    early = Heartbeat(worker, Registration(), f"127.0.0.1:{port}", "127.0.0.1:3", interval_s=3600)
+    early.start()
+    time.sleep(1.0)  # its first beat is in flight, the controller not up
+    cfg = parse_config({"run": {"name": "late", "dir": str(tmp_path)}, "model": {"path": str(tiny_model_dir)},
+                        "data": {"path": str(digits_path)}})  # fmt: skip
+    server, controller = serve_controller(cfg, port=port)
+    try:
+        deadline = time.monotonic() + 30
+        while controller.registry.get("early") is None:
+            assert time.monotonic() < deadline, "the worker never registered"
+            time.sleep(0.05)
+    finally:
+        early.stop(deregister=False)
+        server.stop(grace_s=0)
+        controller.stop()
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         return response.read().decode()
