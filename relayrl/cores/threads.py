@@ -44,9 +44,10 @@ beside it), as on separate machines.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -216,3 +217,18 @@ def yield_cores_to_generation() -> GenerationFirst:
     os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
     log.info("beside the rollout workers: this trainer rank runs at nice %d (no autogroups: for the run)", nice)
     return GenerationFirst(nice)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads at 1 for the block, then as they were: for forwards of a few tokens (the start-up
+    probes), which gain nothing from more threads and, beside a process that takes every core (a rollout worker
+    loading or generating), wait in OpenMP's barriers for the threads the kernel handed to it."""
+    import torch  # here, not at the top: the launcher imports this module and never torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from relayrl.algorithms.version_mix import version_mix
 from relayrl.config import RelayConfig, TrainerConfig, correction_metrics_of, dump_config
-from relayrl.cores.threads import GenerationFirst, torch_threads
+from relayrl.cores.threads import GenerationFirst, one_thread, torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
@@ -32,7 +32,6 @@ from relayrl.rpc.retry import RETRYABLE, STOPPING, call_with_retry
 from relayrl.runtime.files import atomic_write, free_space_text
 from relayrl.runtime.gcfreeze import freeze_startup_heap
 from relayrl.trainer.backends import create_backend
-from relayrl.trainer.backends.fsdp import one_thread
 from relayrl.trainer.batch import to_train_batch
 from relayrl.trainer.best import BestKeeper
 from relayrl.trainer.evals import EvalMirror

@@ -157,7 +157,8 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tiny
 
 def test_the_start_up_probes_run_on_one_thread_and_the_threads_come_back(tiny_model_dir, monkeypatch) -> None:
     """The probes forward a few tokens: on one thread they do not wait in OpenMP's barriers for cores a rollout
-    worker beside them holds (``fsdp.one_thread``); the trainer's own thread count is back for training."""
+    worker beside them holds (``relayrl.cores.threads.one_thread``); the trainer's own thread count is back for
+    training."""
     from relayrl.trainer.backends import fsdp
     from relayrl.trainer.precision import Precision
 

@@ -15,11 +15,10 @@ Contract: every method is called by every rank (they hold collectives), except w
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.algorithms.routing_replay import replaying
 from relayrl.config import LoraConfig, ModelConfig, TrainerConfig
+from relayrl.cores.threads import one_thread
 from relayrl.runtime.attention import AUTO, load_with_attention, resolved
 from relayrl.trainer.backends.checkpoint_state import write_trainer_state
 from relayrl.trainer.backends.lora import (
@@ -64,19 +64,6 @@ from relayrl.trainer.precision import Precision
 from relayrl.trainer.prefix import SharedPrefix, group_layouts, layout_unsupported, shared_prefix_logprobs
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch's intra-op threads at 1 for the block, then as they were: for forwards of a few tokens (the start-up
-    probes), which gain nothing from more threads and, beside a process that takes every core (a rollout worker
-    loading or generating), wait in OpenMP's barriers for the threads the kernel handed to it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def load_trained_model(
