@@ -125,6 +125,8 @@ class LocalJob:
         with ThreadPoolExecutor(len(queues), thread_name_prefix="spawn") as pool:
             for done in [pool.submit(spawn_in_order, queue) for queue in queues.values()]:
                 done.result()
+        for start in starts:  # ``children`` in the order asked, whichever server answered first
+            self.children[start.role] = self.children.pop(start.role)
 
     def rollouts(self) -> list[str]:
         return [role for role in self.children if role.startswith("rollout")]

@@ -11,16 +11,19 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 from relayrl.config import RelayConfig, parse_config
-from relayrl.launcher import modeling_source
+from relayrl.launcher import LocalJob, RoleStart, modeling_source
 from relayrl.models.assets import prepare_assets
 from relayrl.runtime import forkserver
 from relayrl.runtime.forkserver import (
+    RELAY,
     ROLE_PRELOAD,
     SERVER_ROLES,
+    ForkedRole,
     ForkServer,
     Preloader,
     env_fork_blockers,
@@ -247,3 +250,30 @@ def test_each_model_module_is_named_only_when_a_role_that_needs_it_comes(monkeyp
     preloader.prepare("trainer")
     assert named == [("/models/x", "configuration"), ("/models/x", "modeling")] and "modeling_x" in preloader.done
     assert Preloader(None).named(forkserver.CONFIG) is None  # no model directory: nothing extra preloaded
+
+
+def test_a_fork_server_still_importing_holds_up_only_its_own_roles(tmp_path):
+    """``relayrl up`` asks the two servers side by side: the controller's server, busy until the model server has
+    forked the trainer, does not keep the model server's roles waiting; ``children`` keeps the order asked."""
+    trainer_forked = threading.Event()
+
+    class TwoServers:
+        """The part of ``ForkServer`` that ``LocalJob`` uses, answering at once but for the controller."""
+
+        env, pids, refused = dict(os.environ), set(), {}
+
+        def server_for(self, args: list[str]) -> str:
+            return "service" if args[0] == "controller" else "model"
+
+        def spawn(self, role, argv, env, log) -> ForkedRole:
+            if role == "controller":
+                assert trainer_forked.wait(30), "the model server's roles waited for the service server"
+            if role == "trainer":
+                trainer_forked.set()
+            return ForkedRole(os.getpid(), list(argv))
+
+    job = LocalJob(parse_config({"model": {"path": "m"}, "data": {"path": "d"}}), tmp_path / "c.yaml", tmp_path)
+    job.forks = TwoServers()
+    job.spawn_side_by_side([RoleStart(role, [*RELAY, role.split("-")[0], "serve"]) for role in
+                            ("controller", "rollout-0", "trainer")])  # fmt: skip
+    assert list(job.children) == ["controller", "rollout-0", "trainer"]
