@@ -110,18 +110,17 @@ class LocalJob:
     def spawn_side_by_side(self, starts: list[RoleStart]) -> None:
         """``spawn`` each of ``starts``: those of one fork server in order, those of different servers side by
         side, so that a server still importing holds up only its own roles."""
-        if self.forks is None:
-            for start in starts:
-                self.spawn(start.role, start.argv, start.env, own_store=start.own_store)
-            return
-        queues: dict[int, list[RoleStart]] = {}
-        for start in starts:
-            queues.setdefault(id(self.forks.server_for(start.argv[len(RELAY) :])), []).append(start)
 
         def spawn_in_order(queue: list[RoleStart]) -> None:
             for start in queue:
                 self.spawn(start.role, start.argv, start.env, own_store=start.own_store)
 
+        if self.forks is None:
+            spawn_in_order(starts)
+            return
+        queues: dict[int, list[RoleStart]] = {}
+        for start in starts:
+            queues.setdefault(id(self.forks.server_for(start.argv[len(RELAY) :])), []).append(start)
         with ThreadPoolExecutor(len(queues), thread_name_prefix="spawn") as pool:
             for done in [pool.submit(spawn_in_order, queue) for queue in queues.values()]:
                 done.result()

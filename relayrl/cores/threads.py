@@ -221,9 +221,10 @@ def yield_cores_to_generation() -> GenerationFirst:
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """torch's intra-op threads at 1 for the block, then as they were: for forwards of a few tokens (the start-up
-    probes), which gain nothing from more threads and, beside a process that takes every core (a rollout worker
-    loading or generating), wait in OpenMP's barriers for the threads the kernel handed to it."""
+    """torch's intra-op threads at 1 for the block, then as they were: for a trainer's start-up work (forwards of a
+    few tokens in the probes, the optimizer state's creation), which gains little from more threads and, beside a
+    process that takes every core (a rollout worker loading or generating), waits in OpenMP's barriers for the
+    threads the kernel handed to it."""
     import torch  # here, not at the top: the launcher imports this module and never torch
 
     threads = torch.get_num_threads()

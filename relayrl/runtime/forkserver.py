@@ -61,7 +61,7 @@ RELAY = (sys.executable, "-m", ENTRY_MODULE)  # every role's command line: RELAY
 # server for its roles side by side (``LocalJob.spawn_side_by_side``), so a role's request waits for its own modules
 # and at most for the one import in progress of its own server.
 MODEL, CONFIG = "<modeling module>", "<configuration module>"
-MODEL_MODULES = (MODEL, CONFIG)  # named from the model's config.json (``model_module``)
+MODEL_MODULES = {MODEL: "modeling", CONFIG: "configuration"}  # placeholder -> its ``model_module`` kind
 ROLE_PRELOAD = {
     "controller": ("relayrl.services.controller_server", CONFIG),
     "rollout": ("relayrl.services.rollout_server", "relayrl.rollout.hf", MODEL),
@@ -198,7 +198,7 @@ class Preloader:
         """MODEL's or CONFIG's name, found when the list reaches it: naming it imports transformers' auto classes
         (a second of a core), which a role whose modules come first does not wait for."""
         if placeholder not in self._named:
-            kind = "modeling" if placeholder == MODEL else "configuration"
+            kind = MODEL_MODULES[placeholder]
             self._named[placeholder] = model_module(self.model_path, kind) if self.model_path else None
         return self._named[placeholder]
 
