@@ -45,7 +45,7 @@ from relayrl.rpc.retry import STOPPING
 from relayrl.runtime.gcfreeze import freeze_startup_heap, pause_collection
 from relayrl.runtime.heap import retain_freed_memory
 from relayrl.runtime.procs import announce, exit_now, log_native_crashes, stop_with_parent
-from relayrl.runtime.runlock import RunHeld, RunLockUnsupported, refuse_if_held
+from relayrl.runtime.runlock import RunHeld, RunLockUnsupported
 
 
 def _config(args: argparse.Namespace, port_flag: str | None = None) -> RelayConfig:
@@ -369,7 +369,7 @@ def _loaded(args: argparse.Namespace) -> tuple[RelayConfig, list[str] | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from relayrl.launcher import claim_run, run_local, start_forks
+    from relayrl.launcher import claim_run, run_local, start_forks, wait_out_dead_run
     from relayrl.ops.preflight import heavy_checks, preflight
     from relayrl.rpc.channels import configure_client
 
@@ -377,8 +377,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         preflight(cfg, load_tokenizer=False)
     except ConfigError:
-        refuse_if_held(cfg.run_dir)  # a live run of the same name is why (its fixed controller.port is in use)
-        raise
+        # a run of the same name may be why (its fixed controller.port in use): a live one is refused naming it, a
+        # dead launcher's processes are waited for, and then the checks run again
+        if not wait_out_dead_run(cfg):
+            raise
+        preflight(cfg, load_tokenizer=False)
     lock = claim_run(cfg)  # before any process starts: they hold it with the launcher
     forks = None
     try:

@@ -46,7 +46,7 @@ from relayrl.runtime.files import atomic_write
 from relayrl.runtime.forkserver import RELAY, ForkedRole, ForkServer
 from relayrl.runtime.ports import free_port
 from relayrl.runtime.procs import ORPHAN_GRACE_S, PARENT_ENV, kill_tree, reap_orphans
-from relayrl.runtime.runlock import RunLock
+from relayrl.runtime.runlock import RunLock, refuse_if_held
 from relayrl.runtime.words import counted
 from relayrl.trainer.launch import single_rank_env
 from relayrl.trainer.metrics import eval_curves, read_evals, read_metrics, read_records
@@ -199,17 +199,26 @@ def wait_until(predicate, timeout_s: float, what: str, job: LocalJob, roles: lis
     raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+DEAD_RUN_WAIT_S = ORPHAN_GRACE_S + 30  # a dead launcher's processes each stop within ORPHAN_GRACE_S
+
+
+def _say_waiting(message: str) -> None:
+    console.print(f"[yellow]{escape(message)}[/yellow]")
+
+
 def claim_run(cfg: RelayConfig) -> RunLock:
     """The lock of ``cfg``'s run directory for this launcher and the processes it starts (runtime.runlock), or
-    ``RunHeld``; the processes of a dead launcher are waited for while they stop (each within ORPHAN_GRACE_S)."""
-    lock = RunLock.take(
-        cfg.run_dir,
-        wait_dead_s=ORPHAN_GRACE_S + 30,
-        on_wait=lambda message: console.print(f"[yellow]{escape(message)}[/yellow]"),
-    )
+    ``RunHeld``; the processes of a dead launcher are waited for while they stop."""
+    lock = RunLock.take(cfg.run_dir, wait_dead_s=DEAD_RUN_WAIT_S, on_wait=_say_waiting)
     if lock.caveat:
         console.print(f"[yellow]{escape(lock.caveat)}[/yellow]")
     return lock
+
+
+def wait_out_dead_run(cfg: RelayConfig) -> bool:
+    """``RunHeld`` when a live run holds ``cfg``'s run directory; True once a dead launcher's processes that held
+    it have stopped (waited for as ``claim_run`` does), False when none did. Creates nothing."""
+    return refuse_if_held(cfg.run_dir, wait_dead_s=DEAD_RUN_WAIT_S, on_wait=_say_waiting)
 
 
 def prepare_run_dir(cfg: RelayConfig, resume: list[str] | None) -> Path:

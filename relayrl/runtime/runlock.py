@@ -150,8 +150,7 @@ class RunLock:
         path = cls.path_for(run_dir)
         made_parent = not path.parent.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + wait_dead_s
-        waited = False
+        dead_owner = DeadOwnerWait(run_dir, wait_dead_s, on_wait)
         while True:
             created = not path.exists()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -163,13 +162,7 @@ class RunLock:
                 raise
             except BlockingIOError:
                 os.close(fd)
-                owner = read_owner(path)
-                if owner is None or not owner.gone() or time.monotonic() >= deadline:
-                    raise RunHeld(refusal(run_dir, owner)) from None
-                if not waited:
-                    on_wait(f"run {run_dir.name}: its launcher ({owner.describe()}) died; waiting for its processes")
-                    waited = True
-                time.sleep(POLL_S)
+                dead_owner.held()
                 continue
             if same_file(fd, path):
                 break
@@ -209,19 +202,46 @@ def same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def refuse_if_held(run_dir: Path) -> None:
-    """``RunHeld`` naming the owner when a live run holds ``run_dir``; creates nothing (no lock file: no live run)."""
+class DeadOwnerWait:
+    """A claimant's wait, up to ``wait_dead_s``, for the processes of a launcher that died to let go of
+    ``run_dir``'s lock (they stop within a grace once their launcher dies); said once to ``on_wait``."""
+
+    def __init__(self, run_dir: Path, wait_dead_s: float, on_wait: Callable[[str], None]) -> None:
+        self.run_dir, self.on_wait = run_dir, on_wait
+        self.deadline = time.monotonic() + wait_dead_s
+        self.waited = False
+
+    def held(self) -> None:
+        """The lock was found held: ``RunHeld`` naming the owner unless it is a dead launcher and the wait has time
+        left, else one poll period's sleep before the caller tries again."""
+        owner = read_owner(RunLock.path_for(self.run_dir))
+        if owner is None or not owner.gone() or time.monotonic() >= self.deadline:
+            raise RunHeld(refusal(self.run_dir, owner))
+        if not self.waited:
+            self.on_wait(f"run {self.run_dir.name}: its launcher ({owner.describe()}) died; waiting for its processes")
+            self.waited = True
+        time.sleep(POLL_S)
+
+
+def refuse_if_held(run_dir: Path, *, wait_dead_s: float = 0.0, on_wait: Callable[[str], None] = print) -> bool:
+    """``RunHeld`` naming the owner when a live run holds ``run_dir``; creates nothing (no lock file: no live run).
+    A dead launcher's processes still holding it are waited for as ``RunLock.take`` does; returns whether they were
+    (so what they held, a port, may be free now)."""
     path = RunLock.path_for(run_dir)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        _flock(fd, path, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: dropped with the descriptor below
-    except BlockingIOError:
+    dead_owner = DeadOwnerWait(run_dir, wait_dead_s, on_wait)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return dead_owner.waited
+        try:
+            _flock(fd, path, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: dropped with the descriptor below
+        except BlockingIOError:
+            os.close(fd)
+            dead_owner.held()
+            continue
         os.close(fd)
-        raise RunHeld(refusal(run_dir, read_owner(path))) from None
-    os.close(fd)
+        return dead_owner.waited
 
 
 def read_owner(path: Path) -> Owner | None:

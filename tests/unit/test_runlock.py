@@ -163,3 +163,22 @@ def test_a_filesystem_without_flock_is_named_in_one_line_and_relayrl_up_exits_2(
     assert main(["up", str(demo), "--set", f"run.dir={tmp_path / 'runs'}", "--set", "run.name=r"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("relayrl: run lock ") and "lustre refuses flock" in err and "\n" not in err
+
+
+def test_the_probe_waits_out_a_dead_launchers_processes_and_says_so(tmp_path: Path) -> None:
+    """``relayrl up`` probes when its checks fail (a port in use): a dead launcher's role still stopping holds the
+    port and the lock, so the probe waits until it exits (True: check again), as ``take`` would."""
+    run_dir = tmp_path / "runs" / "r"
+    lock = RunLock.take(run_dir)
+    dead = Owner(os.getpid(), socket.gethostname(), -1, 0.0)
+    RunLock.path_for(run_dir).write_text(json.dumps(dead.__dict__))
+    role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], pass_fds=(lock.fd,))
+    os.close(lock.fd)  # the launcher is gone; its role stops a little later
+    said: list[str] = []
+    try:
+        assert refuse_if_held(run_dir, wait_dead_s=60, on_wait=said.append) is True
+        assert role.wait(timeout=10) == 0 and len(said) == 1 and "died; waiting for its processes" in said[0]
+    finally:
+        role.kill()
+        role.wait()
+    assert refuse_if_held(run_dir, wait_dead_s=60) is False  # nothing held: nothing waited for
