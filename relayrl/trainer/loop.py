@@ -37,7 +37,7 @@ from relayrl.trainer.best import BestKeeper
 from relayrl.trainer.evals import EvalMirror
 from relayrl.trainer.metrics import MetricsWriter, plot_rewards, plot_training
 from relayrl.trainer.on_demand import OnDemandSync
-from relayrl.trainer.optim import create_state
+from relayrl.trainer.optim import create_state, fault_in_gradients
 from relayrl.trainer.retention import complete_checkpoints, prune_checkpoints
 from relayrl.trainer.samples import SamplesWriter, step_samples
 from relayrl.trainer.schedule import lr_at, set_step_lrs
@@ -422,6 +422,7 @@ def run_trainer(
     with one_thread():  # beside the rollout workers, which generate the first batch meanwhile on every core
         for optimizer in [backend.optimizer] + ([backend.critic.optimizer] if backend.critic is not None else []):
             create_state(optimizer)  # not in step 1, on its hot path: its pages are faulted in now
+            fault_in_gradients(optimizer)
     freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()

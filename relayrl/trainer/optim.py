@@ -17,27 +17,35 @@ def adamw(params: Iterable[torch.nn.Parameter], cfg: TrainerConfig) -> torch.opt
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
 
 
-def create_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create ``optimizer``'s per-parameter state now instead of in its first ``step`` (AdamW: two float32 moments
-    the size of its parameters; on a CPU, fresh pages that step 1 would fault in on its hot path): one step on zero
-    gradients at lr 0, as torch.distributed.checkpoint readies an optimizer to load into
-    (``_init_optim_state``, torch/distributed/checkpoint/state_dict.py), then every ``step`` count back to 0.
-    Nothing moves (the update and AdamW's decay are scaled by lr = 0); the moments are zero, as step 1 creates
-    them; so the next step is the one the optimizer would have taken. A no-op when state exists (a resumed
-    optimizer) or a parameter holds a gradient."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if optimizer.state or any(p.grad is not None for p in params):
+def create_state(optimizer: torch.optim.Adam) -> None:
+    """Create ``optimizer``'s per-parameter state now instead of in its first ``step`` (on a CPU, fresh pages that step
+    1 would fault in on its hot path): for every parameter what torch's Adam / AdamW first step makes
+    (``Adam._init_group``, torch/optim/adam.py): ``step``, a 0-d zero (float32 on the parameter's device when fused or
+    capturable, else on the CPU in the default scalar dtype), and ``exp_avg``, ``exp_avg_sq`` (and under amsgrad
+    ``max_exp_avg_sq``) zeros like the parameter. The next step is the one the optimizer would have taken. Nothing
+    else is allocated, computed or written. A no-op when state exists (a resumed optimizer)."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        raise TypeError(f"optimizer: create_state knows Adam's state, not {type(optimizer).__name__}'s")
+    if optimizer.state:
         return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        state["step"].zero_()  # a tensor in torch's AdamW
+    cpu_step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        on_device = group["fused"] or group["capturable"]
+        moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+        for p in group["params"]:
+            step = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if on_device
+                else torch.zeros((), dtype=cpu_step_dtype)
+            )
+            optimizer.state[p] = {"step": step} | {
+                name: torch.zeros_like(p, memory_format=torch.preserve_format) for name in moments
+            }
+
+
+def fault_in_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate a zero gradient's memory for every parameter of ``optimizer``, then free it: in a process whose heap
+    keeps what it frees (``relayrl.runtime.heap``), step 1's activations and gradients then land on pages faulted in
+    now, not on its hot path. Leaves the parameters' ``grad`` as they were."""
+    scratch = [torch.zeros_like(p) for group in optimizer.param_groups for p in group["params"]]
+    del scratch

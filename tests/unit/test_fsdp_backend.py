@@ -181,3 +181,45 @@ def test_the_start_up_probes_run_on_one_thread_and_the_threads_come_back(tiny_mo
         assert seen == [("head", 1), ("layout", 1)] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def file_mapped(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ``path`` (/proc/self/maps)."""
+    target = str(path.resolve())
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def test_a_float32_checkpoints_parameters_are_copied_out_of_the_mapped_file(tiny_model_dir, monkeypatch) -> None:
+    """transformers keeps a float32 checkpoint's float32 tensors as views of the privately mapped safetensors file
+    (the premise, checked first); the trainer's parameters are its own memory (``own_parameters``): a write is no
+    copy-on-write fault, and tied weights are still one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.trainer.backends import fsdp
+    from relayrl.trainer.precision import Precision
+
+    weights = tiny_model_dir / "model.safetensors"
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    ranges = file_mapped(weights)
+    assert any(lo <= p.data_ptr() < hi for p in plain.parameters() for lo, hi in ranges)
+
+    class Probed(Exception):
+        """Raised by the first probe: the model as loaded is what this test looks at."""
+
+    def first_probe(model) -> None:
+        ranges = file_mapped(weights)
+        assert not any(lo <= p.data_ptr() < hi for p in model.parameters() for lo, hi in ranges)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert tied == plain.config.tie_word_embeddings
+        raise Probed
+
+    monkeypatch.setattr(fsdp, "head_plan", first_probe)
+    precision = Precision.resolve(TrainerConfig(), "auto", torch.device("cpu"))
+    with pytest.raises(Probed):
+        fsdp.load_trained_model(str(tiny_model_dir), precision, torch.device("cpu"))

@@ -85,6 +85,8 @@ def load_trained_model(
     ``gradient_checkpointing``: every decoder layer recomputes its forward in the backward pass (transformers'
     activation checkpointing, non-reentrant torch.utils.checkpoint)."""
     model = load_with_attention(loader, path, attn_implementation, dtype=precision.params).to(device)
+    if device.type == "cpu":
+        own_parameters(model)
     if model.get_output_embeddings() is not None:
         with one_thread():  # a few tokens each
             head_plan(model)
@@ -99,6 +101,18 @@ def load_trained_model(
     if dist.get_world_size() > 1:  # one rank: nothing to shard (module docstring)
         shard(model, precision.fsdp_policy())
     return model
+
+
+def own_parameters(model: torch.nn.Module) -> None:
+    """Give every parameter memory of its own (tied ones stay one tensor). transformers keeps a checkpoint's tensors
+    that are already in the dtype asked for as views of the safetensors file, which safetensors maps privately
+    (``MAP_PRIVATE``): on a CPU, a float32 checkpoint's float32 parameters are pages of the file. The first write
+    to each page (the first optimizer step) is then a copy-on-write fault, which must flush the page from every core
+    the process's threads run on, and a change to the file under the run reaches the pages not yet written. One copy
+    at load instead; on another device ``.to(device)`` has made one already."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
 
 
 def load_frozen_model(
