@@ -73,10 +73,13 @@ def eval_record(result) -> dict:
 
 
 def read_records(path: Path) -> list[dict]:
-    """Every line of metrics.jsonl: step and eval records, in order."""
+    """Every complete line of metrics.jsonl: step and eval records, in order. A last line without its newline is
+    one the trainer is still writing (its readers run beside it: ``relayrl up``'s progress, the benches) or one a
+    crash cut short: it is left out, for the next read."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -61,3 +61,16 @@ def test_the_resume_rewrites_are_fsynced_and_renamed_into_place(tmp_path: Path, 
     cfg.run_dir.mkdir()
     record_changes(cfg, ["trainer.steps: 200 -> 300"])
     assert durably_written(cfg.run_dir / "config.yaml", synced)
+
+
+def test_a_metrics_line_still_being_written_is_left_for_the_next_read(tmp_path: Path) -> None:
+    """``relayrl up`` reads metrics.jsonl while the trainer appends to it: a line without its newline yet is not a
+    record (reading it once crashed the launcher with a JSONDecodeError), and it is read once it is whole."""
+    from relayrl.trainer.metrics import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "rew')
+    assert read_metrics(metrics) == [{"step": 1, "reward_mean": 0.5}]
+    with metrics.open("a") as f:
+        f.write('ard_mean": 0.75}\n')
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
