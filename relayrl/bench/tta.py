@@ -128,18 +128,7 @@ def first_at_target(
 
 def reached(metrics: Path, target: float, metric: str) -> bool:
     """Whether an eval line of ``metrics`` has ``metric >= target`` (a partly written file reads as what is whole)."""
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return False
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("eval") == EVAL_SET and record.get(metric, -1.0) >= target:
-            return True
-    return False
+    return any(r["eval"] == EVAL_SET and r.get(metric, -1.0) >= target for r in read_evals(metrics))
 
 
 def launch_until(argv: list[str], log: Path, env: dict, metrics: Path, args: argparse.Namespace) -> tuple:

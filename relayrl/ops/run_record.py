@@ -12,6 +12,7 @@ from typing import Literal
 
 from relayrl.config import CORRECTION_PREFIX, correction_metrics_of
 from relayrl.runtime.address import parse_address
+from relayrl.trainer.metrics import read_metrics
 
 CONNECT_TIMEOUT_S = 1.0
 RunEnd = Literal["finished", "failed", "stopped"]  # how `relayrl up` ended a run (summary.json's "ended")
@@ -52,17 +53,8 @@ def ended_record(run_dir: Path) -> dict | None:
 def last_step_record(run_dir: Path) -> dict | None:
     """The last trained step's record in the run's ``metrics.jsonl`` (eval lines and lines torn by a kill skipped),
     None when there is none."""
-    metrics = run_dir / "metrics.jsonl"
-    last = None
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by the kill
-            if "eval" not in record:
-                last = record
-    return last
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return records[-1] if records else None
 
 
 def stopped_record(run_dir: Path, total_steps: int | None = None) -> dict:
