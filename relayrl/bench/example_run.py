@@ -19,6 +19,7 @@ from pathlib import Path
 
 from relayrl.bench.record import machine_record, run_sides
 from relayrl.config import load_offline_config
+from relayrl.trainer.metrics import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,8 +91,8 @@ def train_stage(stage: str, config: Path, overrides: list[str], workdir: Path, t
 
 def read_lines(path: Path) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl's step records and its eval records (``eval``: the set; ``step``: the version measured)."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in lines if "eval" not in r], [r for r in lines if "eval" in r]
+    records = read_records(path)
+    return [r for r in records if "eval" not in r], [r for r in records if "eval" in r]
 
 
 def reward_gain(records: list[dict], window: int = 10) -> dict:
