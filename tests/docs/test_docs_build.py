@@ -47,6 +47,8 @@ def test_the_performance_page_shows_the_committed_bench_results(site: Path) -> N
     for source in (
         "e2e.json",
         "e2e-tta.json",
+        "e2e-tta-avx512bf16.json",
+        "e2e-tta-amx.json",
         "weightsync.json",
         "weightsync_verify.json",
         "controller.json",
