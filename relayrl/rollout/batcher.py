@@ -7,7 +7,9 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
    went away) leaves the batch and is emitted with finish_reason "abort";
 2. admits waiting rows, oldest request first, up to ``max_rows`` running rows: their distinct prompts are
    prefilled once and join the running batch (``DecodeState.merge``); a prompt that shares its beginning
-   with a sequence the prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only the rest, on its KV;
+   with a sequence the prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only the rest, on its KV,
+   and so do prompts that join together and begin alike (a system prompt, a chat template's opening): their
+   common beginning, at least ``MIN_SHARED_BEGINNING`` tokens, is prefilled once and stored there first;
 3. samples one token for every running row (each with its request's temperature, top-p, stop tokens,
    ``min_tokens``, generator; rows sampled alike share one call, whatever their request) and emits the rows
    that finished, their KV stored in the prefix cache first;
@@ -51,6 +53,10 @@ from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# tokens: a shorter beginning common to the joining prompts is prefilled with each of them (vLLM's automatic prefix
+# caching shares whole blocks of 16 tokens)
+MIN_SHARED_BEGINNING = 16
 
 
 class DecodeState(Protocol):
@@ -428,6 +434,8 @@ class ContinuousBatcher:
         epoch = self._epoch()
         cache = self.prefix_cache
         hits = [cache.lookup(p) for p in prompts] if cache is not None else [None] * len(prompts)
+        if cache is not None and self._share_beginning([p for p, hit in zip(prompts, hits) if hit is None], epoch):
+            hits = [cache.lookup(p) for p in prompts]
         for row, key in zip(joining, keys, strict=True):
             hit = hits[slots[key]]
             row.kv_epoch, row.prefix = epoch, None if hit is None else hit.tokens
@@ -456,6 +464,22 @@ class ContinuousBatcher:
         expand = torch.tensor([at[slots[key]] for key in keys], device=self.runner.device)
         state.select(expand)
         return logits[expand], state
+
+    def _share_beginning(self, prompts: list[tuple[int, ...]], epoch: int) -> bool:
+        """Prefill the beginning that ``prompts`` (found nowhere in the prefix cache) all share, each one's last token
+        left out, once, and store its KV in the prefix cache under ``epoch``: each prompt then prefills only its
+        tokens after it. Done for two or more prompts whose common beginning is at least ``MIN_SHARED_BEGINNING``
+        tokens and within the cache's budget; returns whether it was stored."""
+        if len(prompts) < 2:
+            return False
+        length = min(shared_beginning(prompts), min(map(len, prompts)) - 1)
+        if not MIN_SHARED_BEGINNING <= length <= self.prefix_cache.budget:
+            return False
+        beginning = prompts[0][:length]
+        _, state = self.runner.prefill([beginning], torch.zeros(1, dtype=torch.long, device=self.runner.device))
+        self.prefill_tokens += length
+        keys, values = self.runner.row_kv(state, 0, length)
+        return self.prefix_cache.store(CachedPrefix(beginning, keys, values), epoch)
 
     def _epoch(self) -> int:
         """The prefix cache's epoch (0 without one): stamped on rows whose KV is computed now."""
@@ -526,3 +550,10 @@ class ContinuousBatcher:
                 request.unfinished = 0
                 request.released.set()
         rows.clear()
+
+
+def shared_beginning(sequences: Sequence[Sequence[int]]) -> int:
+    """How many first tokens every one of ``sequences`` has in common: as many as the lexicographically first and
+    last do, since every sequence between them begins with those too."""
+    first, last = min(sequences), max(sequences)
+    return next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))

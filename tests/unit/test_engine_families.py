@@ -2,8 +2,8 @@
 model the hf engine's logprobs of the tokens it samples equal the trainer's (a plain forward of prompt + response,
 the model loaded as the trainer loads it) within 1e-5 in float32: on the fast decoder where the family's claim says
 exact, on the transformers forward where it says falls back (and the engine's log says why, in the claim's words),
-with rows of concurrent calls joining, leaving and padded together, and with the prefix cache. Sequences run past
-the windowed families' sliding window (families.WINDOW)."""
+with rows of concurrent calls joining, leaving and padded together, with the prefix cache, and with prompts that
+share their beginning. Sequences run past the windowed families' sliding window (families.WINDOW)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_hf_engine import by_key, generate_in_threads, recompute_logprobs
 from transformers import AutoModelForCausalLM
 
 from relayrl.models.families import FAMILIES, WINDOW, claim, write_family_model
+from relayrl.rollout.batcher import MIN_SHARED_BEGINNING
 from relayrl.rollout.hf import HFEngine
 from relayrl.runtime.attention import resolved
 from relayrl.wire.sampling import SamplingParams
@@ -103,4 +104,17 @@ def test_prefix_cache_turns_equal_the_trainers(family, model_dir, trainer) -> No
         for episode, (conversation, completion) in enumerate(zip(conversations, completions, strict=True)):
             conversation += completion.token_ids + (OBSERVATIONS[number][episode] if number < 2 else [])
     assert min(map(len, conversations)) > WINDOW
+    engine.close()
+
+
+def test_prompts_that_begin_alike_equal_the_trainers(family, model_dir, trainer) -> None:
+    """Prompts of one call with a common beginning longer than the sliding window: it is prefilled once, each
+    prompt's rest on its KV."""
+    beginning = [3 + i % 19 for i in range(MIN_SHARED_BEGINNING)]
+    prompts = [[*beginning, 5, 6], [*beginning, 7], [*beginning, 8, 9, 10]]
+    engine = HFEngine(str(model_dir), max_batch_size=8)
+    completions = list(engine.generate(prompts, TURN))
+    assert engine.prefill_counts().reused == len(prompts) * len(beginning)
+    assert worst_gap(trainer, prompts, completions, TURN.temperature) <= EXACT
+    assert len(beginning) > WINDOW
     engine.close()

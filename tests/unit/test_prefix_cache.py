@@ -1,6 +1,6 @@
 """The hf engine's prefix KV cache (relayrl/rollout/prefix_cache.py): an episode's later turns prefill only their
-new tokens, with the logprobs of a full prefill, on both runners; every weight change flushes it; the budget
-evicts the least recently used entries."""
+new tokens, with the logprobs of a full prefill, on both runners, and prompts that join together prefill their
+common beginning once; every weight change flushes it; the budget evicts the least recently used entries."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_testing import new_weights, recompute, sharp_tiny_model, sync_manifest
 
+from relayrl.rollout.batcher import MIN_SHARED_BEGINNING, shared_beginning
 from relayrl.rollout.engine import EngineCompletion
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
@@ -117,6 +118,31 @@ def test_a_prompt_that_begins_like_a_finished_row_prefills_only_the_rest(model_d
     assert_same(got, want)
     for engine in (cached, full):
         engine.close()
+
+
+@RUNNERS
+def test_prompts_joining_together_prefill_their_common_beginning_once(model_dir, decode) -> None:
+    """Prompts of one call that begin alike (a system prompt) for MIN_SHARED_BEGINNING tokens or more forward that
+    beginning once and each its own tokens on its KV, with a full prefill's logprobs; a shorter common beginning is
+    forwarded with each prompt."""
+    cached = HFEngine(str(model_dir), decode=decode)
+    full = HFEngine(str(model_dir), decode=decode, prefix_cache_tokens=0)
+    beginning = [3 + i % 19 for i in range(MIN_SHARED_BEGINNING)]
+    prompts = [[*beginning, 20, 21], [*beginning, 22], [*beginning, 19, 3, 4]]
+    got, computed, reused = turn(cached, prompts)
+    want, _, _ = turn(full, prompts)
+    assert (computed, reused) == (len(beginning) + 6, 3 * len(beginning))
+    assert_same(got, want)
+    shorter = [[*beginning[1:], 20], [*beginning[1:], 21]]  # alike for one token fewer, found nowhere in the cache
+    assert turn(cached, shorter)[1:] == (sum(map(len, shorter)), 0)
+    for engine in (cached, full):
+        engine.close()
+
+
+def test_shared_beginning_counts_the_first_tokens_every_sequence_has() -> None:
+    assert shared_beginning([(4, 5, 6), (4, 5), (4, 5, 7, 8)]) == 2
+    assert shared_beginning([(4, 5, 6), (4, 5, 6)]) == 3
+    assert shared_beginning([(4, 9), (4, 5, 6), (5,)]) == 0
 
 
 def change_weights(engine: HFEngine, how: str) -> None:
