@@ -424,6 +424,7 @@ BENCHMARKS = {  # name -> module whose main(argv) runs it
     "preference": "relayrl.bench.preference",
     "humaneval": "relayrl.bench.humaneval",
     "sampling": "relayrl.bench.sampling",
+    "prefix": "relayrl.bench.prefix",
     "pipeline": "relayrl.bench.pipeline",
     "sft": "relayrl.bench.sft",
     "dpo": "relayrl.bench.dpo",
