@@ -54,9 +54,10 @@ from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# tokens: a shorter beginning common to the joining prompts is prefilled with each of them (vLLM's automatic prefix
-# caching shares whole blocks of 16 tokens)
-MIN_SHARED_BEGINNING = 16
+# tokens: a shorter beginning common to the joining prompts is prefilled with each of them. Sharing costs a forward
+# of its own and copies of the beginning's KV for every row; on a CPU, eight SmolLM2-135M prompts broke even near 60
+# shared tokens (`relayrl bench prefix --system-words N`)
+MIN_SHARED_BEGINNING = 64
 
 
 class DecodeState(Protocol):

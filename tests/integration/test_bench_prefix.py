@@ -9,6 +9,7 @@ import pytest
 
 from relayrl.bench.prefix import main
 from relayrl.bench.record import ROOT
+from relayrl.rollout.batcher import MIN_SHARED_BEGINNING
 
 
 def test_the_sharing_engine_prefills_the_common_beginning_once(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -19,7 +20,7 @@ def test_the_sharing_engine_prefills_the_common_beginning_once(tmp_path, capsys:
     shared, full, prompts = result["shared"], result["full"], result["prompt_tokens"]
     assert len(prompts) == 4 and (full["prefilled"], full["reused"]) == (sum(prompts), 0)
     beginning, left = divmod(shared["reused"], len(prompts))
-    assert left == 0 and 16 <= beginning < min(prompts), "each prompt reused the one beginning"
+    assert left == 0 and MIN_SHARED_BEGINNING <= beginning < min(prompts), "each prompt reused the one beginning"
     assert shared["prefilled"] == beginning + sum(prompts) - shared["reused"]
     assert all(len(result[side]["seconds"]) == 2 for side in ("shared", "full")) and result["full_over_shared"] > 0
     assert result["differing_tokens"] == 0

@@ -29,9 +29,10 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [14]]  # different lengths
 EOS = 1
 
 
-def sharp_tiny_model(path: Path) -> Path:
-    """The tiny model with its matrices scaled x4, so that logits are far from uniform."""
-    write_tiny_model(path, seed=0)
+def sharp_tiny_model(path: Path, **sizes: int) -> Path:
+    """The tiny model (``sizes``: write_tiny_model's) with its matrices scaled x4, so that logits are far from
+    uniform."""
+    write_tiny_model(path, seed=0, **sizes)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         for weight in model.parameters():

@@ -121,10 +121,11 @@ def test_a_prompt_that_begins_like_a_finished_row_prefills_only_the_rest(model_d
 
 
 @RUNNERS
-def test_prompts_joining_together_prefill_their_common_beginning_once(model_dir, decode) -> None:
+def test_prompts_joining_together_prefill_their_common_beginning_once(tmp_path, decode) -> None:
     """Prompts of one call that begin alike (a system prompt) for MIN_SHARED_BEGINNING tokens or more forward that
     beginning once and each its own tokens on its KV, with a full prefill's logprobs; a shorter common beginning is
     forwarded with each prompt."""
+    model_dir = sharp_tiny_model(tmp_path, max_positions=2 * MIN_SHARED_BEGINNING)
     cached = HFEngine(str(model_dir), decode=decode)
     full = HFEngine(str(model_dir), decode=decode, prefix_cache_tokens=0)
     beginning = [3 + i % 19 for i in range(MIN_SHARED_BEGINNING)]
