@@ -9,6 +9,7 @@ import pytest
 
 from relayrl.bench.prefix import main
 from relayrl.bench.record import ROOT
+from relayrl.rollout import batcher
 from relayrl.rollout.batcher import MIN_SHARED_BEGINNING
 
 
@@ -25,3 +26,4 @@ def test_the_sharing_engine_prefills_the_common_beginning_once(tmp_path, capsys:
     assert all(len(result[side]["seconds"]) == 2 for side in ("shared", "full")) and result["full_over_shared"] > 0
     assert result["differing_tokens"] == 0
     assert result["machine"]["resolved"]["relayrl"]["precision"] == "float32"
+    assert batcher.MIN_SHARED_BEGINNING == MIN_SHARED_BEGINNING, "the bench left the engine's threshold as it was"
