@@ -55,9 +55,9 @@ from relayrl.wire.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # tokens: a shorter beginning common to the joining prompts is prefilled with each of them. Sharing costs a forward
-# of its own and copies of the beginning's KV for every row; on a CPU, eight SmolLM2-135M prompts broke even near 60
-# shared tokens (`relayrl bench prefix --system-words N`)
-MIN_SHARED_BEGINNING = 64
+# of its own and copies of the beginning's KV for every row; on a CPU, eight SmolLM2-135M prompts broke even near 30
+# shared tokens (`relayrl bench prefix --system-words N --min-shared 16`)
+MIN_SHARED_BEGINNING = 32
 
 
 class DecodeState(Protocol):
