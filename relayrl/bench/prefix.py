@@ -7,8 +7,8 @@ them, after a system turn of ``--system-words`` words (``data.system_prompt``: a
 ``relayrl rollout serve`` builds it (prefix cache included), makes one untimed call, then ``--rounds`` timed calls of
 one greedy token a prompt (so a call is their prefill), each on a flushed store (``weights_changed``), and closes it
 before the other side starts: one engine at a time, since two engines' threads in one process slow each other. The
-sides differ only in ``MIN_SHARED_BEGINNING``, which the bench sets in its own process: ``--min-shared`` for
-``shared``, more than any prompt for ``full``. The JSON has each side's seconds per call and their median, the ratio
+sides differ only in the engine's ``min_shared_beginning``: ``--min-shared`` for ``shared``, more than any prompt for
+``full``. The JSON has each side's seconds per call and their median, the ratio
 (full / shared), the prompt tokens each prefilled and reused, and for how many prompts the two sides' greedy tokens
 differ (the float32 logprobs of the two paths agree within 1e-5, tests/unit/test_engine_families.py; in bf16 the
 two forwards round differently and a near-tie may flip).
@@ -64,19 +64,19 @@ def side_calls(cfg, dtype: str, prompts: list[list[int]], min_shared: int, round
     import torch
 
     from relayrl.cores.threads import torch_threads
-    from relayrl.rollout import batcher
     from relayrl.rollout.hf import HFEngine
     from relayrl.services.rollout_server import hf_engine_options
 
     torch.set_num_threads(1)  # as the worker: only the engine's scheduler thread computes multithreaded
     options = hf_engine_options(cfg, torch_threads(cfg, "rollout"))
-    engine = HFEngine(cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, **options)
-    default, batcher.MIN_SHARED_BEGINNING = batcher.MIN_SHARED_BEGINNING, min_shared
+    engine = HFEngine(
+        cfg.model.path, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size, min_shared_beginning=min_shared,
+        **options,
+    )  # fmt: skip
     try:
         timed_call(engine, prompts)
         return [timed_call(engine, prompts) for _ in range(rounds)]
     finally:
-        batcher.MIN_SHARED_BEGINNING = default
         engine.close()
 
 

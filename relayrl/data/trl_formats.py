@@ -45,6 +45,7 @@ from typing import Any
 
 from relayrl.config import DataConfig
 from relayrl.data.dataset import load_rows
+from relayrl.runtime.sequences import common_prefix_length
 
 LANGUAGE_MODELING = "language_modeling"
 PROMPT_COMPLETION = "prompt_completion"
@@ -149,16 +150,6 @@ def load_format(path: str, *, split: str = "train", subset: str | None = None) -
     if len(rows) == 0:
         raise DataFormatError(f"{path}: no rows")
     return rows, detect_format(rows.column_names, rows[0])
-
-
-def common_prefix_length(ids: Sequence[Any], other: Sequence[Any]) -> int:
-    """How many leading items ``ids`` and ``other`` share (TRL's ``common_prefix_length``)."""
-    length = 0
-    for a, b in zip(ids, other):
-        if a != b:
-            break
-        length += 1
-    return length
 
 
 class Renderer:

@@ -9,7 +9,8 @@ One scheduler thread owns the model. ``submit`` queues a request (its prompts x 
    prefilled once and join the running batch (``DecodeState.merge``); a prompt that shares its beginning
    with a sequence the prefix cache holds (``relayrl.rollout.prefix_cache``) prefills only the rest, on its KV,
    and so do prompts that join together and begin alike (a system prompt, a chat template's opening): their
-   common beginning, at least ``MIN_SHARED_BEGINNING`` tokens, is prefilled once and stored there first;
+   common beginning, at least ``min_shared_beginning`` tokens (``MIN_SHARED_BEGINNING`` by default), is prefilled
+   once and stored there first;
 3. samples one token for every running row (each with its request's temperature, top-p, stop tokens,
    ``min_tokens``, generator; rows sampled alike share one call, whatever their request) and emits the rows
    that finished, their KV stored in the prefix cache first;
@@ -50,6 +51,7 @@ from relayrl.algorithms.routing_replay import RoutingRecorder
 from relayrl.rollout.engine import EngineCompletion, FinishReason
 from relayrl.rollout.intra_op import start_intra_op_owner
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
+from relayrl.runtime.sequences import shared_beginning
 from relayrl.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -231,16 +233,19 @@ class ContinuousBatcher:
         threads: int | None = None,
         prefix_cache: PrefixCache | None = None,
         routing: RoutingRecorder | None = None,
+        min_shared_beginning: int = MIN_SHARED_BEGINNING,
     ) -> None:
         """``threads``: the scheduler thread's torch intra-op threads, every other thread of the process then
         running its torch ops on one (``relayrl.rollout.intra_op``); None leaves torch's counts alone.
         ``prefix_cache``: where finished rows' KV is kept and joining prompts find their prefix's (None: off).
-        ``routing``: records each row's routed experts (module docstring; refused with a prefix cache)."""
+        ``routing``: records each row's routed experts (module docstring; refused with a prefix cache).
+        ``min_shared_beginning``: the fewest tokens a beginning common to joining prompts is shared from."""
         self.runner, self.max_rows, self.generator, self.threads = runner, max_rows, generator, threads
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         if routing is not None and self.prefix_cache is not None:
             raise ValueError("routing replay needs every prompt prefilled in full: turn the prefix cache off")
         self.routing = routing
+        self.min_shared_beginning = min_shared_beginning
         self.prefill_tokens = 0  # prompt tokens forwarded by prefills (observability: the prefix cache's savings)
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
         self._cond = threading.Condition()
@@ -469,12 +474,12 @@ class ContinuousBatcher:
     def _share_beginning(self, prompts: list[tuple[int, ...]], epoch: int) -> bool:
         """Prefill the beginning that ``prompts`` (found nowhere in the prefix cache) all share, each one's last token
         left out, once, and store its KV in the prefix cache under ``epoch``: each prompt then prefills only its
-        tokens after it. Done for two or more prompts whose common beginning is at least ``MIN_SHARED_BEGINNING``
+        tokens after it. Done for two or more prompts whose common beginning is at least ``min_shared_beginning``
         tokens and within the cache's budget; returns whether it was stored."""
         if len(prompts) < 2:
             return False
         length = min(shared_beginning(prompts), min(map(len, prompts)) - 1)
-        if not MIN_SHARED_BEGINNING <= length <= self.prefix_cache.budget:
+        if not self.min_shared_beginning <= length <= self.prefix_cache.budget:
             return False
         beginning = prompts[0][:length]
         _, state = self.runner.prefill([beginning], torch.zeros(1, dtype=torch.long, device=self.runner.device))
@@ -551,10 +556,3 @@ class ContinuousBatcher:
                 request.unfinished = 0
                 request.released.set()
         rows.clear()
-
-
-def shared_beginning(sequences: Sequence[Sequence[int]]) -> int:
-    """How many first tokens every one of ``sequences`` has in common: as many as the lexicographically first and
-    last do, since every sequence between them begins with those too."""
-    first, last = min(sequences), max(sequences)
-    return next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))

@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicLayer
 from relayrl.algorithms.logprobs import logprobs_from_logits
 from relayrl.algorithms.routing_replay import RoutingRecorder
 from relayrl.algorithms.routing_replay import unsupported_reason as routing_unsupported
-from relayrl.rollout.batcher import ContinuousBatcher
+from relayrl.rollout.batcher import MIN_SHARED_BEGINNING, ContinuousBatcher
 from relayrl.rollout.engine import EngineCompletion, InferenceEngine, PrefillCounts
 from relayrl.rollout.llama_decode import LlamaDecodeRunner, unsupported_reason
 from relayrl.rollout.lora import AdapterSlots
@@ -64,8 +64,10 @@ class HFEngine(InferenceEngine):
     "transformers" the model's own forward, "auto" the fast one whenever it is supported. ``threads``: torch
     intra-op threads of the decoding (scheduler) thread; the process's other threads then use one
     (``relayrl.rollout.intra_op``: why); None leaves torch's thread counts as they are. ``prefix_cache_tokens``:
-    the prefix cache's budget in tokens (0: off). ``attn_implementation``: ``model.attn_implementation``, the
-    trainer's too (``relayrl.runtime.attention``; "auto": the model's default). ``routing_replay``
+    the prefix cache's budget in tokens (0: off); ``min_shared_beginning``: the fewest tokens a beginning common to
+    prompts that join together is prefilled once from (``relayrl.rollout.batcher``). ``attn_implementation``:
+    ``model.attn_implementation``, the trainer's too (``relayrl.runtime.attention``; "auto": the model's default).
+    ``routing_replay``
     (``algorithm.routing_replay``): every completion reports the experts its tokens were routed to
     (``EngineCompletion.routed_experts``; refused on a model without replayable routers); the prefix cache is then
     off (``relayrl.rollout.batcher``: why).
@@ -88,6 +90,7 @@ class HFEngine(InferenceEngine):
         threads: int | None = None,
         partial: str = "off",
         prefix_cache_tokens: int = 32768,
+        min_shared_beginning: int = MIN_SHARED_BEGINNING,
         routing_replay: bool = False,
     ) -> None:
         if partial not in PARTIAL:
@@ -126,7 +129,7 @@ class HFEngine(InferenceEngine):
         self._logged_counts = PrefillCounts(0, 0)
         self._batcher = ContinuousBatcher(
             runner, max_rows=max_batch_size, generator=self._generator, threads=threads,
-            prefix_cache=self._prefix_cache, routing=self.routing,
+            prefix_cache=self._prefix_cache, routing=self.routing, min_shared_beginning=min_shared_beginning,
         )  # fmt: skip
 
     def _routing_recorder(self) -> RoutingRecorder:

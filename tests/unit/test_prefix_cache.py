@@ -12,11 +12,12 @@ import pytest
 import torch
 from engine_testing import new_weights, recompute, sharp_tiny_model, sync_manifest
 
-from relayrl.rollout.batcher import MIN_SHARED_BEGINNING, shared_beginning
+from relayrl.rollout.batcher import MIN_SHARED_BEGINNING
 from relayrl.rollout.engine import EngineCompletion
 from relayrl.rollout.hf import HFEngine
 from relayrl.rollout.prefix_cache import CachedPrefix, PrefixCache
 from relayrl.rollout.worker import RolloutWorker
+from relayrl.runtime.sequences import shared_beginning
 from relayrl.v1 import rollout_pb2
 from relayrl.weightsync.filesystem import write_weights
 from relayrl.wire.lora import LoraAdapterSpec
