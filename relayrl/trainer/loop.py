@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from relayrl.algorithms.version_mix import version_mix
 from relayrl.config import RelayConfig, TrainerConfig, correction_metrics_of, dump_config
-from relayrl.cores.threads import GenerationFirst, one_thread, torch_threads
+from relayrl.cores.threads import GenerationFirst, torch_threads
 from relayrl.episodes.stats import step_episode_metrics
 from relayrl.errors import NOT_READY_DETAIL, PAUSED_DETAIL, rpc_error_text
 from relayrl.rpc.channels import open_channel
@@ -371,7 +371,9 @@ def run_trainer(
     torch.set_num_threads(torch_threads(cfg, "trainer"))
     torch.manual_seed(cfg.run.seed)
     run_dir = cfg.run_dir
+    mark = time.perf_counter()
     backend = run_backend(cfg)
+    startup = {"model": time.perf_counter() - mark}  # the start-up's phases, seconds (logged before step 1)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     start_step, cursor = resume_point(backend, run_dir, cfg.trainer) if resume else (0, 0)
@@ -397,8 +399,19 @@ def run_trainer(
     # lost ones): each worker's load is verified, so the first step may use the engines' logprobs.
     if backend.lora is not None:
         stage_base(backend, syncer)
+    mark = time.perf_counter()
     sync = publish_weights(backend, syncer, start_step)
+    startup["starting weights to the workers"] = time.perf_counter() - mark
     export_candidate(backend, keeper, start_step, tokenizer)
+    # Step 1's memory, before the workers may start on batch 1 (in pause mode the report below lets them): the
+    # optimizer's state, made now rather than on step 1's hot path, and the pages step 1's gradients will take.
+    # Beside batch 1's generation, these page faults slowed it by more than they took (docs/performance.md).
+    mark = time.perf_counter()
+    for optimizer in [backend.optimizer] + ([backend.critic.optimizer] if backend.critic is not None else []):
+        create_state(optimizer)
+        fault_in_gradients(optimizer)
+    startup["optimizer state and gradient pages"] = time.perf_counter() - mark
+    log.info("trainer rank %d start-up: %s", rank, ", ".join(f"{k} {v:.2f}s" for k, v in startup.items()))
     if resume and rank == 0:  # a resumed run rewinds the controller to its checkpoint (none: start over)
         rewind = controller_pb2.RewindRequest(step=start_step, cursor=cursor, synced_worker_ids=sync.synced)
         call_with_retry(partial(stub.Rewind, rewind, timeout=60), what="Rewind", deadline_s=600)
@@ -419,10 +432,6 @@ def run_trainer(
     stop = ShutdownFlag()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     saved_step, stopped = start_step, False
-    with one_thread():  # beside the rollout workers, which generate the first batch meanwhile on every core
-        for optimizer in [backend.optimizer] + ([backend.critic.optimizer] if backend.critic is not None else []):
-            create_state(optimizer)  # not in step 1, on its hot path: its pages are faulted in now
-            fault_in_gradients(optimizer)
     freeze_startup_heap(f"trainer rank {rank}")  # model, optimizer, channels: alive until the end (gcfreeze.py)
     for step in range(start_step + 1, cfg.trainer.steps + 1):
         began = time.perf_counter()
