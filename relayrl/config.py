@@ -238,6 +238,11 @@ def reject_engine_arguments(
         raise ValueError(f"{sources}: set by relayrl itself, not an engine option")
 
 
+def yaml_on_off(value: object) -> object:
+    """A bare YAML on / off, which YAML 1.1 reads as true / false, back to "on" / "off"; other values as given."""
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+
 class RolloutConfig(Section):
     """The rollout workers: their engine, how many ``relayrl up`` starts, how they sample (docs/engines.md)."""
 
@@ -276,6 +281,12 @@ class RolloutConfig(Section):
     # the hf engine's prefix KV cache, in tokens (0: off): a prompt that extends a finished row's tokens (an
     # episode's next turn) prefills only its new ones; flushed at every weight change. vLLM and SGLang keep their own
     prefix_cache_tokens: int = Field(32768, ge=0)
+    # Seed each training Generate call from run.seed and its prompts (``Dispatcher``), so that a run's samples
+    # repeat at a fixed run.seed: the hf engine draws a seeded row from a generator of its own, whatever else shares
+    # its batch. "auto": on for the hf engine; off for vLLM, whose sampler redraws each seeded request's noise with
+    # its own generator, request by request (``random_sample``, vllm/v1/sample/ops/topk_topp_sampler.py), and
+    # SGLang, which honours a request's seed only under enable_deterministic_inference. Episodes go unseeded.
+    seed_requests: Literal["auto", "on", "off"] = "auto"
 
     @field_validator("threads")
     @classmethod
@@ -297,11 +308,11 @@ class RolloutConfig(Section):
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
-    @field_validator("partial", mode="before")
+    @field_validator("partial", "seed_requests", mode="before")
     @classmethod
-    def _yaml_off(cls, value: object) -> object:
-        """YAML reads a bare off (``--set rollout.partial=off``) as false."""
-        return "off" if value is False else value
+    def _yaml_on_off(cls, value: object) -> object:
+        """YAML reads a bare on / off (``--set rollout.partial=off``) as true / false."""
+        return yaml_on_off(value)
 
     @field_validator("cpus", mode="before")
     @classmethod
@@ -519,7 +530,7 @@ class TrainerConfig(Section):
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         """YAML reads a bare on / off (``stream: on``, ``--set trainer.stream=off``) as true / false."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return yaml_on_off(value)
 
     @field_validator("threads")
     @classmethod
@@ -1240,6 +1251,13 @@ class RelayConfig(Section):
                 raise ValueError(f"eval.sets.{name} (with data's keys): {_format_error(err)}") from None
         self.eval.sets = sets
         return self
+
+    @property
+    def seeds_requests(self) -> bool:
+        """Training Generate calls carry a seed (``rollout.seed_requests``; "auto": the hf engine's)."""
+        return self.rollout.seed_requests == "on" or (
+            self.rollout.seed_requests == "auto" and self.rollout.engine == "hf"
+        )
 
     @property
     def streams(self) -> bool:

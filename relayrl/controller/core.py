@@ -23,7 +23,7 @@ import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -161,6 +161,8 @@ class Controller:
             teacher=cfg.algorithm.teacher,
         )  # fmt: skip
         self.params = cfg.rollout.sampling()
+        # single-turn training calls, seeded from run.seed under rollout.seed_requests (each its own seed: Dispatcher)
+        self.call_params = replace(self.params, seed=cfg.run.seed) if cfg.seeds_requests else self.params
         # agentic runs: episodes against the environment servers instead of single completions (relayrl/episodes)
         self.episodes = (
             EpisodeRunner(cfg, self.registry, self.tokenizer, self.params, self.dataset.row)
@@ -540,7 +542,7 @@ class Controller:
         only; the result has ``groups`` and ``failed`` by prompt id."""
         if self.episodes is not None:
             return self.episodes.run(records, **how)
-        return self.dispatcher.run([PromptJob(r.prompt_id, r.token_ids) for r in records], self.params, **how)
+        return self.dispatcher.run([PromptJob(r.prompt_id, r.token_ids) for r in records], self.call_params, **how)
 
     def _offer(self, build: _Build, group: ScoredGroup) -> None:
         """One generated group: stale ones are filtered, the rest offered to dynamic sampling; a streamed

@@ -11,7 +11,9 @@ duration of the recent chunks is also sent to an idle worker. Each prompt's firs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import logging
 import queue
 import statistics
@@ -77,6 +79,14 @@ class DispatchResult:
     failed: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
     seconds: float = 0.0
     aborted: int = 0  # completions a worker ended as "abort" (their prompts were sent again)
+
+
+def call_seed(seed: int, prompt_ids: Sequence[str]) -> int:
+    """A seeded run's seed for one Generate call: blake2b of ``seed`` and the call's prompt ids, in [0, 2**31) (an
+    int32 in every engine). A draw's prompt id is unique in a run ("epoch:row"), so calls draw apart, while a call
+    sent again (a retry, a straggler's copy) draws as before; the engine mixes in each row's prompt and sample."""
+    key = "\0".join([str(seed), *prompt_ids]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
 
 
 def _finished(futures: queue.SimpleQueue[Future], timeout: float) -> list[Future]:
@@ -254,6 +264,8 @@ class Dispatcher:
     ) -> tuple[dict[str, list[common_pb2.Completion]], str, int]:
         """Stream one Generate call; returns the groups it completed first (claimed), the error that ended it, if
         any, and how many completions the worker aborted."""
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=call_seed(params.seed, [j.prompt_id for j in attempt.chunk]))
         request = rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.PromptInput(prompt_id=j.prompt_id, token_ids=j.token_ids) for j in attempt.chunk],
             params=params.to_proto(),

@@ -1,5 +1,5 @@
 """Dispatch over real gRPC workers (in-process servers): a straggler's chunk is also sent to an idle worker, the
-first complete group wins and the straggling call is cancelled."""
+first complete group wins and the straggling call is cancelled; a seeded run's calls each carry their own seed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from relayrl.client.workers import WorkerRegistry
-from relayrl.controller.dispatch import Dispatcher, PromptJob
+from relayrl.controller.dispatch import Dispatcher, PromptJob, call_seed
 from relayrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from relayrl.wire.sampling import SamplingParams
 
@@ -23,8 +23,11 @@ class _Worker(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, worker_id: str, delay_s: float) -> None:
         self.worker_id, self.delay_s = worker_id, delay_s
         self.cancelled = False
+        self.calls: list[tuple[list[str], int | None]] = []  # (prompt ids, seed) of each call
 
     def Generate(self, request, context):
+        seed = request.params.seed if request.params.HasField("seed") else None
+        self.calls.append(([p.prompt_id for p in request.prompts], seed))
         deadline = time.monotonic() + self.delay_s
         while time.monotonic() < deadline:
             if not context.is_active():
@@ -77,3 +80,21 @@ def test_a_straggling_chunk_is_copied_to_an_idle_worker_and_the_first_group_wins
         time.sleep(0.05)
     assert workers["slow"].cancelled  # the straggling call was cancelled once the copy delivered
     assert registry.get("slow").in_flight == registry.get("fast").in_flight == 0
+
+
+def test_each_call_of_a_seeded_run_has_a_seed_of_its_prompts_and_an_unseeded_run_none(fleet) -> None:
+    registry, workers = fleet
+    dispatcher = Dispatcher(registry, chunk_size=2, generate_timeout_s=300)
+    jobs = [PromptJob(f"0:{row}", [4, 5]) for row in range(4)]
+    seeded = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=1, seed=7)
+    for _ in range(2):
+        assert not dispatcher.run(jobs, seeded, only=frozenset({"fast"})).failed
+    calls = sorted(workers["fast"].calls)
+    assert calls[0] == calls[1] and calls[2] == calls[3]  # the same calls draw alike run after run
+    assert [ids for ids, _ in calls[::2]] == [["0:0", "0:1"], ["0:2", "0:3"]]
+    assert [seed for _, seed in calls[::2]] == [call_seed(7, ["0:0", "0:1"]), call_seed(7, ["0:2", "0:3"])]
+    assert len({seed for _, seed in calls}) == 2 and all(0 <= seed < 2**31 for _, seed in calls)
+    assert call_seed(8, ["0:0", "0:1"]) != call_seed(7, ["0:0", "0:1"])  # another run seed, other draws
+    workers["fast"].calls.clear()
+    assert not dispatcher.run(jobs, SamplingParams(n=2, max_tokens=1), only=frozenset({"fast"})).failed
+    assert [seed for _, seed in workers["fast"].calls] == [None, None]
