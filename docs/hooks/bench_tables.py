@@ -645,6 +645,11 @@ TABLES: dict[str, tuple[str, str, Callable]] = {
         "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta-amx.json",
         tta,
     ),
+    "e2e-tta-epyc-avx2": (
+        "e2e-tta-epyc-avx2.json",
+        "relayrl bench tta --system SYSTEM --seed SEED --out bench/results/e2e-tta-epyc-avx2.json",
+        tta,
+    ),
     "e2e-reasoning": (
         "e2e-reasoning.json",
         "relayrl bench tta --config examples/reasoning-smollm2.yaml --system SYSTEM --seed SEED"

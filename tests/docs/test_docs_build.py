@@ -49,6 +49,7 @@ def test_the_performance_page_shows_the_committed_bench_results(site: Path) -> N
         "e2e-tta.json",
         "e2e-tta-avx512bf16.json",
         "e2e-tta-amx.json",
+        "e2e-tta-epyc-avx2.json",
         "weightsync.json",
         "weightsync_verify.json",
         "controller.json",
