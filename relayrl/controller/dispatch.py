@@ -83,8 +83,9 @@ class DispatchResult:
 
 def call_seed(seed: int, prompt_ids: Sequence[str]) -> int:
     """A seeded run's seed for one Generate call: blake2b of ``seed`` and the call's prompt ids, in [0, 2**31) (an
-    int32 in every engine). A draw's prompt id is unique in a run ("epoch:row"), so calls draw apart, while a call
-    sent again (a retry, a straggler's copy) draws as before; the engine mixes in each row's prompt and sample."""
+    int32 in every engine). A draw's prompt id is unique in a run ("epoch:row"), so calls draw apart, while the same
+    prompts sent again draw as before (a retry or a straggler's copy of fewer draws anew); the engine mixes in each
+    row's prompt and sample index."""
     key = "\0".join([str(seed), *prompt_ids]).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
 
