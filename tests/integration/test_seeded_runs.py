@@ -1,8 +1,8 @@
 """A run's samples repeat at a fixed ``run.seed`` (``rollout.seed_requests``, "auto": on for the hf engine), as a
 user meets it: ``relayrl up examples/digits.yaml`` twice at seed 0 logs the same responses at every step, through
 one rollout worker serving two calls at once (the example's four-prompt chunks), dynamic sampling and the trainer's
-updates in between; seed 1 logs others. Unit level:
-tests/unit/test_dispatch.py (each call's seed)."""
+updates in between, and its samples differ from one another. Unit level: tests/unit/test_dispatch.py (each call's
+seed, which another run.seed changes)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 3
+STEPS = 2
 
 
 def logged_responses(tmp_path: Path, name: str, seed: int, *extra: str) -> list[tuple[int, str, list[str]]]:
@@ -35,9 +35,8 @@ def logged_responses(tmp_path: Path, name: str, seed: int, *extra: str) -> list[
     return [(g["step"], g["prompt_id"], [s["response"] for s in g["samples"]]) for g in groups]
 
 
-def test_a_run_repeats_its_samples_at_a_fixed_seed_and_not_at_another(tmp_path: Path) -> None:
+def test_a_run_repeats_its_samples_at_a_fixed_seed(tmp_path: Path) -> None:
     first, again = logged_responses(tmp_path, "a", 0), logged_responses(tmp_path, "b", 0)
     assert len(first) == 8 * STEPS
     assert first == again
-    other = logged_responses(tmp_path, "c", 1)
-    assert [responses for _, _, responses in other] != [responses for _, _, responses in first]
+    assert len({response for _, _, responses in first for response in responses}) > 1  # sampled, not one answer
