@@ -15,12 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def logged_responses(tmp_path: Path, name: str, seed: int, *extra: str) -> list[tuple[int, str, list[str]]]:
+def logged_responses(tmp_path: Path, name: str, seed: int) -> list[tuple[int, str, list[str]]]:
     """(step, prompt id, responses) of every group the samples log wrote in a ``STEPS``-step digits run."""
     sets = [
         f"run.dir={tmp_path / 'runs'}", f"run.name={name}", f"run.seed={seed}", f"trainer.steps={STEPS}",
         "trainer.checkpoint_every=0", "eval=null", "samples.every=1", "samples.prompts=8", "rollout.workers=1",
-        *extra,
     ]  # fmt: skip
     argv = [sys.executable, "-m", "relayrl.cli", "up", str(ROOT / "examples" / "digits.yaml")]
     done = subprocess.run(
